@@ -1,0 +1,78 @@
+"""Shared base model and field helpers for every Fleetwise record."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+# DCGM reports "no value" with sentinels near the top of each integer width
+# (dcgm_structs.h: DCGM_INT32_BLANK 0x7ffffff0, DCGM_INT64_BLANK 0x7ffffffffffffff0,
+# DCGM_FP64_BLANK 140737488355328.0); anything at or above them is blank, not a reading.
+DCGM_INT32_BLANK = 0x7FFFFFF0
+DCGM_INT64_BLANK = 0x7FFFFFFFFFFFFFF0
+DCGM_FP64_BLANK = 140737488355328.0
+
+
+def is_dcgm_blank(value: float) -> bool:
+    """True when a DCGM value is one of the blank sentinels ("no value")."""
+    if DCGM_INT32_BLANK <= value < 0x80000000:
+        return True
+    return value >= DCGM_FP64_BLANK
+
+
+def _parse_ts(value: Any) -> Any:
+    """Accept Unix seconds or an RFC 3339 string; always store Unix seconds (float)."""
+    if isinstance(value, bool):
+        raise ValueError("timestamp must be Unix seconds or an RFC 3339 string, not a boolean")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        if text.endswith(("Z", "z")):
+            text = text[:-1] + "+00:00"
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError as exc:
+            raise ValueError(f"not Unix seconds or an RFC 3339 timestamp: {value!r}") from exc
+        if parsed.tzinfo is None:
+            raise ValueError(f"RFC 3339 timestamp needs a UTC offset: {value!r}")
+        return parsed.timestamp()
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError(f"timestamp must be finite, got {value!r}")
+        return float(value)
+    return value
+
+
+Timestamp = Annotated[float, BeforeValidator(_parse_ts)]
+
+
+class Record(BaseModel):
+    """Base for records: strict about unknown shapes, permissive about extra keys.
+
+    Extra keys are kept (``extra="allow"``) so a newer producer never loses data on
+    an older consumer; declared fields are validated strictly.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=False, ser_json_inf_nan="constants")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def describe_error(exc: ValidationError) -> str:
+    """One line per problem: the field path, what is wrong, and the bad value."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "<record>"
+        bad = err.get("input")
+        shown = repr(bad)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        parts.append(f"{loc}: {err['msg']} (got {shown})")
+    return "; ".join(parts)

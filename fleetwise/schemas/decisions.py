@@ -1,0 +1,64 @@
+"""Decision records: predictions and commands (DESIGN.md "Decision output"), dead letters."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from fleetwise.schemas._base import Record, Timestamp
+
+PredictionType = Literal["failure", "straggler", "imbalance", "thermal", "utilisation"]
+CommandType = Literal["drain", "rebalance", "migrate", "consolidate", "resize", "checkpoint", "envelope"]
+
+
+class Signal(Record):
+    """One contributing signal: a feature's name, its value and its weight in the decision."""
+
+    name: str
+    value: float | str | None = None
+    weight: float | None = None
+
+
+class Prediction(Record):
+    kind: Literal["prediction"] = "prediction"
+    id: str
+    type: PredictionType
+    ts: Timestamp
+    node: str
+    gpu: int | None = None
+    job: str | None = None
+    rank: int | None = None
+    probability: float = Field(ge=0, le=1)
+    horizon_h: float = Field(ge=0)
+    alert: bool
+    signals: list[Signal] = Field(default_factory=list)
+    lead_time_h: float | None = None
+    factor: float | None = None  # straggler: measured speed / expected speed
+    reason: str | None = None
+
+
+class Command(Record):
+    kind: Literal["command"] = "command"
+    id: str
+    type: CommandType
+    ts: Timestamp
+    job: str | None = None
+    node: str | None = None
+    gpu: int | None = None
+    reason: str
+    evidence: list[str] = Field(default_factory=list)
+    params: dict[str, Any] = Field(default_factory=dict)
+    dry_run: bool = False
+    signature: str = ""
+
+
+class DeadLetter(Record):
+    """A record that could not be processed, kept with the reason and its original bytes."""
+
+    kind: Literal["deadletter"] = "deadletter"
+    ts: Timestamp  # when it was rejected (event time of the stream position, else wall)
+    source: str  # topic name or "file:line"
+    reason: str
+    original: str  # original payload, decoded as UTF-8 with replacement (or base64 when binary)
+    encoding: Literal["utf-8", "base64"] = "utf-8"

@@ -1,0 +1,64 @@
+"""Parallelism plans: the planner's output (DESIGN.md `fleetwise plan --format json`)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from fleetwise.schemas._base import Record
+
+
+class RankPlan(Record):
+    """One GPU's part in a plan."""
+
+    rank: int = Field(ge=0)
+    node: str
+    gpu: int = Field(ge=0)
+    model: str  # catalog id
+    capability_tflops: float = Field(ge=0)
+    micro_batch: int = Field(ge=0)  # samples per micro-batch on this data-parallel replica
+    num_micro_batches: int = Field(default=1, ge=0)
+    stage: int = Field(ge=0)
+    layers: tuple[int, int]  # first and last layer (inclusive) held by this stage
+    dp_rank: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    memory_gb: float = Field(ge=0)
+    memory_capacity_gb: float = Field(gt=0)
+
+    @property
+    def samples(self) -> int:
+        """Samples this replica processes per step."""
+        return self.micro_batch * self.num_micro_batches
+
+
+class Plan(Record):
+    """A job's split over a set of GPUs, with what the cost model predicts for it."""
+
+    job: str = "job"
+    model: str = ""
+    dtype: str = "bf16"
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    zero_stage: int = Field(ge=0, le=3)
+    global_batch: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    predicted_step_s: float = Field(gt=0)
+    uniform_step_s: float | None = Field(default=None, gt=0)
+    tokens_per_s: float = Field(ge=0)
+    mfu: float = Field(ge=0)
+    ranks: list[RankPlan]
+    notes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        if len(self.ranks) != self.dp * self.tp * self.pp:
+            raise ValueError(
+                f"ranks: {len(self.ranks)} ranks but dp*tp*pp = {self.dp * self.tp * self.pp}"
+            )
+        return self
+
+    @property
+    def speedup(self) -> float | None:
+        return self.uniform_step_s / self.predicted_step_s if self.uniform_step_s else None
