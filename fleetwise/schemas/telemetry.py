@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import math
+from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from fleetwise.schemas._base import Record, Timestamp, is_dcgm_blank
+from fleetwise.schemas._base import DCGM_INT32_BLANK, Record, Timestamp, is_dcgm_blank
+
+# Finite floats only: NaN/inf in a reading is a broken exporter, not a value.
+MetricValue = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class GpuSample(Record):
@@ -17,30 +20,20 @@ class GpuSample(Record):
     gpu: int = Field(ge=0, le=1023)
     uuid: str | None = None
     model: str = Field(min_length=1)
-    metrics: dict[str, float | None] = Field(default_factory=dict)
+    metrics: dict[str, MetricValue | None] = Field(default_factory=dict)
     rack: str | None = None
     site: str | None = None
     job: str | None = None
     rank: int | None = Field(default=None, ge=0)
 
-    @field_validator("metrics", mode="before")
+    @field_validator("metrics")
     @classmethod
-    def _metrics(cls, value: object) -> object:
-        if not isinstance(value, dict):
-            return value
-        clean: dict[str, float | None] = {}
-        for key, raw in value.items():
-            if raw is None:
-                clean[key] = None
-                continue
-            if isinstance(raw, bool) or not isinstance(raw, int | float):
-                raise ValueError(f"metric {key} must be a number, got {raw!r}")
-            num = float(raw)
-            if not math.isfinite(num):
-                raise ValueError(f"metric {key} is not finite: {raw!r}")
-            # DCGM blanks mean "no value": store as missing, never as a huge reading.
-            clean[key] = None if is_dcgm_blank(num) else num
-        return clean
+    def _blank_to_missing(cls, metrics: dict[str, float | None]) -> dict[str, float | None]:
+        # DCGM blanks mean "no value": store as missing, never as a huge reading.
+        for key, num in metrics.items():
+            if num is not None and num >= DCGM_INT32_BLANK and is_dcgm_blank(num):
+                metrics[key] = None
+        return metrics
 
 
 class NodeBatch(Record):

@@ -1,0 +1,52 @@
+# Fleetwise: the README's two commands.
+#   make demo  - create .venv if missing, install the package, run `fleetwise demo`
+#   make test  - create/update .venv with all extras, start Apache Kafka, run pytest, stop Kafka
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+KAFKA_DIR ?= $(CURDIR)/.kafka-run
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv venv-all lint kafka-start kafka-stop clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+# Installs are stamped by pyproject.toml so an unchanged checkout skips pip.
+$(VENV)/.installed-core: pyproject.toml | $(PY)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-all: pyproject.toml | $(PY)
+	$(PIP) install -q -e '.[all]'
+	touch $@ $(VENV)/.installed-core
+
+venv: $(VENV)/.installed-core
+venv-all: $(VENV)/.installed-all
+
+demo: venv
+	$(VENV)/bin/fleetwise demo
+
+# The broker is stopped whatever pytest returns; pytest's status is make's status.
+test: venv-all
+	@bash deploy/kafka/kafka.sh start $(KAFKA_DIR) >/dev/null
+	@status=0; \
+	FLEETWISE_KAFKA_BOOTSTRAP=$$(bash deploy/kafka/kafka.sh bootstrap $(KAFKA_DIR)) \
+	  $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	bash deploy/kafka/kafka.sh stop $(KAFKA_DIR) >/dev/null; \
+	exit $$status
+
+lint: venv-all
+	$(VENV)/bin/ruff check fleetwise tests bench
+
+kafka-start: venv
+	bash deploy/kafka/kafka.sh start $(KAFKA_DIR)
+
+kafka-stop:
+	bash deploy/kafka/kafka.sh stop $(KAFKA_DIR)
+
+clean:
+	rm -rf $(VENV) $(KAFKA_DIR) .pytest_cache .ruff_cache *.egg-info
