@@ -1,0 +1,283 @@
+"""The control plane as one object: validation, processors and routing, in event time.
+
+The same `ControlPlane` runs inside the embedded runtime (replay, demo, tests) and inside each
+faust agent, so one trace gives the same features and decisions both ways. It holds no I/O:
+callers hand it raw bytes or records and publish what it returns.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ValidationError
+
+from fleetwise.actuators import ActionPolicy, PolicyConfig
+from fleetwise.catalog import UnknownGpuError, lookup
+from fleetwise.predictors.failure import FailurePredictor
+from fleetwise.predictors.features import GpuFeatureWindows
+from fleetwise.predictors.stragglers import StragglerDetector
+from fleetwise.schemas import (
+    Command,
+    DeadLetter,
+    FeatureVector,
+    GpuSample,
+    NodeBatch,
+    NodeInventory,
+    Plan,
+    Prediction,
+    Record,
+    TrainingStep,
+    describe_error,
+)
+from fleetwise.schemas import topics as T
+
+
+class Routed(NamedTuple):
+    topic: str
+    key: str
+    record: Record
+
+
+@dataclass
+class ControlPlaneConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    failure_predictor: bool = True
+    straggler_detector: bool = True
+
+
+def _original(raw: bytes) -> tuple[str, str]:
+    try:
+        return raw.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(raw).decode("ascii"), "base64"
+
+
+def classify_line(obj: dict[str, Any]) -> str:
+    """Which topic a replay line belongs to, from its shape (DESIGN.md record formats)."""
+    if "metrics" in obj:
+        return T.TELEMETRY_GPU.name
+    if "step_time_s" in obj:
+        return T.TELEMETRY_STEPS.name
+    if "samples" in obj and isinstance(obj["samples"], list):
+        return T.TELEMETRY_GPU.name
+    if "gpus" in obj:
+        return T.INVENTORY.name
+    if "ranks" in obj and "dp" in obj:
+        return T.PLANS.name
+    raise ValueError("not a GPU sample, node batch, training step, inventory or plan record")
+
+
+class ControlPlane:
+    """Validate -> features -> predictors -> actuators, over records in event time."""
+
+    def __init__(self, config: ControlPlaneConfig | None = None) -> None:
+        self.config = config or ControlPlaneConfig()
+        self.features = GpuFeatureWindows()
+        self.failure = FailurePredictor.load() if self.config.failure_predictor else None
+        self.stragglers = StragglerDetector() if self.config.straggler_detector else None
+        self.policy = ActionPolicy(self.config.policy)
+        self.inventory: dict[str, NodeInventory] = {}
+        self.plans: dict[str, Plan] = {}
+        self._model_ids: dict[str, str | None] = {}
+        self.counts: dict[str, int] = {"samples_in": 0, "steps_in": 0, "deadletter": 0}
+
+    # -- validation --------------------------------------------------------------------------
+    def dead_letter(self, source: str, reason: str, raw: bytes | str, ts: float = 0.0) -> DeadLetter:
+        self.counts["deadletter"] += 1
+        if isinstance(raw, str):
+            text, enc = raw, "utf-8"
+        else:
+            text, enc = _original(raw)
+        return DeadLetter(ts=ts, source=source, reason=reason, original=text, encoding=enc)
+
+    def model_id(self, model: str) -> str | None:
+        """Catalog id for a reported model name (cached); None when unknown."""
+        try:
+            return self._model_ids[model]
+        except KeyError:
+            try:
+                found: str | None = lookup(model).id
+            except UnknownGpuError:
+                found = None
+            self._model_ids[model] = found
+            return found
+
+    def _check_sample(self, sample: GpuSample, source: str, raw: Any) -> Record:
+        if self.model_id(sample.model) is None:
+            try:
+                lookup(sample.model)
+            except UnknownGpuError as exc:
+                reason = f"model: {exc.args[0] if exc.args else exc}"
+            return self.dead_letter(source, reason, json.dumps(raw, default=str), sample.ts)
+        return sample
+
+    def fast_sample(self, line: bytes, source: str) -> Record | None:
+        """Validate a GPU-sample line straight from JSON (the common case, in Rust);
+        None when it is not a valid sample, so the caller takes the slow path for the error."""
+        try:
+            sample = GpuSample.model_validate_json(line)
+        except ValidationError:
+            return None
+        if self.model_id(sample.model) is None:
+            return None
+        return sample
+
+    def decode(self, topic: str, raw: bytes, *, source: str) -> list[Record]:
+        """Parse one message or replay line. Bad input becomes a DeadLetter, never an exception."""
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return [self.dead_letter(source, f"not valid JSON: {exc}", raw)]
+        if not isinstance(obj, dict):
+            return [self.dead_letter(source, f"expected a JSON object, got {type(obj).__name__}", raw)]
+        return self.decode_obj(topic, obj, source=source, raw=raw)
+
+    def decode_obj(
+        self, topic: str | None, obj: dict, *, source: str, raw: bytes | None = None
+    ) -> list[Record]:
+        """Validate one parsed record; `topic` None means: infer it from the record's shape."""
+        raw_text: bytes | str = raw if raw is not None else json.dumps(obj, default=str)
+        try:
+            kind = classify_line(obj) if topic is None else topic
+        except ValueError as exc:
+            return [self.dead_letter(source, str(exc), raw_text)]
+        try:
+            if kind == T.TELEMETRY_GPU.name:
+                if "samples" in obj and "metrics" not in obj:
+                    return self._decode_batch(obj, source, raw_text)
+                sample = GpuSample.model_validate(obj)
+                return [self._check_sample(sample, source, obj)]
+            model: type[BaseModel] = {
+                T.TELEMETRY_STEPS.name: TrainingStep,
+                T.INVENTORY.name: NodeInventory,
+                T.PLANS.name: Plan,
+            }[kind]
+            return [model.model_validate(obj)]  # type: ignore[list-item]
+        except ValidationError as exc:
+            return [self.dead_letter(source, describe_error(exc), raw_text, _ts_of(obj))]
+        except KeyError:
+            return [self.dead_letter(source, f"no record type is read from topic {kind!r}", raw_text)]
+
+    def _decode_batch(self, obj: dict, source: str, raw: bytes | str) -> list[Record]:
+        # One bad sample must not cost the good ones beside it: validate samples one by one.
+        samples = obj.get("samples")
+        node = obj.get("node")
+        if not isinstance(samples, list) or not isinstance(node, str):
+            return [self.dead_letter(source, "node batch needs 'node' (string) and 'samples' (list)", raw)]
+        out: list[Record] = []
+        for i, item in enumerate(samples):
+            if not isinstance(item, dict):
+                out.append(self.dead_letter(f"{source}#samples.{i}", "sample is not an object", json.dumps(item)))
+                continue
+            try:
+                sample = GpuSample.model_validate(item)
+            except ValidationError as exc:
+                bad = json.dumps(item, default=str)
+                out.append(self.dead_letter(f"{source}#samples.{i}", describe_error(exc), bad, _ts_of(item)))
+                continue
+            if sample.node != node:
+                out.append(self.dead_letter(f"{source}#samples.{i}",
+                                      f"node: sample node {sample.node!r} differs from batch node {node!r}",
+                                      json.dumps(item, default=str), sample.ts))
+                continue
+            out.append(self._check_sample(sample, f"{source}#samples.{i}", item))
+        return out
+
+    # -- processing --------------------------------------------------------------------------
+    def handle(self, topic: str, records: Sequence[Record]) -> list[Routed]:
+        """Run the processors over records of one topic (event-time order); route the outputs."""
+        out: list[Routed] = []
+        good: list[Record] = []
+        for r in records:
+            if isinstance(r, DeadLetter):
+                out.append(Routed(T.DEADLETTER.name, r.source, r))
+            else:
+                good.append(r)
+        if not good:
+            return out
+        if topic == T.TELEMETRY_GPU.name:
+            samples: list[GpuSample] = []
+            for r in good:
+                if isinstance(r, NodeBatch):
+                    samples.extend(r.samples)
+                else:
+                    samples.append(r)  # type: ignore[arg-type]
+            self.counts["samples_in"] += len(samples)
+            out.extend(self._after_features(self.features.process(samples)))
+        elif topic == T.TELEMETRY_STEPS.name:
+            self.counts["steps_in"] += len(good)
+            if self.stragglers is not None:
+                out.extend(self._route_outputs(self.stragglers.process(good)))
+        elif topic == T.INVENTORY.name:
+            for r in good:
+                self.inventory[r.node] = r  # type: ignore[attr-defined]
+        elif topic == T.PLANS.name:
+            for r in good:
+                self.plans[r.job] = r  # type: ignore[attr-defined]
+        return out
+
+    def flush(self) -> list[Routed]:
+        """End of input (replay): close open windows and route what they produce."""
+        out = self._after_features(self.features.flush())
+        if self.stragglers is not None:
+            out.extend(self._route_outputs(self.stragglers.flush()))
+        return out
+
+    def _after_features(self, outputs: Sequence[Record]) -> list[Routed]:
+        routed = self._route_outputs(outputs)
+        if self.failure is not None:
+            vectors = [r for r in outputs if isinstance(r, FeatureVector)]
+            routed.extend(self._route_outputs(self.failure.process(vectors)))
+        return routed
+
+    def _route_outputs(self, outputs: Sequence[Record]) -> list[Routed]:
+        routed: list[Routed] = []
+        predictions: list[Prediction] = []
+        for r in outputs:
+            if isinstance(r, FeatureVector):
+                key = r.job if r.scope == "rank" and r.job else f"{r.node}/{r.gpu}"
+                routed.append(Routed(T.FEATURES.name, key, r))
+            elif isinstance(r, Prediction):
+                routed.append(Routed(T.PREDICTIONS.name, f"{r.node}/{r.gpu}", r))
+                predictions.append(r)
+            elif isinstance(r, Command):
+                routed.extend(_route_command(r))
+        for cmd in self.policy.process(predictions):
+            routed.extend(_route_command(cmd))  # type: ignore[arg-type]
+        return routed
+
+    # -- state for changelogged tables -------------------------------------------------------
+    def _processors(self) -> dict[str, Any]:
+        procs: dict[str, Any] = {"features": self.features, "policy": self.policy}
+        if self.failure is not None:
+            procs["failure"] = self.failure
+        if self.stragglers is not None:
+            procs["stragglers"] = self.stragglers
+        return procs
+
+    def keys(self) -> list[str]:
+        return sorted({f"{name}:{k}" for name, p in self._processors().items() for k in p.keys()})  # noqa: SIM118
+
+    def state(self, key: str) -> dict:
+        name, _, inner = key.partition(":")
+        return self._processors()[name].state(inner)
+
+    def restore(self, key: str, state: dict) -> None:
+        name, _, inner = key.partition(":")
+        self._processors()[name].restore(inner, state)
+
+
+def _route_command(cmd: Command) -> list[Routed]:
+    key = cmd.job or cmd.node or ""
+    # Training-side commands go to the plugin; placement-side ones to the KAI consumer.
+    target = T.COMMANDS_TRAINING if cmd.type in ("rebalance", "checkpoint", "resize") else T.COMMANDS_KUBE
+    return [Routed(target.name, key, cmd), Routed(T.AUDIT.name, key, cmd)]
+
+
+def _ts_of(obj: Any) -> float:
+    ts = obj.get("ts") if isinstance(obj, dict) else None
+    return float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else 0.0
