@@ -1,0 +1,234 @@
+"""Straggler / job-wide slowdown detector: model-aware speed factors, hysteresis, state."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fleetwise.catalog import lookup
+from fleetwise.predictors.stragglers import (
+    JOB_WIDE_NODE,
+    StragglerDetector,
+    catalog_speed,
+    score_stragglers,
+)
+from fleetwise.schemas import FeatureVector, Prediction
+
+T0 = 1_764_489_600.0
+
+
+def make_steps(
+    models: list[str],
+    *,
+    hours: float = 4.0,
+    seed: int = 0,
+    noise: float = 0.01,
+    interval_s: float = 60.0,
+    slow: dict[int, tuple[float, float, float]] | None = None,
+    network: tuple[float, float, float] | None = None,
+    input_stall: tuple[float, float, float] | None = None,
+    job: str = "llm",
+    proportional: bool = True,
+) -> list[dict]:
+    """Sampled step records of one synchronous data-parallel job.
+
+    Shares follow catalog capability (what a planner gives); ``slow`` maps rank ->
+    (start_s, end_s, speed) relative to T0; ``network``/``input_stall`` are
+    (start_s, end_s, time multiplier) for the communication / every rank's compute.
+    """
+    rng = np.random.default_rng(seed)
+    caps = [lookup(m).capability_tflops("bf16") for m in models]
+    top = max(caps)
+    samples = [max(1, round(32 * c / top)) if proportional else 32 for c in caps]
+    sec_per_sample_tflop = 2.0 * top / 32  # fastest rank computes its share in ~2 s
+    records = []
+    n = int(hours * 3600 / interval_s)
+    for i in range(n):
+        t = i * interval_s
+        comm = 0.4
+        if network and network[0] <= t < network[1]:
+            comm *= network[2]
+        stall = input_stall[2] if input_stall and input_stall[0] <= t < input_stall[1] else 1.0
+        computes = []
+        for r, cap in enumerate(caps):
+            speed = 1.0
+            if slow and r in slow and slow[r][0] <= t < slow[r][1]:
+                speed = slow[r][2]
+            c = samples[r] / cap * sec_per_sample_tflop * stall / speed
+            computes.append(c * float(np.exp(rng.normal(0.0, noise))))
+        step_time = max(computes) + comm * float(np.exp(rng.normal(0.0, noise)))
+        for r, m in enumerate(models):
+            records.append({
+                "ts": T0 + t + 0.001 * r, "job": job, "rank": r, "node": f"node-{r // 8:03d}",
+                "gpu": r % 8, "step": 20 * i, "step_time_s": round(step_time, 6),
+                "compute_s": round(computes[r], 6), "micro_batch": samples[r], "samples": samples[r],
+                "model": m,
+            })
+    return records
+
+
+def predictions(out: list) -> list[Prediction]:
+    return [r for r in out if isinstance(r, Prediction)]
+
+
+def rank_alerts(out: list) -> list[Prediction]:
+    return [p for p in predictions(out) if p.rank is not None and p.alert]
+
+
+def run(records: list[dict], detector: StragglerDetector | None = None) -> list:
+    det = detector or StragglerDetector()
+    return det.process(records) + det.flush()
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+def test_a100_among_h100_is_not_flagged(proportional):
+    models = ["h100-sxm"] * 14 + ["a100-sxm-80gb"] * 2
+    out = run(make_steps(models, hours=8, seed=1, proportional=proportional))
+    assert rank_alerts(out) == []
+    # Its speed factor is ~1 whether or not its share fits its speed: it is an A100, not a slow GPU.
+    fvs = [f for f in out if isinstance(f, FeatureVector) and f.rank == 15]
+    assert fvs and all(abs(f.values["speed_factor"] - 1.0) < 0.03 for f in fvs)
+    if not proportional:
+        # With an H100's share it computes ~2.7x longer than an H100: the fastest-rank score would flag it.
+        h100 = [f for f in out if isinstance(f, FeatureVector) and f.rank == 0]
+        assert fvs[0].values["median_compute_s"] > 2.5 * h100[0].values["median_compute_s"]
+
+
+def test_h100_rank_20_percent_slow_is_flagged_with_its_factor():
+    models = ["h100-sxm"] * 12 + ["a100-sxm-80gb"] * 4
+    start = 3600.0
+    out = run(make_steps(models, hours=4, seed=2, slow={5: (start, 3 * 3600, 0.8)}))
+    alerts = rank_alerts(out)
+    assert [(p.rank, p.node, p.gpu) for p in alerts] == [(5, "node-000", 5)]
+    assert alerts[0].factor == pytest.approx(0.8, abs=0.03)
+    assert alerts[0].ts - (T0 + start) <= 5 * 60  # within 5 step records
+    clears = [p for p in predictions(out) if p.rank == 5 and not p.alert]
+    assert len(clears) == 1 and clears[0].ts > T0 + 3 * 3600
+    assert not [p for p in predictions(out) if p.rank is None]
+
+
+def test_lone_a100_5_percent_slow_is_flagged_against_its_catalog_speed():
+    # One A100 has no same-model peers: it is judged against the catalog prior.
+    models = ["h100-sxm"] * 15 + ["a100-sxm-80gb"]
+    out = run(make_steps(models, hours=3, seed=3, slow={15: (3600.0, 7200.0, 0.95)}))
+    alerts = rank_alerts(out)
+    assert [p.rank for p in alerts] == [15]
+    assert alerts[0].factor == pytest.approx(0.95, abs=0.02)
+
+
+@pytest.mark.parametrize(("kind", "cause"), [("network", "network"), ("input_stall", "input")])
+def test_job_wide_slowdown_flags_no_rank_and_names_its_cause(kind, cause):
+    models = ["h100-sxm"] * 8 + ["a100-sxm-80gb"] * 8
+    window = (3600.0, 7200.0, 1.6 if kind == "network" else 1.15)
+    out = run(make_steps(models, hours=3, seed=4, **{kind: window}))
+    assert rank_alerts(out) == []
+    jobwide = [p for p in predictions(out) if p.rank is None]
+    assert [p.alert for p in jobwide] == [True, False]
+    assert jobwide[0].node == JOB_WIDE_NODE and jobwide[0].reason == f"job-wide: {cause}"
+    assert T0 + window[0] <= jobwide[0].ts <= T0 + window[0] + 5 * 60
+    assert jobwide[1].ts >= T0 + window[1]
+
+
+def test_no_flapping_on_a_borderline_straggler():
+    # A rank hovering around the threshold with noise gives one raise and one clear at most.
+    models = ["h100-sxm"] * 16
+    out = run(make_steps(models, hours=10, seed=5, noise=0.015, slow={3: (3600.0, 8 * 3600, 0.94)}))
+    mine = [p for p in predictions(out) if p.rank == 3]
+    assert [p.alert for p in mine] == [True, False]
+    assert [p for p in predictions(out) if p.rank not in (3, None)] == []
+
+
+def test_state_restore_round_trip_gives_identical_outputs():
+    models = ["h100-sxm"] * 6 + ["a100-sxm-80gb"] * 4
+    records = make_steps(models, hours=3, seed=6, slow={2: (3000.0, 9000.0, 0.85)},
+                         network=(5000.0, 6500.0, 1.5))
+    whole = [r.model_dump() for r in run(records)]
+    cut = len(records) // 2 + 3  # mid step group
+    first = StragglerDetector()
+    part = first.process(records[:cut])
+    job_keys = first.keys()  # the processor contract's method, not a dict's
+    saved = {k: json.dumps(first.state(k)) for k in job_keys}
+    second = StragglerDetector()
+    for key, blob in saved.items():
+        second.restore(key, json.loads(blob))
+    rest = second.process(records[cut:]) + second.flush()
+    assert [r.model_dump() for r in part + rest] == whole
+
+
+def test_deterministic():
+    records = make_steps(["h100-sxm"] * 8 + ["b200"] * 8, hours=2, seed=7, slow={9: (1200.0, 5000.0, 0.9)})
+    a = [r.to_json() for r in run(records)]
+    b = [r.to_json() for r in run(records)]
+    assert a == b and any('"straggler"' in line for line in a)
+
+
+def test_rank_features_per_window():
+    models = ["h100-sxm"] * 8
+    out = run(make_steps(models, hours=1, seed=8, slow={1: (0.0, 3600.0, 0.8)}))
+    fvs = [f for f in out if isinstance(f, FeatureVector)]
+    assert {f.scope for f in fvs} == {"rank"}
+    assert {f.rank for f in fvs} == set(range(8))
+    slow = [f for f in fvs if f.rank == 1 and f.values["speed_factor"] is not None]
+    assert all(f.values["speed_factor"] == pytest.approx(0.8, abs=0.02) for f in slow)
+    fast = [f for f in fvs if f.rank == 0]
+    # The healthy ranks wait for the straggler; the straggler hardly waits.
+    assert fast[0].values["wait_share"] > slow[0].values["wait_share"] + 0.1
+    assert all(f.window_s == 300 and f.ts % 300 == 0 for f in fvs)
+
+
+def test_unknown_model_gets_features_but_no_factor():
+    records = make_steps(["h100-sxm"] * 6, hours=0.5, seed=9)
+    for r in records:
+        if r["rank"] == 0:
+            r["model"] = "no-such-gpu"
+    out = run(records)
+    fvs = [f for f in out if isinstance(f, FeatureVector) and f.rank == 0]
+    assert fvs and all(f.values["speed_factor"] is None for f in fvs)
+    assert rank_alerts(out) == []
+
+
+def test_custom_expected_speed_is_used():
+    # If the caller says the A100 is as fast as an H100, its ~2.7x compute makes it a straggler.
+    models = ["h100-sxm"] * 7 + ["a100-sxm-80gb"]
+    det = StragglerDetector(expected_speed=lambda m: catalog_speed("h100-sxm"))
+    out = run(make_steps(models, hours=0.5, seed=10), det)
+    assert [p.rank for p in rank_alerts(out)] == [7]
+    assert rank_alerts(out)[0].factor == pytest.approx(162.24 / 445.23, rel=0.1)
+
+
+def _pred(ts: float, rank: int | None, alert: bool, job: str = "j", reason: str | None = None) -> Prediction:
+    node = "n" if rank is not None else JOB_WIDE_NODE
+    return Prediction(id=f"p{ts}{rank}{alert}", type="straggler", ts=ts, node=node, gpu=rank, job=job,
+                      rank=rank, probability=1.0 if alert else 0.0, horizon_h=0,
+                      alert=alert, factor=0.8, reason=reason)
+
+
+def test_score_stragglers_counts_detections_delays_and_false_flags():
+    labels = [
+        {"kind": "straggler", "job": "j", "rank": 1, "node": "n", "gpu": 1, "start_ts": 1000, "end_ts": 5000,
+         "factor": 0.8, "cause": "compute"},
+        {"kind": "straggler", "job": "j", "rank": 2, "node": "n", "gpu": 2, "start_ts": 1000, "end_ts": 5000,
+         "factor": 1.1, "cause": "thermal"},  # time multiplier 1.1 = speed 0.909: counts
+        {"kind": "straggler", "job": "j", "rank": 3, "node": "n", "gpu": 3, "start_ts": 1000, "end_ts": 5000,
+         "factor": 0.98, "cause": "thermal"},  # 2%: below the 5% bar, not counted
+        {"kind": "job_slowdown", "job": "j", "start_ts": 8000, "end_ts": 9000, "factor": 1.3,
+         "cause": "network"},
+    ]
+    preds = [
+        _pred(1180, 1, True), _pred(5100, 1, False),  # found 180 s late
+        _pred(1400, 3, True),  # the 2% one, found: not false
+        _pred(8100, 4, True),  # a rank flag during the job-wide slowdown: false
+        _pred(20000, 5, True),  # false
+        _pred(8120, None, True, reason="job-wide: network"),
+    ]
+    steps = [{"job": "j", "rank": 1, "ts": 1000 + 60 * i} for i in range(10)]
+    s = score_stragglers(preds, labels, job_hours=500.0, steps=steps)
+    assert s["injected"] == 2 and s["detected"] == 1 and s["detection_rate"] == 0.5
+    assert s["delay_s"]["max"] == 180.0 and s["delay_steps"]["max"] == 3.0  # records at 1060,1120,1180
+    assert s["detected_on_time"] == 1
+    assert s["false_flags"] == 2 and s["false_flags_during_job_slowdowns"] == 1
+    assert s["false_flags_per_1000_job_hours"] == 4.0
+    assert s["job_slowdowns_found"] == 1 and s["job_slowdown_cause_right"] == 1
+    assert [m["rank"] for m in s["missed"]] == [2]
