@@ -1,0 +1,660 @@
+"""Per-GPU windowed features over event-time hops (the telemetry issue, part 2).
+
+`GpuFeatureWindows` turns GPU samples into one feature vector per GPU per closed hop.
+Design for throughput: every GPU gets a slot index into preallocated numpy arrays;
+a batch of samples becomes one float matrix, sorted by (slot, ts), and every update
+(gauge sums, counter deltas with reset handling, XID changes, throttle-bit duty
+cycles) is a handful of vectorised `reduceat` calls per batch, so Python overhead
+is per batch, not per sample. Longer context (1 h, 6 h, 24 h, 7 d) is kept as
+exponentially weighted sums of hop aggregates, decayed by the event-time gap, so a
+closed hop costs O(features) regardless of the window length.
+
+Semantics (event time only):
+- hop k covers [k*hop_s, (k+1)*hop_s); a GPU's open hop closes when that GPU sends a
+  sample of a later hop (or at `flush`); the feature vector's `ts` is the hop end.
+- samples older than the GPU's open hop are dropped and counted (`dropped_late`);
+  exact duplicates (same GPU and ts) are dropped and counted (`dropped_duplicate`);
+  out-of-order samples inside the open hop count for gauges only (a cumulative
+  counter's later reading already includes what an older one saw).
+- a counter that goes down was reset (reboot): its new value becomes the base and the
+  delta is 0, never negative; resets are counted as a feature.
+- DCGM_FI_DEV_XID_ERRORS holds the last XID, so an event is a change to a new non-zero
+  value; events are counted by class.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
+
+# ---- input fields ---------------------------------------------------------------------------
+# DCGM field names (REFERENCE.md "Telemetry"; ../shared/data/dcgm/default-counters.csv).
+F_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+F_MEMTEMP = "DCGM_FI_DEV_MEMORY_TEMP"
+F_POWER = "DCGM_FI_DEV_POWER_USAGE"
+F_SMCLK = "DCGM_FI_DEV_SM_CLOCK"
+F_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+F_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
+F_REASONS_OLD = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"  # pre-DCGM-3.3 name of field 112
+F_XID = "DCGM_FI_DEV_XID_ERRORS"
+
+GAUGE_FIELDS = [F_TEMP, F_MEMTEMP, F_POWER, F_SMCLK, F_UTIL]
+LEVEL_FIELDS = [  # gauges where the worst value in a hop matters
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+    "DCGM_FI_DEV_ROW_REMAP_PENDING",
+    "DCGM_FI_DEV_RETIRED_PENDING",
+]
+# Cumulative counters (reset on reboot) -> short name used in feature names.
+COUNTER_FIELDS = {
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": "sbe_vol",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "dbe_vol",
+    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL": "sbe_agg",
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": "dbe_agg",
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": "remap_corr",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": "remap_uncorr",
+    "DCGM_FI_DEV_RETIRED_SBE": "retired_sbe",
+    "DCGM_FI_DEV_RETIRED_DBE": "retired_dbe",
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": "pcie_replay",
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": "nvl_crc_flit",
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": "nvl_crc_data",
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": "nvl_replay",
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": "nvl_recovery",
+    # Cumulative throttled time in microseconds (DCGM fields 240/241).
+    "DCGM_FI_DEV_POWER_VIOLATION": "power_violation_us",
+    "DCGM_FI_DEV_THERMAL_VIOLATION": "thermal_violation_us",
+}
+INPUT_FIELDS = GAUGE_FIELDS + [F_REASONS, F_XID] + LEVEL_FIELDS + list(COUNTER_FIELDS)
+N_GAUGE, N_LEVEL, N_COUNTER = len(GAUGE_FIELDS), len(LEVEL_FIELDS), len(COUNTER_FIELDS)
+COL_TEMP, COL_MEMTEMP, COL_POWER, COL_SMCLK, COL_UTIL = range(5)
+COL_REASONS, COL_XID = 5, 6
+COL_LEVEL = 7
+COL_COUNTER = COL_LEVEL + N_LEVEL
+N_INPUT = len(INPUT_FIELDS)
+
+# Clock-event reason bits (REFERENCE.md: DCGM field 112 / nvmlClocksEventReasons).
+THROTTLE_BITS = {
+    "power_cap": 0x4,  # SW power cap
+    "hw_slowdown": 0x8,
+    "sw_thermal": 0x20,
+    "hw_thermal": 0x40,
+    "power_brake": 0x80,
+}
+N_BITS = len(THROTTLE_BITS)
+_BIT_VALUES = np.array(list(THROTTLE_BITS.values()), dtype=np.int64)
+
+# XID classes (https://docs.nvidia.com/deploy/xid-errors/, REFERENCE.md "XIDs").
+XID_CLASSES = {
+    "mem_fatal": (48, 64, 95, 140),  # double-bit ECC, remap failure, uncontained, ECC unrecovered
+    "mem_warn": (63, 92, 94),  # remap/retirement event (benign alone), high SBE rate, contained
+    "nvlink": (74,),
+    "bus": (79,),  # fell off the bus
+    "gsp": (119, 120),
+    "app": (13, 31, 43, 45),  # application faults; 45 follows another error
+}
+XID_CLASS_NAMES = list(XID_CLASSES) + ["other"]
+N_XID = len(XID_CLASS_NAMES)
+_XID_LUT = np.full(1024, N_XID - 1, dtype=np.int64)
+for _i, _codes in enumerate(XID_CLASSES.values()):
+    _XID_LUT[list(_codes)] = _i
+
+# Time constants of the exponentially weighted context (seconds).
+TAU_TEMP_FAST, TAU_TEMP_SLOW = 1800.0, 7200.0  # difference of EMAs -> temperature slope
+TAU_1H, TAU_6H, TAU_24H, TAU_7D = 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 24 * 3600.0
+TAU_THERMAL_FAST, TAU_THERMAL_SLOW = 6 * 3600.0, 72 * 3600.0  # thermal-resistance fits
+COUNT_TAUS = {"1h": TAU_1H, "24h": TAU_24H, "7d": TAU_7D}
+LOAD_UTIL_PCT = 50.0  # clock under load: samples with utilisation >= this
+# Prior for the temperature-on-power fit: ~0.06 C/W is what datacenter GPUs show
+# between idle (~35 C, ~15% TDP) and full load (~75 C at TDP for 700 W H100 SXM:
+# (75-35)/(0.85*700) ~ 0.067 C/W); stated per unit of power/TDP so all models share it.
+PRIOR_RTH_PER_TDP = 45.0  # C per (power/TDP), i.e. 45 C rise from idle to TDP
+PRIOR_WEIGHT = 30.0  # pseudo-samples behind the prior (regularises flat-power periods)
+PRIOR_SPREAD_VAR = 0.01  # each pseudo-sample carries a power/TDP spread of 0.1
+
+# ---- accumulator layout (per slot, current hop) ----------------------------------------------
+# gauge sums, gauge counts, temp max, regression sums (n, p, t, pp, pt) over power/TDP,
+# clock-under-load sum and count, throttle bit counts, reason count, counter deltas,
+# resets, level max, XID class counts.
+A_GSUM = 0
+A_GCNT = A_GSUM + N_GAUGE
+A_TMAX = A_GCNT + N_GAUGE
+A_REG = A_TMAX + 1  # n, sum p, sum t, sum pp, sum pt
+A_CLK = A_REG + 5  # sum clock under load, count
+A_BITS = A_CLK + 2
+A_NREASON = A_BITS + N_BITS
+A_DELTA = A_NREASON + 1
+A_RESET = A_DELTA + N_COUNTER
+A_LEVEL = A_RESET + 1
+A_XID = A_LEVEL + N_LEVEL
+A_NSAMPLE = A_XID + N_XID
+N_ACC = A_NSAMPLE + 1
+
+# EW state layout (per slot).
+E_TFAST = 0  # num, den
+E_TSLOW = 2
+E_REG_FAST = 4  # n, p, t, pp, pt
+E_REG_SLOW = 9
+E_RESID = 14  # num, den (6 h)
+E_CLK_FAST = 16  # num, den (6 h)
+E_CLK_SLOW = 18  # num, den (7 d)
+E_THERMDUTY = 20  # num, den (6 h)
+E_COUNT = 22  # counters then xid classes then resets, x 3 time scales
+N_EVENT = N_COUNTER + N_XID + 1
+N_EW = E_COUNT + 3 * N_EVENT
+
+DEDUP_RING = 64  # recent timestamps per GPU kept to drop redelivered samples inside a hop
+
+
+def _feature_names() -> list[str]:
+    names = [
+        "samples", "temp_mean", "temp_max", "temp_slope_c_per_h", "mem_temp_mean", "mem_minus_gpu_temp",
+        "power_frac_tdp", "util_mean", "inlet_est_c", "rth_fast", "rth_slow", "rth_ratio",
+        "temp_residual", "temp_residual_6h", "clock_ratio", "clock_ratio_6h", "thermal_duty_6h",
+    ]
+    names += [f"thr_{b}" for b in THROTTLE_BITS]
+    for scale in COUNT_TAUS:
+        names += [f"{c}_{scale}" for c in COUNTER_FIELDS.values()]
+        names += [f"xid_{x}_{scale}" for x in XID_CLASS_NAMES]
+        names += [f"resets_{scale}"]
+    names += [f"{c}_hop" for c in ("sbe_vol", "dbe_vol", "remap_corr", "remap_uncorr", "pcie_replay")]
+    names += [f"xid_{x}_hop" for x in XID_CLASS_NAMES]
+    names += ["remap_failure", "remap_pending", "retired_pending"]
+    names += ["remap_corr_total", "remap_uncorr_total", "retired_total", "sbe_agg_total", "dbe_agg_total"]
+    names += ["sbe_trend", "nvl_trend", "pcie_trend"]
+    return names
+
+
+FEATURE_NAMES: list[str] = _feature_names()
+_FI = {name: i for i, name in enumerate(FEATURE_NAMES)}
+_CI = {short: i for i, short in enumerate(COUNTER_FIELDS.values())}
+
+
+@lru_cache(maxsize=256)
+def resolve_model(model: str) -> tuple[str, float]:
+    """Catalog id and TDP (W) for a model name as NVML/dcgm-exporter report it."""
+    from fleetwise.catalog import lookup
+
+    spec = lookup(model)
+    return spec.id, float(spec.tdp_w)
+
+
+def sample_row(metrics: dict[str, Any]) -> list[Any]:
+    """The input fields of one sample's metrics, in INPUT_FIELDS order (None = missing)."""
+    get = metrics.get
+    row = [get(f) for f in INPUT_FIELDS]
+    if row[COL_REASONS] is None:
+        row[COL_REASONS] = get(F_REASONS_OLD)
+    return row
+
+
+class GpuFeatureWindows:
+    """Event-time hopping windows per GPU (key "node/gpu"); see the module docstring."""
+
+    def __init__(self, hop_s: float = 600.0, capacity: int = 1024, tdp_lookup: Any = None) -> None:
+        if hop_s <= 0:
+            raise ValueError("hop_s must be positive")
+        self.hop_s = float(hop_s)
+        self._tdp_lookup = tdp_lookup or resolve_model
+        self._slot: dict[str, int] = {}
+        self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
+        self._cap = 0
+        self._grow(capacity)
+        self.dropped_late = 0
+        self.dropped_duplicate = 0
+        self.samples_in = 0
+
+    # ---- state arrays ----
+    def _grow(self, capacity: int) -> None:
+        old = self._cap
+        def grow(arr: np.ndarray | None, shape: tuple[int, ...], fill: float) -> np.ndarray:
+            new = np.full((capacity, *shape), fill, dtype=np.float64)
+            if arr is not None:
+                new[:old] = arr
+            return new
+        g = getattr
+        self.acc = grow(g(self, "acc", None), (N_ACC,), 0.0)
+        self.ew = grow(g(self, "ew", None), (N_EW,), 0.0)
+        self.base = grow(g(self, "base", None), (N_COUNTER,), np.nan)  # last counter reading
+        self.last_xid = grow(g(self, "last_xid", None), (), np.nan)
+        self.open_hop = grow(g(self, "open_hop", None), (), -1.0)
+        self.closed_hop = grow(g(self, "closed_hop", None), (), -1.0)
+        self.last_ts = grow(g(self, "last_ts", None), (), -np.inf)
+        self.tdp = grow(g(self, "tdp", None), (), np.nan)
+        self.ts_ring = grow(g(self, "ts_ring", None), (DEDUP_RING,), np.nan)
+        self._cap = capacity
+
+    def _slot_of(self, node: str, gpu: int, model: str, rack: str | None, site: str | None) -> int:
+        key = f"{node}/{gpu}"
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = len(self._meta)
+            if slot >= self._cap:
+                self._grow(self._cap * 2)
+            model_id, tdp = self._tdp_lookup(model)
+            self._slot[key] = slot
+            self._meta.append({"node": node, "gpu": gpu, "model": model_id, "rack": rack, "site": site})
+            self.tdp[slot] = tdp
+        return slot
+
+    # ---- public processor contract ----
+    def process(self, records: Sequence[NodeBatch | GpuSample]) -> list[FeatureVector]:
+        """Feed samples (or node batches) in event-time order; return features of closed hops."""
+        slots, ts, rows = [], [], []
+        slot_of, slot_map = self._slot_of, self._slot
+        for rec in records:
+            samples = rec.samples if isinstance(rec, NodeBatch) else (rec,)
+            for s in samples:
+                slot = slot_map.get(f"{s.node}/{s.gpu}")
+                if slot is None:
+                    slot = slot_of(s.node, s.gpu, s.model, s.rack, s.site)
+                slots.append(slot)
+                ts.append(s.ts)
+                rows.append(sample_row(s.metrics))
+        return self.to_records(*self.ingest(slots, ts, rows))
+
+    def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
+        """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
+        return self.to_records(*self.ingest_dicts(samples))
+
+    def ingest_dicts(self, samples: Iterable[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Like `process_dicts` but returns the closed hops as arrays (slots, hop ends, features)."""
+        slots, ts, rows = [], [], []
+        slot_of, slot_map = self._slot_of, self._slot
+        for s in samples:
+            slot = slot_map.get(f"{s['node']}/{s['gpu']}")
+            if slot is None:
+                slot = slot_of(s["node"], s["gpu"], s["model"], s.get("rack"), s.get("site"))
+            slots.append(slot)
+            ts.append(s["ts"])
+            rows.append(sample_row(s["metrics"]))
+        return self.ingest(slots, ts, rows)
+
+    def flush(self) -> list[FeatureVector]:
+        """Close every open hop (end of a replay)."""
+        return self.to_records(*self.flush_arrays())
+
+    def flush_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(self._meta)
+        open_slots = np.flatnonzero(self.open_hop[:n] >= 0)
+        out = self._close(open_slots)
+        self.open_hop[open_slots] = -1.0
+        return out
+
+    def keys(self) -> list[str]:
+        return list(self._slot)
+
+    def state(self, key: str) -> dict:
+        slot = self._slot[key]
+        arrays = {name: getattr(self, name)[slot] for name in _STATE_ARRAYS}
+        return {"meta": dict(self._meta[slot]), **{k: _to_json(v) for k, v in arrays.items()}}
+
+    def restore(self, key: str, state: dict) -> None:
+        meta = state["meta"]
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = len(self._meta)
+            if slot >= self._cap:
+                self._grow(self._cap * 2)
+            self._slot[key] = slot
+            self._meta.append(dict(meta))
+        else:
+            self._meta[slot] = dict(meta)
+        for name in _STATE_ARRAYS:
+            getattr(self, name)[slot] = _from_json(state[name])
+
+    def slot_meta(self, slot: int) -> dict[str, Any]:
+        return self._meta[slot]
+
+    def slot_keys(self) -> list[str]:
+        """Key per slot index (node/gpu)."""
+        return [f"{m['node']}/{m['gpu']}" for m in self._meta]
+
+    # ---- core: vectorised ingest ----
+    def ingest(
+        self, slots: Sequence[int], ts: Sequence[float], rows: Sequence[Sequence[Any]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ingest samples given as slot indices, timestamps and INPUT_FIELDS rows.
+
+        Returns (slots, hop end ts, feature matrix) for every hop this closed."""
+        n = len(slots)
+        empty = (np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES))))
+        if n == 0:
+            return empty
+        self.samples_in += n
+        s = np.asarray(slots, dtype=np.int64)
+        t = np.asarray(ts, dtype=np.float64)
+        x = np.array(rows, dtype=np.float64)
+        order = np.lexsort((t, s))
+        s, t, x = s[order], t[order], x[order]
+        hop = np.floor(t / self.hop_s)
+
+        # Exact duplicates inside the batch, and against the last accepted sample.
+        dup = np.zeros(n, dtype=bool)
+        dup[1:] = (s[1:] == s[:-1]) & (t[1:] == t[:-1])
+        dup |= t == self.last_ts[s]
+        # Late: older than the GPU's open hop.
+        open_h = self.open_hop[s]
+        late = (open_h >= 0) & (hop < open_h) & ~dup
+        # Out of order inside the open hop: check the recent-timestamp ring for a redelivery.
+        ooo = ~dup & ~late & (t < self.last_ts[s])
+        if ooo.any():
+            idx = np.flatnonzero(ooo)
+            dup[idx] = (self.ts_ring[s[idx]] == t[idx, None]).any(axis=1)
+        self.dropped_duplicate += int(dup.sum())
+        self.dropped_late += int(late.sum())
+        keep = ~(dup | late)
+        if not keep.all():
+            s, t, x, hop = s[keep], t[keep], x[keep], hop[keep]
+        if len(s) == 0:
+            return empty
+        in_order = t > self.last_ts[s]  # rows that may update counters and XID state
+
+        # New GPUs open at their first hop.
+        fresh = self.open_hop[s] < 0
+        if fresh.any():
+            first = np.flatnonzero(fresh)
+            # rows are sorted by ts inside a slot: assign in reverse so the earliest wins
+            self.open_hop[s[first[::-1]]] = hop[first[::-1]]
+
+        out_slots, out_ts, out_feat = [], [], []
+        while len(s):
+            cur = hop == self.open_hop[s]
+            if cur.any():
+                self._accumulate(s[cur], t[cur], x[cur], in_order[cur])
+            rest = ~cur
+            if not rest.any():
+                break
+            s, t, x, hop, in_order = s[rest], t[rest], x[rest], hop[rest], in_order[rest]
+            closing = np.unique(s)
+            cs, cts, cf = self._close(closing)
+            out_slots.append(cs)
+            out_ts.append(cts)
+            out_feat.append(cf)
+            # next open hop per closing slot: its earliest remaining row (rows sorted by slot, ts)
+            starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+            self.open_hop[s[starts]] = hop[starts]
+        if not out_slots:
+            return empty
+        return np.concatenate(out_slots), np.concatenate(out_ts), np.vstack(out_feat)
+
+    def _accumulate(self, s: np.ndarray, t: np.ndarray, x: np.ndarray, in_order: np.ndarray) -> None:
+        """Add rows (sorted by slot, ts; all in their slot's open hop) to the hop accumulators."""
+        n = len(s)
+        starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+        us = s[starts]
+        acc = self.acc
+        g = x[:, :N_GAUGE]
+        gvalid = ~np.isnan(g)
+        acc[us, A_GSUM:A_GSUM + N_GAUGE] += np.add.reduceat(np.where(gvalid, g, 0.0), starts, axis=0)
+        acc[us, A_GCNT:A_GCNT + N_GAUGE] += np.add.reduceat(gvalid.astype(np.float64), starts, axis=0)
+        acc[us, A_TMAX] = np.fmax(acc[us, A_TMAX], np.fmax.reduceat(g[:, COL_TEMP], starts))
+        # Regression sums of temperature on power/TDP.
+        p = g[:, COL_POWER] / self.tdp[s]
+        temp = g[:, COL_TEMP]
+        ok = ~(np.isnan(p) | np.isnan(temp))
+        p0, t0 = np.where(ok, p, 0.0), np.where(ok, temp, 0.0)
+        reg = np.stack([ok.astype(np.float64), p0, t0, p0 * p0, p0 * t0], axis=1)
+        acc[us, A_REG:A_REG + 5] += np.add.reduceat(reg, starts, axis=0)
+        # Clock under load.
+        load = (g[:, COL_UTIL] >= LOAD_UTIL_PCT) & ~np.isnan(g[:, COL_SMCLK])
+        clk = np.stack([np.where(load, g[:, COL_SMCLK], 0.0), load.astype(np.float64)], axis=1)
+        acc[us, A_CLK:A_CLK + 2] += np.add.reduceat(clk, starts, axis=0)
+        # Throttle reasons: share of samples with each bit set.
+        reasons = x[:, COL_REASONS]
+        rvalid = ~np.isnan(reasons)
+        rbits = (np.where(rvalid, reasons, 0).astype(np.int64)[:, None] & _BIT_VALUES) != 0
+        acc[us, A_BITS:A_BITS + N_BITS] += np.add.reduceat(rbits.astype(np.float64), starts, axis=0)
+        acc[us, A_NREASON] += np.add.reduceat(rvalid.astype(np.float64), starts)
+        # Levels: worst in the hop.
+        lv = x[:, COL_LEVEL:COL_LEVEL + N_LEVEL]
+        acc[us, A_LEVEL:A_LEVEL + N_LEVEL] = np.fmax(
+            acc[us, A_LEVEL:A_LEVEL + N_LEVEL], np.fmax.reduceat(lv, starts, axis=0)
+        )
+        acc[us, A_NSAMPLE] += np.diff(np.r_[starts, n])
+
+        # Counters and XID: sequential per GPU, over in-order rows only.
+        if in_order.any():
+            if not in_order.all():
+                s2, x2 = s[in_order], x[in_order]
+                starts2 = np.flatnonzero(np.r_[True, s2[1:] != s2[:-1]])
+            else:
+                s2, x2, starts2 = s, x, starts
+            self._counters(s2, x2, starts2)
+        # Timestamps: last accepted and a ring of recent ones (redelivery check).
+        last_idx = np.r_[starts[1:], n] - 1
+        self.last_ts[us] = np.fmax(self.last_ts[us], t[last_idx])
+        rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+        pos = (acc[s, A_NSAMPLE].astype(np.int64) + rank) % DEDUP_RING
+        self.ts_ring[s, pos] = t
+
+    def _counters(self, s: np.ndarray, x: np.ndarray, starts: np.ndarray) -> None:
+        n = len(s)
+        us = s[starts]
+        group_start = np.repeat(starts, np.diff(np.r_[starts, n]))
+        cols = np.r_[COL_COUNTER:COL_COUNTER + N_COUNTER, COL_XID]
+        v = x[:, cols]
+        base = np.concatenate([self.base[s], self.last_xid[s][:, None]], axis=1)
+        valid = ~np.isnan(v)
+        # previous valid reading in the same GPU's rows, else the stored base
+        idx = np.where(valid, np.arange(n)[:, None], -1)
+        ff = np.maximum.accumulate(idx, axis=0)
+        prev_idx = np.vstack([np.full((1, v.shape[1]), -1), ff[:-1]])
+        in_group = prev_idx >= group_start[:, None]
+        prev = np.where(in_group, np.take_along_axis(v, np.maximum(prev_idx, 0), axis=0), base)
+        has_prev = valid & ~np.isnan(prev)
+        cv, cp, ch = v[:, :N_COUNTER], prev[:, :N_COUNTER], has_prev[:, :N_COUNTER]
+        delta = np.where(ch, cv - cp, 0.0)
+        reset = delta < 0
+        delta[reset] = 0.0  # reset: the new reading is the base, never a negative delta
+        self.acc[us, A_DELTA:A_DELTA + N_COUNTER] += np.add.reduceat(delta, starts, axis=0)
+        self.acc[us, A_RESET] += np.add.reduceat(reset.any(axis=1).astype(np.float64), starts)
+        # XID: a change to a new non-zero value is one event of that XID's class
+        xv, xp = v[:, -1], prev[:, -1]
+        event = has_prev[:, -1] & (xv != xp) & (xv > 0)
+        if event.any():
+            cls = _XID_LUT[np.clip(np.where(event, xv, 0), 0, 1023).astype(np.int64)]
+            onehot = np.zeros((n, N_XID))
+            onehot[np.flatnonzero(event), cls[event]] = 1.0
+            self.acc[us, A_XID:A_XID + N_XID] += np.add.reduceat(onehot, starts, axis=0)
+        # new bases: last valid reading per GPU (unchanged where none)
+        last_valid = ff[np.r_[starts[1:], n] - 1]  # (groups, cols)
+        has = last_valid >= starts[:, None]
+        newv = np.take_along_axis(v, np.maximum(last_valid, 0), axis=0)
+        newbase = np.where(has, newv, base[starts])
+        self.base[us] = newbase[:, :N_COUNTER]
+        self.last_xid[us] = newbase[:, -1]
+
+    def _close(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Close the open hop of `slots`: fold it into the EW context, return features, reset."""
+        k = len(slots)
+        if k == 0:
+            return np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES)))
+        a = self.acc[slots]
+        ew = self.ew[slots]
+        hop = self.open_hop[slots]
+        prev = self.closed_hop[slots]
+        gap = np.where(prev >= 0, (hop - prev) * self.hop_s, np.inf)
+
+        def decay(tau: float) -> np.ndarray:
+            return np.exp(-gap / tau)[:, None]
+
+        f = np.full((k, len(FEATURE_NAMES)), np.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            gmean = a[:, A_GSUM:A_GSUM + N_GAUGE] / a[:, A_GCNT:A_GCNT + N_GAUGE]
+            temp = gmean[:, COL_TEMP]
+            tdp = self.tdp[slots]
+            f[:, _FI["samples"]] = a[:, A_NSAMPLE]
+            f[:, _FI["temp_mean"]] = temp
+            f[:, _FI["temp_max"]] = np.where(a[:, A_GCNT + COL_TEMP] > 0, a[:, A_TMAX], np.nan)
+            f[:, _FI["mem_temp_mean"]] = gmean[:, COL_MEMTEMP]
+            f[:, _FI["mem_minus_gpu_temp"]] = gmean[:, COL_MEMTEMP] - temp
+            f[:, _FI["power_frac_tdp"]] = gmean[:, COL_POWER] / tdp
+            f[:, _FI["util_mean"]] = gmean[:, COL_UTIL]
+
+            # Temperature slope: difference of a fast and a slow EMA of the hop mean (C/h).
+            tcnt = a[:, A_GCNT + COL_TEMP]
+            tsum = a[:, A_GSUM + COL_TEMP]
+            for col, tau in ((E_TFAST, TAU_TEMP_FAST), (E_TSLOW, TAU_TEMP_SLOW)):
+                d = decay(tau)[:, 0]
+                ew[:, col] = ew[:, col] * d + tsum
+                ew[:, col + 1] = ew[:, col + 1] * d + tcnt
+            ema_fast = ew[:, E_TFAST] / ew[:, E_TFAST + 1]
+            ema_slow = ew[:, E_TSLOW] / ew[:, E_TSLOW + 1]
+            # For a linear ramp, EMA lag = tau, so fast - slow = slope * (tau_slow - tau_fast).
+            f[:, _FI["temp_slope_c_per_h"]] = (ema_fast - ema_slow) / ((TAU_TEMP_SLOW - TAU_TEMP_FAST) / 3600)
+
+            # Thermal resistance: ridge fit of temp on power/TDP; the slow fit is the GPU's
+            # own baseline (fitted before this hop is folded in, so a fresh rise shows).
+            reg = a[:, A_REG:A_REG + 5]
+            inlet_s, rth_s = _ridge_fit(ew[:, E_REG_SLOW:E_REG_SLOW + 5])
+            fast, slow = slice(E_REG_FAST, E_REG_FAST + 5), slice(E_REG_SLOW, E_REG_SLOW + 5)
+            ew[:, fast] = ew[:, fast] * decay(TAU_THERMAL_FAST) + reg
+            ew[:, slow] = ew[:, slow] * decay(TAU_THERMAL_SLOW) + reg
+            inlet_f, rth_f = _ridge_fit(ew[:, E_REG_FAST:E_REG_FAST + 5])
+            p_mean = reg[:, 1] / reg[:, 0]
+            t_mean = reg[:, 2] / reg[:, 0]
+            resid = t_mean - (inlet_s + rth_s * p_mean)
+            f[:, _FI["inlet_est_c"]] = inlet_s
+            f[:, _FI["rth_fast"]] = rth_f
+            f[:, _FI["rth_slow"]] = rth_s
+            f[:, _FI["rth_ratio"]] = rth_f / rth_s
+            f[:, _FI["temp_residual"]] = resid
+            have = ~np.isnan(resid)
+            d6 = decay(TAU_6H)[:, 0]
+            ew[:, E_RESID] = ew[:, E_RESID] * d6 + np.where(have, resid, 0.0)
+            ew[:, E_RESID + 1] = ew[:, E_RESID + 1] * d6 + have
+            f[:, _FI["temp_residual_6h"]] = ew[:, E_RESID] / ew[:, E_RESID + 1]
+
+            # Clock under load against the GPU's own typical (7 d) clock under load.
+            csum, ccnt = a[:, A_CLK], a[:, A_CLK + 1]
+            clk_ref = ew[:, E_CLK_SLOW] / ew[:, E_CLK_SLOW + 1]
+            f[:, _FI["clock_ratio"]] = (csum / ccnt) / clk_ref
+            ew[:, E_CLK_FAST] = ew[:, E_CLK_FAST] * d6 + csum
+            ew[:, E_CLK_FAST + 1] = ew[:, E_CLK_FAST + 1] * d6 + ccnt
+            f[:, _FI["clock_ratio_6h"]] = (ew[:, E_CLK_FAST] / ew[:, E_CLK_FAST + 1]) / clk_ref
+            d7 = decay(TAU_7D)[:, 0]
+            ew[:, E_CLK_SLOW] = ew[:, E_CLK_SLOW] * d7 + csum
+            ew[:, E_CLK_SLOW + 1] = ew[:, E_CLK_SLOW + 1] * d7 + ccnt
+
+            # Throttle duty cycles.
+            nreason = a[:, A_NREASON]
+            duty = a[:, A_BITS:A_BITS + N_BITS] / nreason[:, None]
+            for i, b in enumerate(THROTTLE_BITS):
+                f[:, _FI[f"thr_{b}"]] = duty[:, i]
+            thermal_bits = [list(THROTTLE_BITS).index(b) for b in ("hw_slowdown", "sw_thermal", "hw_thermal")]
+            therm = a[:, A_BITS + np.array(thermal_bits)].max(axis=1)
+            ew[:, E_THERMDUTY] = ew[:, E_THERMDUTY] * d6 + therm
+            ew[:, E_THERMDUTY + 1] = ew[:, E_THERMDUTY + 1] * d6 + nreason
+            f[:, _FI["thermal_duty_6h"]] = ew[:, E_THERMDUTY] / ew[:, E_THERMDUTY + 1]
+
+            # Event counts (counter deltas, XID classes, resets) as EW sums ~ counts per window.
+            events = np.concatenate([
+                a[:, A_DELTA:A_DELTA + N_COUNTER], a[:, A_XID:A_XID + N_XID], a[:, A_RESET:A_RESET + 1],
+            ], axis=1)
+            col = _FI[f"{next(iter(COUNTER_FIELDS.values()))}_1h"]
+            for j, tau in enumerate(COUNT_TAUS.values()):
+                lo = E_COUNT + j * N_EVENT
+                ew[:, lo:lo + N_EVENT] = ew[:, lo:lo + N_EVENT] * decay(tau) + events
+                f[:, col + j * N_EVENT: col + (j + 1) * N_EVENT] = ew[:, lo:lo + N_EVENT]
+            for c in ("sbe_vol", "dbe_vol", "remap_corr", "remap_uncorr", "pcie_replay"):
+                f[:, _FI[f"{c}_hop"]] = a[:, A_DELTA + _CI[c]]
+            for i, xname in enumerate(XID_CLASS_NAMES):
+                f[:, _FI[f"xid_{xname}_hop"]] = a[:, A_XID + i]
+            levels = a[:, A_LEVEL:A_LEVEL + N_LEVEL]
+            seen = a[:, A_NSAMPLE] > 0
+            f[:, _FI["remap_failure"]] = levels[:, 0]
+            f[:, _FI["remap_pending"]] = levels[:, 1]
+            f[:, _FI["retired_pending"]] = levels[:, 2]
+            base = np.where(np.isnan(self.base[slots]), 0.0, self.base[slots])
+            f[:, _FI["remap_corr_total"]] = base[:, _CI["remap_corr"]]
+            f[:, _FI["remap_uncorr_total"]] = base[:, _CI["remap_uncorr"]]
+            f[:, _FI["retired_total"]] = base[:, _CI["retired_sbe"]] + base[:, _CI["retired_dbe"]]
+            f[:, _FI["sbe_agg_total"]] = base[:, _CI["sbe_agg"]]
+            f[:, _FI["dbe_agg_total"]] = base[:, _CI["dbe_agg"]]
+            # Trends: share of the week's events that came in the last day (1/7 when steady);
+            # +1 pseudo-count keeps one stray event from reading as a trend.
+            for name, cs in (("sbe_trend", ("sbe_vol", "sbe_agg")),
+                             ("nvl_trend", ("nvl_crc_flit", "nvl_crc_data", "nvl_replay", "nvl_recovery")),
+                             ("pcie_trend", ("pcie_replay",))):
+                day = sum(f[:, _FI[f"{c}_24h"]] for c in cs)
+                week = sum(f[:, _FI[f"{c}_7d"]] for c in cs)
+                f[:, _FI[name]] = day / (week + 1.0)
+            f[~seen, _FI["samples"]] = 0.0
+
+        self.ew[slots] = ew
+        self.closed_hop[slots] = hop
+        self.acc[slots] = 0.0  # temperatures and levels are >= 0, so 0 is a neutral start for fmax
+        return slots.astype(np.int64), (hop + 1) * self.hop_s, f
+
+    # ---- output ----
+    def to_records(self, slots: np.ndarray, ts: np.ndarray, feats: np.ndarray) -> list[FeatureVector]:
+        """FeatureVector records (missing values as None), in (ts, node, gpu) order."""
+        if len(slots) == 0:
+            return []
+        meta = self._meta
+        order = sorted(
+            range(len(slots)), key=lambda i: (ts[i], meta[slots[i]]["node"], meta[slots[i]]["gpu"])
+        )
+        out = []
+        names = FEATURE_NAMES
+        for i in order:
+            m = meta[slots[i]]
+            vals = {n: (None if math.isnan(v) else v) for n, v in zip(names, feats[i].tolist(), strict=True)}
+            # model_construct: our own, already-consistent output; skips re-validation per hop
+            out.append(FeatureVector.model_construct(
+                scope="gpu", ts=float(ts[i]), window_s=self.hop_s, node=m["node"], gpu=m["gpu"],
+                model=m["model"], rack=m["rack"], site=m["site"], values=vals, kind="features",
+                job=None, rank=None,
+            ))
+        return out
+
+
+def _to_json(value: Any) -> Any:
+    """numpy scalar/array -> JSON-safe lists (non-finite as strings, so strict JSON holds)."""
+    def one(v: float) -> Any:
+        return v if math.isfinite(v) else str(v)
+    if np.ndim(value):
+        return [one(v) for v in np.asarray(value).tolist()]
+    return one(float(value))
+
+
+def _from_json(value: Any) -> np.ndarray:
+    if isinstance(value, list):
+        return np.array([float(v) for v in value], dtype=np.float64)
+    return np.float64(float(value))
+
+
+_STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring")
+
+
+def _ridge_fit(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Intercept (inlet estimate, C) and slope (C per power/TDP) of temp on power/TDP from
+    sums (n, p, t, pp, pt), with the slope pulled toward PRIOR_RTH_PER_TDP."""
+    n, sp, st, spp, spt = sums.T
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pm = sp / n
+        tm = st / n
+        var = spp - n * pm * pm
+        cov = spt - n * pm * tm
+        prior = PRIOR_WEIGHT * PRIOR_SPREAD_VAR
+        slope = (cov + prior * PRIOR_RTH_PER_TDP) / (var + prior)
+        intercept = tm - slope * pm
+    empty = n <= 0
+    return np.where(empty, np.nan, intercept), np.where(empty, np.nan, slope)
+
+
+def feature_matrix(vectors: Sequence[FeatureVector], names: Sequence[str] = FEATURE_NAMES) -> np.ndarray:
+    """Stack FeatureVector values into a float matrix (None -> NaN) in `names` order."""
+    out = np.full((len(vectors), len(names)), np.nan)
+    for i, v in enumerate(vectors):
+        vals = v.values
+        for j, name in enumerate(names):
+            val = vals.get(name)
+            if val is not None:
+                out[i, j] = val
+    return out

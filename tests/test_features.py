@@ -1,0 +1,180 @@
+"""GpuFeatureWindows: hop semantics, counters with resets, XID changes, duplicates, late data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fleetwise.predictors.features import (
+    F_POWER,
+    F_REASONS,
+    F_SMCLK,
+    F_TEMP,
+    F_UTIL,
+    F_XID,
+    FEATURE_NAMES,
+    GpuFeatureWindows,
+)
+from fleetwise.schemas import GpuSample, NodeBatch
+
+T0 = 1764547200.0  # a multiple of 600 s: hop boundaries fall on T0 + k * 600
+SBE = "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"
+TDP = {"h100": ("h100-sxm", 700.0), "a100": ("a100-sxm-80gb", 400.0)}
+
+
+def windows(hop_s: float = 600.0) -> GpuFeatureWindows:
+    return GpuFeatureWindows(hop_s=hop_s, tdp_lookup=lambda m: TDP[m])
+
+
+def sample(i: int, gpu: int = 0, model: str = "h100", dt: float = 60.0, **metrics: float) -> dict:
+    base = {F_TEMP: 60.0, F_POWER: 350.0, F_UTIL: 90.0, F_SMCLK: 1980.0}
+    base.update({k.replace("__", "_"): v for k, v in metrics.items()})
+    return {"ts": T0 + dt * i, "node": "n1", "gpu": gpu, "model": model, "metrics": base}
+
+
+def hop_values(out: list) -> list[dict]:
+    return [o.values for o in out]
+
+
+def test_hop_closes_on_next_hop_sample_and_flush() -> None:
+    fw = windows()
+    out = fw.process_dicts([sample(i) for i in range(10)])
+    assert out == []  # hop 0 still open: no sample of a later hop yet
+    out = fw.process_dicts([sample(10)])
+    assert len(out) == 1 and out[0].ts == T0 + 600 and out[0].values["samples"] == 10
+    assert out[0].values["power_frac_tdp"] == pytest.approx(0.5)
+    assert fw.flush()[0].values["samples"] == 1
+
+
+def test_counter_deltas_never_negative_and_reset_counted() -> None:
+    fw = windows()
+    # SBE climbs 0..4, resets to 1 (reboot), climbs to 3: true increments 4 + 2 = 6
+    sbe = [0, 1, 2, 3, 4, 1, 2, 3]
+    out = fw.process_dicts([sample(i, **{SBE: v}) for i, v in enumerate(sbe)]) + fw.flush()
+    v = out[0].values
+    assert v["sbe_vol_hop"] == 6
+    assert v["resets_1h"] == 1
+
+
+def test_missing_counter_values_carry_the_base() -> None:
+    fw = windows()
+    rows = [sample(0, **{SBE: 5}), sample(1), sample(2, **{SBE: 7})]  # sample 1 lacks the key
+    out = fw.process_dicts(rows) + fw.flush()
+    assert out[0].values["sbe_vol_hop"] == 2
+
+
+def test_xid_counts_changes_by_class_not_repeats() -> None:
+    fw = windows()
+    xids = [0, 13, 13, 13, 79, 79, 0, 48]  # app, then off-bus, then DBE: three events
+    out = fw.process_dicts([sample(i, **{F_XID: x}) for i, x in enumerate(xids)]) + fw.flush()
+    v = out[0].values
+    assert (v["xid_app_hop"], v["xid_bus_hop"], v["xid_mem_fatal_hop"]) == (1, 1, 1)
+
+
+def test_duplicates_and_late_samples_dropped_and_counted() -> None:
+    fw = windows()
+    rows = [sample(i) for i in range(12)]
+    fw.process_dicts(rows)  # closes hop 0; hop 1 open
+    fw.process_dicts([sample(11)])  # exact duplicate of the last sample
+    fw.process_dicts([sample(3)])  # belongs to the closed hop 0: late
+    fw.process_dicts([sample(10)])  # redelivered, inside the open hop
+    assert fw.dropped_duplicate == 2
+    assert fw.dropped_late == 1
+    assert fw.flush()[0].values["samples"] == 2
+
+
+def test_out_of_order_inside_hop_does_not_corrupt_counters() -> None:
+    fw = windows()
+    rows = [sample(0, **{SBE: 0}), sample(2, **{SBE: 5}), sample(1, **{SBE: 2})]
+    fw.process_dicts(rows[:2])
+    fw.process_dicts(rows[2:])  # older reading arrives after a newer one, same hop
+    v = fw.flush()[0].values
+    assert v["sbe_vol_hop"] == 5 and v["samples"] == 3
+
+
+def test_throttle_duty_and_clock_drop() -> None:
+    fw = windows()
+    # a day at full clock, then a hop where half the samples are thermally throttled at 70 % clock
+    rows = [sample(i) for i in range(24 * 60)]
+    rows += [sample(24 * 60 + i, **{F_REASONS: 0x40 if i % 2 else 0, F_SMCLK: 1386.0 if i % 2 else 1980.0})
+             for i in range(10)]
+    out = fw.process_dicts(rows) + fw.flush()
+    last = out[-1].values
+    assert last["thr_hw_thermal"] == pytest.approx(0.5)
+    assert last["clock_ratio"] == pytest.approx(0.85, abs=0.01)
+    assert out[-2].values["clock_ratio"] == pytest.approx(1.0)
+
+
+def test_thermal_residual_rises_for_degrading_interface_not_for_hot_inlet() -> None:
+    """Temperature = inlet + R * power: a hot inlet shifts the intercept; a degrading
+    thermal interface raises R, so the residual against the GPU's own fit grows."""
+    rng = np.random.default_rng(7)
+    fw = windows()
+    rows = []
+    n = 4 * 24 * 60
+    for i in range(n):
+        power = 700 * (0.3 + 0.6 * ((i // 90) % 2))  # jobs on/off every 90 min
+        degrade = 1.0 + 0.5 * max(0.0, (i - 3 * 24 * 60) / (24 * 60))  # R rises 50% on day 4
+        noise = rng.normal(0, 0.5)
+        rows.append(sample(i, gpu=0, **{F_POWER: power, F_TEMP: 25 + 0.06 * power * degrade + noise}))
+        rows.append(sample(i, gpu=1, **{F_POWER: power, F_TEMP: 35 + 0.06 * power + noise}))  # hot inlet
+    out = fw.process_dicts(rows) + fw.flush()
+    res = {g: [o.values["temp_residual_6h"] for o in out if o.gpu == g] for g in (0, 1)}
+    assert res[0][-1] > 4.0  # degraded: several degrees above its own baseline
+    assert abs(res[1][-1]) < 1.0  # hot but healthy: on its own baseline
+    assert [o.values["inlet_est_c"] for o in out if o.gpu == 1][-1] == pytest.approx(35.0, abs=1.5)
+
+
+def test_models_normalised_by_tdp() -> None:
+    fw = windows()
+    rows = [sample(i, gpu=0, model="h100", **{F_POWER: 560.0}) for i in range(11)]
+    rows += [sample(i, gpu=1, model="a100", **{F_POWER: 320.0}) for i in range(11)]
+    out = fw.process_dicts(sorted(rows, key=lambda r: r["ts"]))
+    fracs = {o.gpu: o.values["power_frac_tdp"] for o in out}
+    assert fracs[0] == pytest.approx(0.8) and fracs[1] == pytest.approx(0.8)
+    assert {o.model for o in out} == {"h100-sxm", "a100-sxm-80gb"}
+
+
+def test_records_and_dicts_give_the_same_features() -> None:
+    rows = [sample(i, gpu=g, **{SBE: i // 3}) for i in range(30) for g in range(2)]
+    a = windows().process_dicts(rows)
+    batches = [
+        NodeBatch(ts=rows[i]["ts"], node="n1", samples=[GpuSample(**rows[i]), GpuSample(**rows[i + 1])])
+        for i in range(0, len(rows), 2)
+    ]
+    b = windows().process(batches)
+    assert [x.values for x in a] == [x.values for x in b]
+
+
+def test_batching_does_not_change_features() -> None:
+    rng = np.random.default_rng(3)
+    rows = [sample(i, gpu=g, **{F_TEMP: 50 + rng.normal(), SBE: float(i // 7)})
+            for i in range(300) for g in range(3)]
+    whole = windows().process_dicts(rows)
+    fw = windows()
+    pieces = []
+    for k in range(0, len(rows), 37):
+        pieces += fw.process_dicts(rows[k:k + 37])
+    assert len(whole) == len(pieces)
+    for x, y in zip(whole, pieces, strict=True):
+        for name in FEATURE_NAMES:
+            a, b = x.values[name], y.values[name]
+            assert (a is None and b is None) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), name
+
+
+def test_state_round_trip_resumes_identically() -> None:
+    rows = [sample(i, gpu=g, **{SBE: float(i // 5), F_XID: 13 if i == 50 else 0})
+            for i in range(200) for g in range(2)]
+    ref = windows()
+    expected = ref.process_dicts(rows)
+    fw = windows()
+    got = fw.process_dicts(rows[:205])
+    saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
+    restarted = windows()
+    for k, st in saved.items():
+        restarted.restore(k, st)
+    got += restarted.process_dicts(rows[205:])
+    assert [o.values for o in got] == [o.values for o in expected]
