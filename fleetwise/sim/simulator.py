@@ -1,0 +1,619 @@
+"""FleetSimulator: renders the pre-scheduled fleet history into DCGM-style samples and step records.
+
+The tick loop is numpy-vectorised over all GPUs; Python-level work per tick is proportional to
+the number of running jobs and active effects (few), plus building one dict per record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from fleetwise.sim.config import SimConfig
+from fleetwise.sim.fleet import (
+    DIURNAL_AMPLITUDE_C,
+    HW_SLOWDOWN_C,
+    IDLE_SM_CLOCK_MHZ,
+    SW_THERMAL_C,
+    Fleet,
+    new_uuid,
+)
+from fleetwise.sim.schedule import DAY, HOUR, Schedule, Window
+
+# Clock-event reason bits (DCGM_FI_DEV_CLOCKS_EVENT_REASONS / nvmlClocksEventReasons).
+REASON_GPU_IDLE = 0x1
+REASON_SW_POWER_CAP = 0x4
+REASON_HW_SLOWDOWN = 0x8
+REASON_SW_THERMAL = 0x20
+REASON_HW_THERMAL = 0x40
+
+DCGM_BLANK_INT64 = 9223372036854775794  # "no value" as dcgm-exporter prints it
+THERMAL_TAU_S = 40.0  # first-order lag of die temperature to a power step (our calibration)
+# Dynamic power ~ f * V^2 with V roughly tracking f: a clock share c costs ~c^2.5 of dynamic power
+# (first-order DVFS rule; used to trade clocks for power under caps and thermal limits).
+DVFS_EXPONENT = 2.5
+STEP_NOISE = 0.015  # per-step compute jitter (1-2%)
+
+P = "DCGM_FI_DEV_"
+INT_KEYS_COMMON = (
+    P + "GPU_TEMP",
+    P + "MEMORY_TEMP",
+    P + "SM_CLOCK",
+    P + "MEM_CLOCK",
+    P + "CLOCKS_EVENT_REASONS",
+    P + "GPU_UTIL",
+    P + "MEM_COPY_UTIL",
+    P + "FB_USED",
+    P + "FB_FREE",
+    P + "XID_ERRORS",
+    P + "TOTAL_ENERGY_CONSUMPTION",
+    P + "POWER_VIOLATION",
+    P + "THERMAL_VIOLATION",
+    P + "PCIE_REPLAY_COUNTER",
+    P + "ECC_SBE_VOL_TOTAL",
+    P + "ECC_DBE_VOL_TOTAL",
+    P + "ECC_SBE_AGG_TOTAL",
+    P + "ECC_DBE_AGG_TOTAL",
+)
+INT_KEYS_REMAP = (
+    P + "CORRECTABLE_REMAPPED_ROWS",
+    P + "UNCORRECTABLE_REMAPPED_ROWS",
+    P + "ROW_REMAP_FAILURE",
+    P + "ROW_REMAP_PENDING",
+)
+INT_KEYS_RETIRED = (P + "RETIRED_SBE", P + "RETIRED_DBE", P + "RETIRED_PENDING")
+INT_KEYS_NVLINK = (
+    P + "NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    P + "NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+    P + "NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+    P + "NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+)
+FLOAT_KEYS = (
+    P + "POWER_USAGE",
+    "DCGM_FI_PROF_SM_ACTIVE",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+    "DCGM_FI_PROF_DRAM_ACTIVE",
+)
+# Keys a scrape sometimes lacks (profiling fields and memory temperature drop out first).
+DROPPABLE_KEYS = (
+    P + "MEMORY_TEMP",
+    "DCGM_FI_PROF_SM_ACTIVE",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+    "DCGM_FI_PROF_DRAM_ACTIVE",
+    P + "MEM_COPY_UTIL",
+    P + "FB_FREE",
+)
+# Counters that restart from zero when the node reboots (volatile / since-boot in DCGM).
+VOLATILE = (
+    "energy",
+    "pviol",
+    "tviol",
+    "pcie",
+    "sbe_vol",
+    "dbe_vol",
+    "nvl_flit",
+    "nvl_data",
+    "nvl_replay",
+    "nvl_recovery",
+)
+# Persistent in the InfoROM: survive reboots, reset only when the board is replaced.
+PERSISTENT = (
+    "sbe_agg",
+    "dbe_agg",
+    "remap_corr",
+    "remap_unc",
+    "remap_fail",
+    "remap_pending",
+    "ret_sbe",
+    "ret_dbe",
+    "ret_pending",
+)
+
+# Background error rates per GPU-day (our calibration: most healthy GPUs log no SBE for weeks;
+# lemons show chronic low-level errors, which is part of why they are lemons).
+BG_PER_DAY = {
+    "sbe": (0.05, 1.5),
+    "pcie": (0.2, 4.0),
+    "nvl_flit": (0.3, 6.0),
+}
+
+
+class Tick(NamedTuple):
+    ts: float
+    samples: list[dict]
+    steps: list[dict]
+
+
+class FleetSimulator:
+    """A deterministic synthetic fleet: inventory, labels and a tick stream from one SimConfig."""
+
+    def __init__(self, config: SimConfig) -> None:
+        config.validate()
+        self.config = config
+        seeds = np.random.SeedSequence(config.seed).spawn(3)
+        self.fleet = Fleet(config, np.random.default_rng(seeds[0]))
+        self.schedule = Schedule(config, self.fleet, np.random.default_rng(seeds[1]))
+        self._tick_seed = seeds[2]
+        self.n_ticks = int(math.floor(config.days * DAY / config.sample_interval_s + 1e-9))
+        self._add_precursor_windows()
+
+    # --- public API --------------------------------------------------------------------------
+    @property
+    def n_gpus(self) -> int:
+        return self.fleet.n_gpus
+
+    def inventory(self) -> list[dict]:
+        """NodeInventory dicts, one per node, as of the trace start."""
+        return self.fleet.inventory(self.config.start_ts)
+
+    def labels(self) -> list[dict]:
+        """Ground truth known at construction: failures, stragglers, slowdowns, traps, lemons."""
+        return [dict(r) for r in self.schedule.labels]
+
+    def node_ticks(self, node: str) -> Iterator[Tick]:
+        """Ticks restricted to one node's samples and step records."""
+        if node not in {n.name for n in self.fleet.nodes}:
+            raise KeyError(f"unknown node {node!r}")
+        for tick in self.ticks():
+            yield Tick(
+                tick.ts,
+                [s for s in tick.samples if s["node"] == node],
+                [s for s in tick.steps if s["node"] == node],
+            )
+
+    # --- set-up ------------------------------------------------------------------------------
+    def _add_precursor_windows(self) -> None:
+        fleet = self.fleet
+        extra: list[Window] = []
+        for f in self.schedule.failures:
+            if f.abrupt or f.precursor_start is None:
+                continue
+            data: dict = {"variant": f.variant}
+            if f.cls == "thermal_interface":
+                # Resistance creeps as r(x) = 1 + (m_end - 1) x^2; chosen so that at full load on an
+                # average afternoon the die reaches the thermal target when throttling starts.
+                g = f.gpu
+                x_thr = 1.0 - f.params["throttle_s"] / (f.ts - f.precursor_start)
+                hot_inlet = fleet.static_inlet[g] + DIURNAL_AMPLITUDE_C
+                p_nom = 0.92 * fleet.tdp_w[g]
+                m_thr = max(1.08, (SW_THERMAL_C - 1.0 - hot_inlet) / (p_nom * fleet.r_base[g]))
+                data["m_end"] = 1.0 + (m_thr - 1.0) / max(x_thr, 0.3) ** 2
+            extra.append(Window(f.precursor_start, f.ts, "pre_" + f.cls, gpu=f.gpu, data=data))
+        self.schedule.windows.extend(extra)
+        self.schedule.windows.sort(key=lambda w: (w.t0, w.kind, w.gpu, w.job))
+
+    # --- the tick loop -----------------------------------------------------------------------
+    def ticks(self) -> Iterator[Tick]:  # noqa: C901 - one loop, kept together for speed
+        """Yield Tick(ts, samples, steps) in event-time order; same seed, same output."""
+        cfg, fleet, sched = self.config, self.fleet, self.schedule
+        rng = np.random.default_rng(self._tick_seed)
+        g_n = fleet.n_gpus
+        dt = cfg.sample_interval_s
+        alpha = 1.0 - math.exp(-dt / THERMAL_TAU_S)
+        ctr = {k: np.zeros(g_n, dtype=np.int64) for k in VOLATILE + PERSISTENT}
+        energy = np.zeros(g_n)  # mJ, float accumulator
+        alive = np.ones(g_n, dtype=bool)
+        uuids = list(fleet.uuids)
+        temp = fleet.static_inlet + fleet.tdp_w * 0.1 * fleet.r_base
+        activity = np.ones(g_n)
+        lemon = fleet.lemon
+        bg = {k: np.where(lemon, hi, lo) * dt / DAY for k, (lo, hi) in BG_PER_DAY.items()}
+        bg["nvl_flit"] = bg["nvl_flit"] * fleet.has_nvlink
+        hbm_offset = 6.0  # HBM runs a few degrees above the die under load (our calibration)
+        site_phase = fleet.site_phase_h[fleet.gpu_site]
+        node_gpus = [np.array(n.gpus, dtype=np.int64) for n in fleet.nodes]
+        node_names = [n.name for n in fleet.nodes]
+        static = [
+            (
+                node_names[int(fleet.gpu_node[g])],
+                int(fleet.gpu_local[g]),
+                fleet.spec(g).nvml_names[0],
+                fleet.node_of(g).rack,
+                fleet.node_of(g).site,
+            )
+            for g in range(g_n)
+        ]
+        groups = self._key_groups()
+        jobs = sorted(range(len(sched.jobs)), key=lambda j: sched.jobs[j].start)
+        job_ptr = 0
+        active_jobs: list[int] = []
+        job_steps = {}
+        windows, events = sched.windows, sched.events
+        w_ptr = ev_ptr = 0
+        active: list[Window] = []
+        step_iv = cfg.step_record_interval_s
+        start = cfg.start_ts
+        remap_clear_at: dict[int, float] = {}
+
+        for k in range(self.n_ticks):
+            ts = start + k * dt
+            prev_ts = ts - dt
+            xid = np.zeros(g_n, dtype=np.int64)
+            dying: list[int] = []
+            # ---- point events ----
+            while ev_ptr < len(events) and events[ev_ptr].ts <= ts:
+                ev = events[ev_ptr]
+                ev_ptr += 1
+                g = ev.gpu
+                if ev.kind == "xid":
+                    if alive[g]:
+                        xid[g] = ev.code
+                elif ev.kind == "xid74":
+                    if alive[g]:
+                        xid[g] = 74
+                        ctr["nvl_flit"][g] += ev.data["crc"]
+                        ctr["nvl_data"][g] += ev.data["crc"] // 4
+                        ctr["nvl_replay"][g] += ev.data["crc"] // 2
+                        ctr["nvl_recovery"][g] += 1
+                elif ev.kind == "fail":
+                    f = next(x for x in sched.failures if x.gpu == g and x.ts == ev.ts)
+                    if f.cls == "silent":
+                        alive[g] = False
+                        continue
+                    if f.cls == "hbm_ecc":
+                        ctr["dbe_vol"][g] += 1
+                        ctr["dbe_agg"][g] += 1
+                        if fleet.has_remap[g]:
+                            ctr["remap_unc"][g] += 1
+                        else:
+                            ctr["ret_dbe"][g] += 1
+                    xid[g] = f.final_xid
+                    dying.append(g)
+                elif ev.kind == "repair":
+                    alive[g] = True
+                    uuids[g] = new_uuid(rng)
+                    for key in VOLATILE + PERSISTENT:
+                        ctr[key][g] = 0
+                    energy[g] = 0.0
+                    temp[g] = fleet.static_inlet[g]
+                elif ev.kind == "reboot":
+                    gs = node_gpus[ev.node]
+                    for key in VOLATILE:
+                        ctr[key][gs] = 0
+                    energy[gs] = 0.0
+                    ctr["remap_pending"][gs] = 0  # a pending remap is applied at GPU reset
+                    ctr["ret_pending"][gs] = 0
+            # ---- windows ----
+            while w_ptr < len(windows) and windows[w_ptr].t0 <= ts:
+                active.append(windows[w_ptr])
+                w_ptr += 1
+            if active:
+                active = [w for w in active if w.t1 > ts]
+            speed = np.ones(g_n)
+            forced = np.ones(g_n)
+            r_mult = np.ones(g_n)
+            silent_node = np.zeros(len(fleet.nodes), dtype=bool)
+            down_node = np.zeros(len(fleet.nodes), dtype=bool)
+            job_net: dict[int, float] = {}
+            job_input: dict[int, float] = {}
+            job_drop: dict[int, float] = {}
+            for w in active:
+                kind, g = w.kind, w.gpu
+                if kind == "failslow":
+                    speed[g] *= w.factor
+                elif kind == "thermal_throttle":
+                    forced[g] = min(forced[g], w.factor)
+                elif kind == "slow_network":
+                    job_net[w.job] = min(job_net.get(w.job, 1.0), w.factor)
+                elif kind == "slow_input":
+                    job_input[w.job] = min(job_input.get(w.job, 1.0), w.factor)
+                elif kind == "util_drop":
+                    job_drop[w.job] = w.factor
+                elif kind == "scrape_gap":
+                    silent_node[w.data["node"]] = True
+                elif kind == "node_down":
+                    down_node[w.data["node"]] = True
+                elif not alive[g]:
+                    continue
+                elif kind == "benign_sbe":
+                    n = int(rng.poisson(w.data["total"] * dt / (w.t1 - w.t0)))
+                    ctr["sbe_vol"][g] += n
+                    ctr["sbe_agg"][g] += n
+                    if ts + dt >= w.t1 and not w.data.get("done"):
+                        # The burst ends in one correctable remap (or one retired page) that works.
+                        w.data["done"] = True
+                        if fleet.has_remap[g]:
+                            ctr["remap_corr"][g] += 1
+                            ctr["remap_pending"][g] = 1
+                        else:
+                            ctr["ret_sbe"][g] += 1
+                            ctr["ret_pending"][g] = 1
+                        remap_clear_at[g] = ts + float(rng.uniform(0.5, 3.0)) * HOUR
+                        xid[g] = max(xid[g], 63)
+                elif kind.startswith("pre_"):
+                    x = (ts - w.t0) / (w.t1 - w.t0)
+                    self._precursor_tick(rng, w, x, dt, ctr, xid, r_mult)
+            for g, t_clear in list(remap_clear_at.items()):
+                if ts >= t_clear:
+                    ctr["remap_pending"][g] = 0  # operator reset applied the remap: it succeeded
+                    ctr["ret_pending"][g] = 0
+                    del remap_clear_at[g]
+            # ---- jobs: load per GPU ----
+            while job_ptr < len(jobs) and sched.jobs[jobs[job_ptr]].start <= ts:
+                active_jobs.append(jobs[job_ptr])
+                job_ptr += 1
+            active_jobs = [j for j in active_jobs if sched.jobs[j].end > ts]
+            util = np.zeros(g_n)
+            intensity = np.zeros(g_n)
+            mem_copy = np.zeros(g_n)
+            fb_frac = np.zeros(g_n)
+            tensor = np.zeros(g_n)
+            gpu_job = np.full(g_n, -1, dtype=np.int64)
+            gpu_rank = np.zeros(g_n, dtype=np.int64)
+            paused: dict[int, bool] = {}
+            for ji in active_jobs:
+                job = sched.jobs[ji]
+                gs = job.gpus
+                in_ckpt = ((ts - job.start - job.ckpt_phase) % job.ckpt_period) < job.ckpt_dur
+                u = job.util
+                if in_ckpt:
+                    u = 8.0  # writing a checkpoint: the GPUs mostly wait on storage
+                elif ji in job_drop:
+                    u = job.util * job_drop[ji]
+                elif ji in job_input:
+                    u = job.util * job_input[ji]  # starved by the input pipeline
+                paused[ji] = in_ckpt or ji in job_drop
+                util[gs] = u
+                intensity[gs] = job.intensity
+                mem_copy[gs] = job.mem_copy_util * u / 100.0
+                fb_frac[gs] = job.fb_frac
+                tensor[gs] = job.tensor_ratio
+                gpu_job[gs] = ji
+                gpu_rank[gs] = np.arange(job.ranks)
+            gpu_down = down_node[fleet.gpu_node]
+            util[gpu_down] = 0.0
+            load = util / 100.0
+            # ---- physics ----
+            noise = rng.standard_normal((6, g_n))
+            hour = (ts % DAY) / HOUR
+            inlet = (
+                fleet.static_inlet
+                + DIURNAL_AMPLITUDE_C * np.cos(2.0 * np.pi * (hour - site_phase) / 24.0)
+                + 0.2 * noise[0]
+            )
+            tdp, idle = fleet.tdp_w, fleet.idle_w
+            demand = idle + (tdp - idle) * intensity * load * (0.6 + 0.4 * activity)
+            capped = demand > tdp
+            power = np.minimum(demand, tdp)
+            clock = np.where(
+                capped, ((tdp - idle) / np.maximum(demand - idle, 1e-9)) ** (1 / DVFS_EXPONENT), 1.0
+            )
+            r_eff = fleet.r_base * r_mult
+            t_ss = inlet + power * r_eff
+            over = t_ss > SW_THERMAL_C
+            allowed = np.maximum((SW_THERMAL_C - inlet) / r_eff, idle)
+            ratio = np.clip((allowed - idle) / np.maximum(power - idle, 1e-9), 0.3, 1.0)
+            clock = np.where(over, clock * ratio ** (1 / DVFS_EXPONENT), clock)
+            power = np.where(over, np.minimum(power, allowed), power)
+            t_ss = np.where(over, SW_THERMAL_C + 0.3 * np.abs(noise[1]), t_ss)
+            hold = (forced < 1.0) & (load > 0.5)
+            if hold.any():
+                # The thermal regulator holds the die at its target by shedding clocks.
+                clock = np.where(hold, np.minimum(clock, forced), clock)
+                power = np.where(hold, idle + (power - idle) * forced**DVFS_EXPONENT, power)
+                t_ss = np.where(hold, SW_THERMAL_C + 1.2 + 0.8 * noise[1], t_ss)
+            temp = temp + alpha * (t_ss - temp) + 0.3 * noise[2]
+            thermal_limited = over | hold
+            mem_temp = temp + hbm_offset * (0.3 + 0.7 * load) + 0.3 * noise[3]
+            busy = load > 0.02
+            sm_clock = np.where(
+                busy, fleet.max_sm_clock * clock * (1.0 + 0.003 * noise[4]), IDLE_SM_CLOCK_MHZ
+            )
+            reasons = (
+                np.where(~busy, REASON_GPU_IDLE, 0)
+                | np.where(capped, REASON_SW_POWER_CAP, 0)
+                | np.where(thermal_limited & busy, REASON_SW_THERMAL, 0)
+                | np.where(temp > HW_SLOWDOWN_C, REASON_HW_THERMAL | REASON_HW_SLOWDOWN, 0)
+            )
+            power_meas = power * (1.0 + 0.01 * noise[5])
+            energy += power_meas * dt * 1000.0
+            ctr["pviol"] += (capped * dt * 1e9).astype(np.int64)
+            ctr["tviol"] += ((thermal_limited & busy) * dt * 1e9).astype(np.int64)
+            for key in ("sbe", "pcie", "nvl_flit"):
+                hits = rng.poisson(bg[key])
+                if key == "sbe":
+                    ctr["sbe_vol"] += hits
+                    ctr["sbe_agg"] += hits
+                elif key == "pcie":
+                    ctr["pcie"] += hits
+                else:
+                    ctr["nvl_flit"] += hits
+                    ctr["nvl_replay"] += hits // 2
+            # ---- steps ----
+            steps: list[dict] = []
+            m0 = math.ceil((prev_ts - start) / step_iv + 1e-9)
+            m1 = math.floor((ts - start) / step_iv + 1e-9)
+            record_times = [start + m * step_iv for m in range(m0, m1 + 1)] if k else [start]
+            for ji in active_jobs:
+                job = sched.jobs[ji]
+                gs = job.gpus
+                f_in = job_input.get(ji, 1.0)
+                f_net = job_net.get(ji, 1.0)
+                rank_speed = clock[gs] * speed[gs] * f_in
+                nominal = job.samples * job.work_tflop_per_sample / (job.capability * rank_speed)
+                base_step = float(nominal.max()) + job.comm_s
+                step_time = base_step / f_net
+                activity[gs] = nominal / step_time
+                if ji not in job_steps:
+                    job_steps[ji] = max(0.0, (ts - job.start)) / step_time
+                if paused.get(ji):
+                    continue
+                counter0 = job_steps[ji]
+                job_steps[ji] = counter0 + dt / step_time
+                for t_rec in record_times:
+                    comp = nominal * np.exp(STEP_NOISE * rng.standard_normal(job.ranks))
+                    st = (float(comp.max()) + job.comm_s * (1.0 + 0.02 * abs(rng.standard_normal()))) / f_net
+                    step_no = int(counter0 + (t_rec - prev_ts) / step_time)
+                    comp_l = np.round(comp, 4).tolist()
+                    st_r = round(st, 4)
+                    for r in range(job.ranks):
+                        g = int(gs[r])
+                        if not alive[g]:
+                            continue
+                        steps.append(
+                            {
+                                "ts": t_rec,
+                                "job": job.name,
+                                "rank": r,
+                                "node": static[g][0],
+                                "gpu": static[g][1],
+                                "step": step_no,
+                                "step_time_s": st_r,
+                                "compute_s": comp_l[r],
+                                "micro_batch": int(job.micro_batch[r]),
+                                "samples": int(job.samples[r]),
+                                "model": job.model_ids[r],
+                            }
+                        )
+            activity[gpu_job < 0] = 1.0
+            # ---- samples ----
+            report = alive & ~silent_node[fleet.gpu_node] & ~gpu_down
+            cols = {
+                P + "GPU_TEMP": np.rint(temp),
+                P + "MEMORY_TEMP": np.rint(mem_temp),
+                P + "SM_CLOCK": np.rint(sm_clock),
+                P + "MEM_CLOCK": fleet.mem_clock,
+                P + "CLOCKS_EVENT_REASONS": reasons,
+                P + "GPU_UTIL": np.where(busy, np.clip(np.rint(util + noise[4]), 0, 100), 0),
+                P + "MEM_COPY_UTIL": np.where(busy, np.clip(np.rint(mem_copy + 2.0 * noise[5]), 0, 100), 0),
+                P + "FB_USED": np.rint(fb_frac * fleet.memory_mib),
+                P + "FB_FREE": np.rint(fleet.memory_mib * (1.0 - fb_frac - 0.0065)),
+                P + "XID_ERRORS": xid,
+                P + "TOTAL_ENERGY_CONSUMPTION": energy,
+                P + "POWER_VIOLATION": ctr["pviol"],
+                P + "THERMAL_VIOLATION": ctr["tviol"],
+                P + "PCIE_REPLAY_COUNTER": ctr["pcie"],
+                P + "ECC_SBE_VOL_TOTAL": ctr["sbe_vol"],
+                P + "ECC_DBE_VOL_TOTAL": ctr["dbe_vol"],
+                P + "ECC_SBE_AGG_TOTAL": ctr["sbe_agg"],
+                P + "ECC_DBE_AGG_TOTAL": ctr["dbe_agg"],
+                P + "CORRECTABLE_REMAPPED_ROWS": ctr["remap_corr"],
+                P + "UNCORRECTABLE_REMAPPED_ROWS": ctr["remap_unc"],
+                P + "ROW_REMAP_FAILURE": ctr["remap_fail"],
+                P + "ROW_REMAP_PENDING": ctr["remap_pending"],
+                P + "RETIRED_SBE": ctr["ret_sbe"],
+                P + "RETIRED_DBE": ctr["ret_dbe"],
+                P + "RETIRED_PENDING": ctr["ret_pending"],
+                P + "NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": ctr["nvl_flit"],
+                P + "NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": ctr["nvl_data"],
+                P + "NVLINK_REPLAY_ERROR_COUNT_TOTAL": ctr["nvl_replay"],
+                P + "NVLINK_RECOVERY_ERROR_COUNT_TOTAL": ctr["nvl_recovery"],
+            }
+            fcols = {
+                P + "POWER_USAGE": np.round(power_meas, 3),
+                "DCGM_FI_PROF_SM_ACTIVE": np.round(np.clip(load * activity * 0.92, 0, 1), 3),
+                "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": np.round(
+                    np.clip(load * activity * 0.92 * tensor, 0, 1), 3
+                ),
+                "DCGM_FI_PROF_DRAM_ACTIVE": np.round(np.clip(mem_copy / 100.0 * 0.8, 0, 1), 3),
+            }
+            samples: list[dict] = []
+            for gidx, ikeys, fkeys in groups:
+                sel = gidx[report[gidx]]
+                if not len(sel):
+                    continue
+                imat = np.column_stack([cols[key][sel] for key in ikeys]).astype(np.int64).tolist()
+                fmat = np.column_stack([fcols[key][sel] for key in fkeys]).tolist()
+                jobs_sel = gpu_job[sel].tolist()
+                ranks_sel = gpu_rank[sel].tolist()
+                for i, g in enumerate(sel.tolist()):
+                    metrics = dict(zip(ikeys, imat[i], strict=True))
+                    metrics.update(zip(fkeys, fmat[i], strict=True))
+                    node, local, model, rack, site = static[g]
+                    rec = {
+                        "ts": ts,
+                        "node": node,
+                        "gpu": local,
+                        "uuid": uuids[g],
+                        "model": model,
+                        "metrics": metrics,
+                        "rack": rack,
+                        "site": site,
+                    }
+                    ji = jobs_sel[i]
+                    if ji >= 0:
+                        rec["job"] = sched.jobs[ji].name
+                        rec["rank"] = ranks_sel[i]
+                    samples.append(rec)
+            samples.sort(key=lambda s: (s["node"], s["gpu"]))
+            # Scrapes sometimes lack fields, or carry DCGM's blank sentinel.
+            n_miss = int(rng.binomial(len(samples), cfg.missing_key_prob)) if samples else 0
+            for pos in rng.choice(len(samples), size=n_miss, replace=False) if n_miss else ():
+                metrics = samples[int(pos)]["metrics"]
+                if rng.random() < 0.25 and P + "MEMORY_TEMP" in metrics:
+                    metrics[P + "MEMORY_TEMP"] = DCGM_BLANK_INT64
+                    continue
+                for key in rng.choice(DROPPABLE_KEYS, size=int(rng.integers(1, 4)), replace=False):
+                    metrics.pop(str(key), None)
+            for g in dying:
+                alive[g] = False
+            yield Tick(ts, samples, steps)
+
+    def _precursor_tick(
+        self,
+        rng: np.random.Generator,
+        w: Window,
+        x: float,
+        dt: float,
+        ctr: dict,
+        xid: np.ndarray,
+        r_mult: np.ndarray,
+    ) -> None:
+        """Advance one failing GPU's precursor by one tick (x = share of the precursor elapsed)."""
+        g = w.gpu
+        fleet = self.fleet
+        cls = w.kind[4:]
+        if cls == "hbm_ecc":
+            # Single-bit rate climbs ~e^6.5 over the precursor (0.2/h -> ~130/h).
+            sbe_h = 0.2 * math.exp(6.5 * x)
+            n = int(rng.poisson(sbe_h * dt / HOUR))
+            ctr["sbe_vol"][g] += n
+            ctr["sbe_agg"][g] += n
+            if rng.random() < 0.05 * math.exp(4.0 * x) * dt / HOUR:
+                if fleet.has_remap[g]:
+                    ctr["remap_corr"][g] += 1
+                    ctr["remap_pending"][g] = 1
+                else:
+                    ctr["ret_sbe"][g] += 1
+                    ctr["ret_pending"][g] = 1
+                xid[g] = 63
+            if sbe_h > 20.0 and rng.random() < dt / (2.0 * HOUR):
+                xid[g] = 92  # "high single-bit ECC error rate"
+            if w.data.get("variant") == "remap_failure" and x > 0.9 and not w.data.get("remap_failed"):
+                w.data["remap_failed"] = True
+                if fleet.has_remap[g]:
+                    ctr["remap_fail"][g] = 1
+                    xid[g] = 64
+        elif cls == "nvlink":
+            flit_h = 3.0 * math.exp(5.0 * x)
+            n = int(rng.poisson(flit_h * dt / HOUR))
+            ctr["nvl_flit"][g] += n
+            ctr["nvl_data"][g] += int(rng.poisson(0.3 * flit_h * dt / HOUR))
+            ctr["nvl_replay"][g] += int(rng.poisson(0.5 * flit_h * dt / HOUR))
+            ctr["nvl_recovery"][g] += int(rng.poisson(0.02 * flit_h * dt / HOUR))
+        elif cls == "off_bus":
+            ctr["pcie"][g] += int(rng.poisson(2.0 * math.exp(5.0 * x) * dt / HOUR))
+        elif cls == "gsp":
+            if rng.random() < 2.0 * dt / (w.t1 - w.t0):
+                xid[g] = 119  # GSP RPC timeout
+        elif cls == "thermal_interface":
+            r_mult[g] *= 1.0 + (w.data["m_end"] - 1.0) * x * x
+
+    def _key_groups(self) -> list[tuple[np.ndarray, tuple[str, ...], tuple[str, ...]]]:
+        """GPUs grouped by which DCGM fields their generation reports."""
+        fleet = self.fleet
+        layouts: dict[tuple[bool, bool, bool], list[int]] = {}
+        for g in range(fleet.n_gpus):
+            hbm = fleet.spec(g).memory_bw_tbs >= 0.9  # GDDR boards report no memory temperature
+            layouts.setdefault((bool(fleet.has_remap[g]), bool(fleet.has_nvlink[g]), hbm), []).append(g)
+        out = []
+        for (remap, nvlink, hbm), gpus in sorted(layouts.items()):
+            ikeys = tuple(k for k in INT_KEYS_COMMON if hbm or k != P + "MEMORY_TEMP")
+            ikeys += INT_KEYS_REMAP if remap else INT_KEYS_RETIRED
+            if nvlink:
+                ikeys += INT_KEYS_NVLINK
+            out.append((np.array(gpus, dtype=np.int64), ikeys, FLOAT_KEYS))
+        return out
