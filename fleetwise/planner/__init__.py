@@ -1,1 +1,24 @@
-"""planner"""
+"""Parallelism planning for mixed GPU generations: cost model, search and re-planning."""
+
+from fleetwise.planner.cluster import Cluster, GpuSlot, cluster_from_inventory, parse_gpu_spec
+from fleetwise.planner.models import MODEL_PRESETS, load_model, parse_model_dict, resolve_model
+from fleetwise.planner.replan import RankDiff, diff_plans, plan_timeline, replan
+from fleetwise.planner.search import InfeasiblePlanError, PlanRequest, plan_job
+
+__all__ = [
+    "MODEL_PRESETS",
+    "Cluster",
+    "GpuSlot",
+    "InfeasiblePlanError",
+    "PlanRequest",
+    "RankDiff",
+    "cluster_from_inventory",
+    "diff_plans",
+    "load_model",
+    "parse_gpu_spec",
+    "parse_model_dict",
+    "plan_job",
+    "plan_timeline",
+    "replan",
+    "resolve_model",
+]
