@@ -203,6 +203,7 @@ class Evaluation:
     per_class: list[tuple[int, int]] | None = None  # micro-batches per class: (base, extra)
     worst_ratio: float = math.inf  # max need / usable over GPUs (for infeasible candidates)
     needs: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    need_arrays: tuple[np.ndarray, np.ndarray] | None = None  # (kinds, bytes) per class and stage
     pipeline_s: float = 0.0
     dp_comm_s: float = 0.0
     optimizer_s: float = 0.0
@@ -254,6 +255,7 @@ class _Evaluator:
         self.layer_fwd = cost.layer_forward_flops(m, s)
         self.logits_fwd = cost.logits_forward_flops(m, s)
         self.hidden = m.hidden
+        self.lazy_needs = False  # the search fills ``needs`` only for the candidate it reports
 
     # -- per class and stage costs --
     def stage_arrays(
@@ -359,7 +361,7 @@ class _Evaluator:
             if ratio > 1.0:
                 if not best.feasible and ratio < best.worst_ratio:
                     best = Evaluation(feasible=False, worst_ratio=ratio, layers=lay,
-                                      needs=self._needs(kinds_mat, need))
+                                      need_arrays=(kinds_mat, need))
                 continue
             stage_s = fs + lay_arr * ps  # (C, pp) seconds per micro-batch
             c_k = stage_s.max(axis=1)
@@ -391,10 +393,12 @@ class _Evaluator:
             lay_arr = np.array(_even_split(L, pp))
             need = fb + lay_arr * pb
             best = Evaluation(feasible=False, worst_ratio=float((need / usable).max()),
-                              layers=list(lay_arr), needs=self._needs(kinds_mat, need))
+                              layers=list(lay_arr), need_arrays=(kinds_mat, need))
+        if best.need_arrays is not None and not best.feasible and not self.lazy_needs:
+            best.needs = self.needs(*best.need_arrays)
         return best
 
-    def _needs(self, kinds_mat: np.ndarray, need: np.ndarray) -> dict[str, tuple[float, float, float]]:
+    def needs(self, kinds_mat: np.ndarray, need: np.ndarray) -> dict[str, tuple[float, float, float]]:
         K = self.fleet.kinds
         out: dict[str, tuple[float, float, float]] = {}
         for k in np.unique(kinds_mat):
@@ -578,7 +582,10 @@ class _Search:
         self.evaluated = 0
         m = request.model
         # compute-only lower bound of a step: FLOPs of the batch over the GPUs' capability
-        self.batch_flops = request.global_batch * cost.model_flops_per_sample(m, request.seq, "none")
+        self.sample_flops = cost.model_flops_per_sample(m, request.seq, "none")
+        self.batch_flops = request.global_batch * self.sample_flops
+        self.ev.lazy_needs = True
+        self._layer_sample_s: dict[int, np.ndarray] = {}
 
     def tp_options(self) -> list[int]:
         m = self.req.model
@@ -629,10 +636,45 @@ class _Search:
             allowed.remove(0)
         return allowed
 
-    def lower_bound(self, groups: TpGroups, layout: Layout) -> float:
+    def layer_sample_s(self, tp: int) -> np.ndarray:
+        """Per kind: seconds for one TP group of ``tp`` to run one layer for one sample,
+        forward and backward, TP collectives included (no recomputation)."""
+        if tp not in self._layer_sample_s:
+            K = self.fleet.kinds
+            ev = self.ev
+            secs = ev.layer_fwd * 3.0 / tp / (K.cap_tflops * 1e12)
+            if tp > 1:
+                msg = self.req.seq * ev.hidden * ev.act_bytes
+                ring = cost.ring_allreduce_s(msg, tp, 1.0)
+                secs = secs + cost.tp_collectives_per_layer("none") * ring / K.nvlink_bw
+            self._layer_sample_s[tp] = secs
+        return self._layer_sample_s[tp]
+
+    def lower_bound(self, groups: TpGroups, layout: Layout, micro_batch: int = 1) -> float:
+        """No step can be faster: the batch's layer work spread over all used TP groups at
+        their best rate, plus the pipeline fill of the first micro-batch on the fastest group."""
         used = groups.kind[layout.index].ravel()
-        cap = float(self.fleet.kinds.cap_tflops[used].sum()) * layout.tp * 1e12
-        return self.batch_flops / cap
+        per = self.layer_sample_s(layout.tp)[used]
+        work = self.req.global_batch * self.ev.L / float((1.0 / per).sum())
+        fill = (layout.pp - 1) / layout.pp * micro_batch * self.ev.L * float(per.min())
+        return work + fill + self.sync_bound(groups, layout, used)
+
+    def sync_bound(self, groups: TpGroups, layout: Layout, used: np.ndarray) -> float:
+        """Gradient sync can be no faster than for an average stage (same model as
+        ``_Evaluator._sync_costs``, which uses the largest stage)."""
+        if layout.dp <= 1:
+            return 0.0
+        K = self.fleet.kinds
+        tp, pp = layout.tp, layout.pp
+        grad_bytes = (self.ev.L * self.ev.layer_params + self.ev.embed_params) / pp / tp * 2.0
+        present = np.unique(used)
+        nodes = groups.node[layout.index]
+        if bool(np.all(nodes == nodes.flat[0])):
+            bw = float(np.maximum(K.nvlink_bw[present], K.pcie_bw[present]).max())
+        else:
+            bw = float((K.net_bw[present] / np.minimum(K.node_gpus[present], tp * pp)).min())
+        low_z = min(cost.ZERO_COMM_FACTOR[z] for z in self.req.zero_stages)
+        return low_z * cost.ring_allreduce_s(grad_bytes, layout.dp, bw)
 
     def consider(self, layout: Layout, cls: _Classes, b: int, z: int, rc: str) -> Evaluation:
         self.evaluated += 1
@@ -656,18 +698,26 @@ class _Search:
                 if not exhaustive and z == 3 and fitted:
                     break  # ZeRO-3 only adds communication once a lower stage fits
                 for b in self.micro_options(layout.dp):
+                    best = self.best.result.step_s if self.best is not None else math.inf
+                    if self.lower_bound(groups, layout, b) >= best:
+                        break  # the bound grows with b
                     if self.consider(layout, cls, b, z, rc).feasible:
                         fitted = True
+                    else:
+                        break  # activation memory grows with b: larger ones cannot fit either
             if fitted and not exhaustive:
                 break  # recomputing more only costs time once a lighter mode fits
 
     def run(self) -> None:
+        """Best-first over (tp, pp, dp, arrangement): layouts in order of their lower bound,
+        stopping when no remaining layout can beat the best plan found."""
         strategy = self.req.strategy
         tps = self.tp_options()
         if strategy is not None:
             tp, pp, dp = strategy
             self._check_strategy(tp, pp, dp, tps)
             tps = [tp]
+        queue = []
         for tp in tps:
             groups = self.fleet.groups(tp)
             n = len(groups.kind)
@@ -678,8 +728,13 @@ class _Search:
                     for arrangement in ARRANGEMENTS:
                         if arrangement == "striped" and (pp == 1 or dp == 1):
                             continue  # identical to grouped
-                        index = _arrange(groups, pp, dp, arrangement)
-                        self.run_layout(Layout(tp, pp, dp, arrangement, index), groups)
+                        layout = Layout(tp, pp, dp, arrangement, _arrange(groups, pp, dp, arrangement))
+                        queue.append((self.lower_bound(groups, layout), len(queue), layout, groups))
+        queue.sort(key=lambda item: item[:2])
+        for bound, _, layout, groups in queue:
+            if self.best is not None and bound >= self.best.result.step_s:
+                break
+            self.run_layout(layout, groups)
 
     def _check_strategy(self, tp: int, pp: int, dp: int, tps: list[int]) -> None:
         m = self.req.model
@@ -709,7 +764,7 @@ class _Search:
         if self.closest is None:
             return InfeasiblePlanError(head + ": no candidate split (too few GPUs or layers)")
         c = self.closest
-        needs = c.result.needs
+        needs = self.ev.needs(*c.result.need_arrays) if c.result.need_arrays else c.result.needs
         parts = [
             f"{gpu_id} needs {need:.1f} GB, has {usable:.1f} GB usable of {capacity:.0f} GB"
             for gpu_id, (need, usable, capacity) in sorted(needs.items())
