@@ -15,6 +15,7 @@ from fleetwise.planner import (
     GpuSlot,
     InfeasiblePlanError,
     PlanRequest,
+    cost,
     parse_gpu_spec,
     parse_model_dict,
     plan_job,
@@ -22,7 +23,6 @@ from fleetwise.planner import (
     replan,
     resolve_model,
 )
-from fleetwise.planner import cost
 from fleetwise.planner.search import _allocate, _minmax_layers
 from fleetwise.schemas import ModelShape, Plan
 
