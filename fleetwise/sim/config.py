@@ -135,7 +135,7 @@ def parse_gpu_spec(spec: str) -> list[tuple[GpuSpec, int]]:
         try:
             gpu = lookup(name.strip())
         except UnknownGpuError as exc:
-            raise SimConfigError(f"unknown GPU {name.strip()!r} in {item!r}: {exc}") from None
+            raise SimConfigError(f"{exc} (in GPU spec item {item!r})") from None
         if gpu.vendor != "NVIDIA" or not gpu.nvml_names:
             raise SimConfigError(
                 f"GPU {gpu.id!r} has no NVML/DCGM telemetry; the simulator writes DCGM fields (NVIDIA only)"

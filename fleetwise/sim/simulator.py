@@ -217,6 +217,24 @@ class FleetSimulator:
             for g in range(g_n)
         ]
         groups = self._key_groups()
+        job_names = [j.name for j in sched.jobs]
+        # Per job, per rank: the fields of a step record that never change.
+        rank_static = [
+            [
+                (
+                    r,
+                    int(g),
+                    j.name,
+                    static[int(g)][0],
+                    static[int(g)][1],
+                    int(j.micro_batch[r]),
+                    int(j.samples[r]),
+                    j.model_ids[r],
+                )
+                for r, g in enumerate(j.gpus)
+            ]
+            for j in sched.jobs
+        ]
         jobs = sorted(range(len(sched.jobs)), key=lambda j: sched.jobs[j].start)
         job_ptr = 0
         active_jobs: list[int] = []
@@ -449,25 +467,23 @@ class FleetSimulator:
                     step_no = int(counter0 + (t_rec - prev_ts) / step_time)
                     comp_l = np.round(comp, 4).tolist()
                     st_r = round(st, 4)
-                    for r in range(job.ranks):
-                        g = int(gs[r])
-                        if not alive[g]:
-                            continue
-                        steps.append(
-                            {
-                                "ts": t_rec,
-                                "job": job.name,
-                                "rank": r,
-                                "node": static[g][0],
-                                "gpu": static[g][1],
-                                "step": step_no,
-                                "step_time_s": st_r,
-                                "compute_s": comp_l[r],
-                                "micro_batch": int(job.micro_batch[r]),
-                                "samples": int(job.samples[r]),
-                                "model": job.model_ids[r],
-                            }
-                        )
+                    steps.extend(
+                        {
+                            "ts": t_rec,
+                            "job": name,
+                            "rank": r,
+                            "node": node,
+                            "gpu": local,
+                            "step": step_no,
+                            "step_time_s": st_r,
+                            "compute_s": comp_l[r],
+                            "micro_batch": mb,
+                            "samples": n_samples,
+                            "model": model_id,
+                        }
+                        for r, g, name, node, local, mb, n_samples, model_id in rank_static[ji]
+                        if alive[g]
+                    )
             activity[gpu_job < 0] = 1.0
             # ---- samples ----
             report = alive & ~silent_node[fleet.gpu_node] & ~gpu_down
@@ -511,34 +527,36 @@ class FleetSimulator:
                 "DCGM_FI_PROF_DRAM_ACTIVE": np.round(np.clip(mem_copy / 100.0 * 0.8, 0, 1), 3),
             }
             samples: list[dict] = []
-            for gidx, ikeys, fkeys in groups:
+            for gidx, keys in groups:
                 sel = gidx[report[gidx]]
                 if not len(sel):
                     continue
-                imat = np.column_stack([cols[key][sel] for key in ikeys]).astype(np.int64).tolist()
-                fmat = np.column_stack([fcols[key][sel] for key in fkeys]).tolist()
-                jobs_sel = gpu_job[sel].tolist()
-                ranks_sel = gpu_rank[sel].tolist()
-                for i, g in enumerate(sel.tolist()):
-                    metrics = dict(zip(ikeys, imat[i], strict=True))
-                    metrics.update(zip(fkeys, fmat[i], strict=True))
-                    node, local, model, rack, site = static[g]
-                    rec = {
+                n_int = len(keys) - len(FLOAT_KEYS)
+                imat = np.column_stack([cols[key][sel] for key in keys[:n_int]]).astype(np.int64).tolist()
+                fmat = np.column_stack([fcols[key][sel] for key in FLOAT_KEYS]).tolist()
+                sel_l = sel.tolist()
+                start_i = len(samples)
+                samples.extend(
+                    {
                         "ts": ts,
-                        "node": node,
-                        "gpu": local,
+                        "node": static[g][0],
+                        "gpu": static[g][1],
                         "uuid": uuids[g],
-                        "model": model,
-                        "metrics": metrics,
-                        "rack": rack,
-                        "site": site,
+                        "model": static[g][2],
+                        "metrics": dict(zip(keys, irow + frow, strict=True)),
+                        "rack": static[g][3],
+                        "site": static[g][4],
                     }
-                    ji = jobs_sel[i]
-                    if ji >= 0:
-                        rec["job"] = sched.jobs[ji].name
+                    for g, irow, frow in zip(sel_l, imat, fmat, strict=True)
+                )
+                on_job = np.nonzero(gpu_job[sel] >= 0)[0].tolist()
+                if on_job:
+                    jobs_sel = gpu_job[sel].tolist()
+                    ranks_sel = gpu_rank[sel].tolist()
+                    for i in on_job:
+                        rec = samples[start_i + i]
+                        rec["job"] = job_names[jobs_sel[i]]
                         rec["rank"] = ranks_sel[i]
-                    samples.append(rec)
-            samples.sort(key=lambda s: (s["node"], s["gpu"]))
             # Scrapes sometimes lack fields, or carry DCGM's blank sentinel.
             n_miss = int(rng.binomial(len(samples), cfg.missing_key_prob)) if samples else 0
             for pos in rng.choice(len(samples), size=n_miss, replace=False) if n_miss else ():
@@ -602,18 +620,27 @@ class FleetSimulator:
         elif cls == "thermal_interface":
             r_mult[g] *= 1.0 + (w.data["m_end"] - 1.0) * x * x
 
-    def _key_groups(self) -> list[tuple[np.ndarray, tuple[str, ...], tuple[str, ...]]]:
-        """GPUs grouped by which DCGM fields their generation reports."""
+    def _key_groups(self) -> list[tuple[np.ndarray, tuple[str, ...]]]:
+        """Runs of consecutive GPUs reporting the same DCGM fields (ints first, then FLOAT_KEYS).
+
+        Runs keep global GPU order, so a tick's samples come out sorted by node and GPU.
+        """
         fleet = self.fleet
-        layouts: dict[tuple[bool, bool, bool], list[int]] = {}
+        out: list[tuple[np.ndarray, tuple[str, ...]]] = []
+        run: list[int] = []
+        run_keys: tuple[str, ...] = ()
         for g in range(fleet.n_gpus):
             hbm = fleet.spec(g).memory_bw_tbs >= 0.9  # GDDR boards report no memory temperature
-            layouts.setdefault((bool(fleet.has_remap[g]), bool(fleet.has_nvlink[g]), hbm), []).append(g)
-        out = []
-        for (remap, nvlink, hbm), gpus in sorted(layouts.items()):
-            ikeys = tuple(k for k in INT_KEYS_COMMON if hbm or k != P + "MEMORY_TEMP")
-            ikeys += INT_KEYS_REMAP if remap else INT_KEYS_RETIRED
-            if nvlink:
-                ikeys += INT_KEYS_NVLINK
-            out.append((np.array(gpus, dtype=np.int64), ikeys, FLOAT_KEYS))
+            keys = tuple(k for k in INT_KEYS_COMMON if hbm or k != P + "MEMORY_TEMP")
+            keys += INT_KEYS_REMAP if fleet.has_remap[g] else INT_KEYS_RETIRED
+            if fleet.has_nvlink[g]:
+                keys += INT_KEYS_NVLINK
+            keys += FLOAT_KEYS
+            if keys != run_keys and run:
+                out.append((np.array(run, dtype=np.int64), run_keys))
+                run = []
+            run.append(g)
+            run_keys = keys
+        if run:
+            out.append((np.array(run, dtype=np.int64), run_keys))
         return out
