@@ -1,0 +1,299 @@
+"""Small aiokafka helpers: create the registry's topics, produce records as JSON, consume
+until a condition holds. Used by the worker, the node agent, the tests and the bench.
+
+Everything here is an adapter: it moves bytes between Kafka and the plain records of
+`fleetwise.schemas`; no processing logic lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from fleetwise.schemas import TOPICS, Command, DeadLetter, FeatureVector, Prediction, Topic
+from fleetwise.schemas.inventory import NodeInventory
+from fleetwise.schemas.plans import Plan
+from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
+
+# Header the producer stamps with its wall-clock send time (Unix seconds as ASCII), so a
+# consumer can measure produce -> output latency even when the broker rewrites timestamps
+# (message.timestamp.type=LogAppendTime). Metrics only: processing never reads it.
+PRODUCED_AT_HEADER = "fleetwise-produced-at"
+
+
+def topic_name(topic: Topic | str, prefix: str = "") -> str:
+    """The Kafka topic name for a registry entry, with an optional namespace prefix (tests)."""
+    name = topic.name if isinstance(topic, Topic) else topic
+    return f"{prefix}{name}"
+
+
+def topic_configs(topic: Topic) -> dict[str, str]:
+    """Broker-side topic settings the registry implies (compaction for latest-per-key topics)."""
+    if topic.compacted:
+        return {"cleanup.policy": "compact"}
+    return {}
+
+
+def record_key(record: BaseModel) -> str:
+    """The message key the topic registry prescribes for a record (DESIGN.md "Keys").
+
+    Telemetry batches and inventories by node, GPU-scoped outputs by "node/gpu",
+    steps, plans and commands by job, dead letters by their source.
+    """
+    if isinstance(record, NodeBatch | NodeInventory):
+        return record.node
+    if isinstance(record, GpuSample):
+        return f"{record.node}/{record.gpu}"
+    if isinstance(record, TrainingStep):
+        return record.job
+    if isinstance(record, FeatureVector):
+        if record.scope == "rank" and record.job:
+            return record.job
+        return f"{record.node}/{record.gpu}"
+    if isinstance(record, Prediction):
+        if record.gpu is not None:
+            return f"{record.node}/{record.gpu}"
+        return record.job or record.node
+    if isinstance(record, Command):
+        return record.job or (f"{record.node}/{record.gpu}" if record.node else record.id)
+    if isinstance(record, DeadLetter):
+        return record.source
+    if isinstance(record, Plan):
+        return record.job
+    raise TypeError(f"no registry key rule for {type(record).__name__}")
+
+
+def encode_record(record: BaseModel | bytes | str | Mapping[str, Any]) -> bytes:
+    """JSON bytes for a record; bytes pass through untouched (to send deliberately bad input)."""
+    if isinstance(record, bytes):
+        return record
+    if isinstance(record, str):
+        return record.encode("utf-8")
+    if isinstance(record, BaseModel):
+        return record.model_dump_json(exclude_none=True).encode("utf-8")
+    return json.dumps(record, separators=(",", ":")).encode("utf-8")
+
+
+# --------------------------------------------------------------------------- admin
+async def ensure_topics(
+    bootstrap: str,
+    topics: Iterable[Topic] = TOPICS,
+    *,
+    prefix: str = "",
+    replication_factor: int = 1,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create the topics (registry partition counts, compaction) if missing; wait for leaders.
+
+    Existing topics are left as they are (a partition count is never changed behind a
+    running consumer group's back). Returns the topic names.
+    """
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    topics = list(topics)
+    wanted = {topic_name(t, prefix): t for t in topics}
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [
+            NewTopic(name, t.partitions, replication_factor, topic_configs=topic_configs(t))
+            for name, t in wanted.items()
+            if name not in existing
+        ]
+        if missing:
+            resp = await admin.create_topics(missing, timeout_ms=int(timeout_s * 1000))
+            for err in resp.topic_errors:
+                name, code = err[0], err[1]
+                if code and for_code(code) is not TopicAlreadyExistsError:
+                    message = err[2] if len(err) > 2 else ""
+                    raise for_code(code)(f"could not create topic {name}: {message}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            described = await admin.describe_topics(list(wanted))
+            pending = [d.get("topic") for d in described if not _has_leaders(d)]
+            if not pending:
+                return list(wanted)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topics without partition leaders after {timeout_s}s: {pending}")
+            await asyncio.sleep(0.1)
+    finally:
+        await admin.close()
+
+
+def _has_leaders(desc: Mapping[str, Any]) -> bool:
+    parts = desc.get("partitions") or []
+    return (
+        desc.get("error_code", 0) == 0
+        and len(parts) > 0
+        and all(p.get("error_code", 0) == 0 and p.get("leader", -1) >= 0 for p in parts)
+    )
+
+
+# --------------------------------------------------------------------------- produce
+async def start_producer(bootstrap: str, *, idempotent: bool = True, linger_ms: int = 5, **kwargs: Any):
+    """A started AIOKafkaProducer; idempotent by default (no duplicates from its own retries)."""
+    from aiokafka import AIOKafkaProducer
+
+    params: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "enable_idempotence": idempotent,
+        "linger_ms": linger_ms,
+        "max_batch_size": 256 * 1024,
+        "acks": "all" if idempotent else 1,
+    }
+    params.update(kwargs)
+    producer = AIOKafkaProducer(**params)
+    await producer.start()
+    return producer
+
+
+async def send_records(
+    producer: Any,
+    topic: str,
+    records: Iterable[BaseModel | bytes | str | Mapping[str, Any]],
+    *,
+    key: str | Callable[[Any], str] | None = None,
+    stamp_produced_at: bool = True,
+    wait: bool = True,
+) -> int:
+    """Send records as JSON to `topic`; returns how many were sent.
+
+    `key`: a fixed key, a function of the record, or None for the registry rule
+    (`record_key`; raw bytes/str then go without a key). With `wait`, returns after the
+    broker acknowledged all of them.
+    """
+    futures = []
+    count = 0
+    for record in records:
+        if callable(key):
+            k = key(record)
+        elif key is not None:
+            k = key
+        elif isinstance(record, BaseModel):
+            k = record_key(record)
+        else:
+            k = None
+        headers = [(PRODUCED_AT_HEADER, repr(time.time()).encode())] if stamp_produced_at else None
+        futures.append(
+            await producer.send(
+                topic, encode_record(record), key=k.encode() if k is not None else None, headers=headers
+            )
+        )
+        count += 1
+    if wait and futures:
+        await asyncio.gather(*futures)
+    return count
+
+
+async def produce_records(
+    bootstrap: str,
+    topic: str,
+    records: Iterable[BaseModel | bytes | str | Mapping[str, Any]],
+    *,
+    key: str | Callable[[Any], str] | None = None,
+    idempotent: bool = True,
+) -> int:
+    """One-shot: start a producer, send `records` to `topic`, wait for the acks, stop."""
+    producer = await start_producer(bootstrap, idempotent=idempotent)
+    try:
+        return await send_records(producer, topic, records, key=key)
+    finally:
+        await producer.stop()
+
+
+# --------------------------------------------------------------------------- consume
+@dataclass(frozen=True)
+class Consumed:
+    """One consumed message, decoupled from the client library."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    value: bytes
+    timestamp_ms: int
+    headers: tuple[tuple[str, bytes], ...] = field(default_factory=tuple)
+
+    def json(self) -> Any:
+        return json.loads(self.value)
+
+    def header(self, name: str) -> bytes | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+
+async def consume_until(
+    bootstrap: str,
+    topics: Sequence[str],
+    *,
+    until: Callable[[list[Consumed]], bool] | None = None,
+    timeout_s: float = 30.0,
+    idle_s: float | None = None,
+    from_beginning: bool = True,
+    isolation_level: str = "read_uncommitted",
+) -> list[Consumed]:
+    """Read `topics` (no consumer group, no commits) until `until(messages)` is true, the
+    topics stay quiet for `idle_s`, or `timeout_s` passes; returns everything read.
+
+    Raises TimeoutError when `until` is given and never became true, with the count read.
+    """
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        *topics,
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest" if from_beginning else "latest",
+        isolation_level=isolation_level,
+        metadata_max_age_ms=1000,
+    )
+    await consumer.start()
+    messages: list[Consumed] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last_new = loop.time()
+    try:
+        while True:
+            if until is not None and until(messages):
+                return messages
+            now = loop.time()
+            if now > deadline:
+                if until is None:
+                    return messages
+                raise TimeoutError(f"condition not met after {timeout_s}s on {list(topics)}; "
+                                   f"read {len(messages)} messages")
+            if idle_s is not None and now - last_new > idle_s and until is None:
+                return messages
+            batch = await consumer.getmany(timeout_ms=200, max_records=10_000)
+            for tp, msgs in batch.items():
+                for m in msgs:
+                    messages.append(
+                        Consumed(
+                            topic=tp.topic,
+                            partition=tp.partition,
+                            offset=m.offset,
+                            key=m.key.decode("utf-8", "replace") if m.key is not None else None,
+                            value=m.value if m.value is not None else b"",
+                            timestamp_ms=m.timestamp,
+                            headers=tuple((k, v) for k, v in (m.headers or ())),
+                        )
+                    )
+                    last_new = loop.time()
+    finally:
+        await consumer.stop()
+
+
+def run(coro: Any) -> Any:
+    """Run a coroutine from synchronous code (CLI, bench)."""
+    return asyncio.run(coro)
