@@ -613,10 +613,13 @@ class _Search:
             return []
         if self.req.exhaustive:
             return list(range(1, top + 1))
-        # all groups, or drop whole kinds from the slow/small end of the layout order
+        # all groups; or drop whole kinds from the slow/small end of the layout order; or
+        # stop at the end of the first 1, 2, 4, ... nodes (gradient sync inside fewer nodes)
         order = self.fleet.kinds.order[groups.kind]
-        ends = np.flatnonzero(np.diff(order)) + 1
-        opts = {top} | {int(e) // pp for e in ends if int(e) // pp >= 1}
+        ends = list(np.flatnonzero(np.diff(order)) + 1)
+        node_ends = np.flatnonzero(np.diff(groups.node)) + 1
+        ends += [int(node_ends[k - 1]) for k in (2**i for i in range(20)) if k <= len(node_ends)]
+        opts = {top} | {min(top, int(e) // pp) for e in ends if int(e) // pp >= 1}
         return sorted(opts, reverse=True)
 
     def micro_options(self, dp: int) -> list[int]:
@@ -646,7 +649,9 @@ class _Search:
             if tp > 1:
                 msg = self.req.seq * ev.hidden * ev.act_bytes
                 ring = cost.ring_allreduce_s(msg, tp, 1.0)
-                secs = secs + cost.tp_collectives_per_layer("none") * ring / K.nvlink_bw
+                # kinds without NVLink never form TP groups of tp > 1: their entry is unused
+                bw = np.where(K.nvlink_bw > 0, K.nvlink_bw, np.inf)
+                secs = secs + cost.tp_collectives_per_layer("none") * ring / bw
             self._layer_sample_s[tp] = secs
         return self._layer_sample_s[tp]
 
