@@ -71,7 +71,8 @@ def scale() -> None:
             replan_row = (len(cluster), rsecs, len(diff), plan.predicted_step_s, new.predicted_step_s)
     n, rsecs, ndiff, before, after = replan_row
     print("\n### Re-plan after a straggler (one GPU 1.3x slower; live rebalance)\n")
-    print("| GPUs | re-plan time s | GPUs whose micro-batches changed | step before s | step after s | target |")
+    print("| GPUs | re-plan time s | GPUs whose micro-batches changed | step before s | step after s "
+          "| target |")
     print("|---|---|---|---|---|---|")
     print(f"| {n} | {rsecs:.3f} | {ndiff} | {before:.3f} | {after:.3f} | < 0.2 |")
 
@@ -100,7 +101,8 @@ def search_quality(cases: int) -> None:
         times_full.append(te)
         if worst is None or gap > worst[0]:
             worst = (gap, spec, layers, hidden, request.global_batch)
-    print("| cases | median gap | worst gap | cases with gap 0 | mean search s | mean exhaustive s | target |")
+    print("| cases | median gap | worst gap | cases with gap 0 | mean search s | mean exhaustive s "
+          "| target |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {cases} | {100 * statistics.median(gaps):.2f}% | {100 * max(gaps):.2f}% | "
           f"{sum(g <= 1e-12 for g in gaps)} | {statistics.mean(times_fast):.3f} | "
@@ -126,7 +128,8 @@ def heterogeneous_gain() -> None:
         bound = 0.5 + 0.5 * r
         speedup = plan.uniform_step_s / plan.predicted_step_s
         print(f"| {spec} | {model} | {batch} | {plan.tp}, {plan.pp}, {plan.dp} | "
-              f"{plan.predicted_step_s:.3f} | {plan.uniform_step_s:.3f} | {speedup:.3f} | {bound:.3f} | {speedup / bound:.1%} | >= 90% |")
+              f"{plan.predicted_step_s:.3f} | {plan.uniform_step_s:.3f} | {speedup:.3f} | {bound:.3f} | "
+              f"{speedup / bound:.1%} | >= 90% |")
     print(f"\nr = achieved-capability ratio B200/H100 = {r:.3f} (peak ratio {r_peak:.3f} x family "
           f"efficiency {b200.efficiency}/{h100.efficiency}); the peak-ratio bound would be "
           f"{0.5 + 0.5 * r_peak:.3f}.")
