@@ -292,6 +292,7 @@ def _transformer_config_kwargs(args: dict) -> dict:
         tensor_model_parallel_size=args["tensor_model_parallel_size"],
         pipeline_model_parallel_size=args["pipeline_model_parallel_size"],
         sequence_parallel=args["sequence_parallel"],
+        gated_linear_unit=args["swiglu"],
         bf16=args["bf16"],
         fp16=args["fp16"],
         params_dtype=torch.bfloat16 if args["bf16"] else torch.float16 if args["fp16"] else torch.float32,
@@ -698,7 +699,7 @@ def test_simulate_1f1b_bubble_matches_closed_form():
 def test_plot_plan_writes_png(tmp_path):
     plan = uneven_first_last_plan()
     timeline = [
-        {"dp_rank": d, "stage": s, "compute_s": 1.0 + 0.1 * s, "comm_s": 0.1, "bubble_s": 0.2}
+        {"dp_rank": d, "stage": s, "compute_s": 1.0 + 0.1 * s, "comm_s": 0.1, "sync_s": 0.2}
         for d in range(plan.dp)
         for s in range(plan.pp)
     ]

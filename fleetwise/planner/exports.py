@@ -193,6 +193,8 @@ def megatron_arg_dict(plan: Plan, model: ModelShape) -> dict[str, Any]:
         "hidden_size": model.hidden,
         "num_attention_heads": model.heads,
         "ffn_hidden_size": model.ffn,
+        # SwiGLU-style gated MLP (three matrices); presets mark it with the extra key gated_mlp.
+        "swiglu": bool(getattr(model, "gated_mlp", False)),
         "group_query_attention": model.kv_heads is not None,
         "num_query_groups": model.kv_heads,
         "seq_length": plan.seq_len,

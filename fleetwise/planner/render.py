@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 from fleetwise.schemas import Plan, RankPlan
@@ -42,7 +43,7 @@ def _layers(rank: RankPlan) -> str:
 
 
 def _memory(used: float, capacity: float) -> str:
-    return f"{used:.1f} / {capacity:.0f} GB ({used / capacity:.0%})"
+    return f"{used:.0f}/{capacity:.0f}"
 
 
 def plan_table(plan: Plan, group: bool | None = None) -> Table:
@@ -50,30 +51,29 @@ def plan_table(plan: Plan, group: bool | None = None) -> Table:
     if group is None:
         group = len(plan.ranks) > GROUP_ABOVE_RANKS
     title = f"{plan.job}: {plan.model or 'model'} on {len(plan.ranks)} GPUs"
-    table = Table(title=title, title_justify="left", header_style="bold")
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
     if group:
-        table.add_column("ranks", overflow="fold")
-        table.add_column("count", justify="right")
-        table.add_column("nodes", justify="right")
+        table.add_column("ranks", overflow="fold", min_width=7, max_width=20)
+        table.add_column("GPUs", justify="right", no_wrap=True, min_width=4)
     else:
-        table.add_column("rank", justify="right")
-        table.add_column("node")
-        table.add_column("gpu", justify="right")
-    table.add_column("model")
-    table.add_column("TFLOP/s", justify="right")
-    table.add_column("micro-batch", justify="right")
-    table.add_column("dp", justify="right")
-    table.add_column("stage", justify="right")
-    table.add_column("layers", justify="right")
-    table.add_column("memory used / available", justify="right")
+        table.add_column("rank", justify="right", no_wrap=True, min_width=4)
+        table.add_column("node:gpu", no_wrap=True, min_width=8)
+    table.add_column("model", no_wrap=True, min_width=5)
+    table.add_column("TFLOP/s", justify="right", no_wrap=True, min_width=7)
+    table.add_column("mb x n", justify="right", no_wrap=True, min_width=6)
+    table.add_column("dp", justify="right", overflow="fold", min_width=2, max_width=12)
+    table.add_column("stage", justify="right", no_wrap=True, min_width=5)
+    table.add_column("layers", justify="right", no_wrap=True, min_width=6)
+    table.add_column("mem GB", justify="right", no_wrap=True, min_width=6)
+    table.caption = "mb x n: micro-batch x micro-batches per step; mem GB: used/available"
 
     ranks = sorted(plan.ranks, key=lambda r: r.rank)
     if not group:
         for r in ranks:
             table.add_row(
                 str(r.rank),
-                r.node,
-                str(r.gpu),
+                f"{r.node}:{r.gpu}",
                 r.model,
                 f"{r.capability_tflops:.0f}",
                 f"{r.micro_batch} x {r.num_micro_batches}",
@@ -94,7 +94,6 @@ def plan_table(plan: Plan, group: bool | None = None) -> Table:
         table.add_row(
             rank_ranges(m.rank for m in members),
             str(len(members)),
-            str(len({m.node for m in members})),
             first.model,
             f"{first.capability_tflops:.0f}",
             f"{first.micro_batch} x {first.num_micro_batches}",
@@ -112,22 +111,22 @@ def plan_summary(plan: Plan) -> str:
     fleet_text = " + ".join(f"{n} x {model}" for model, n in sorted(fleet.items()))
     samples = sorted({r.samples for r in plan.ranks})
     share = (
-        f"{samples[0]} samples per replica"
+        f"{samples[0]} per replica"
         if len(samples) == 1
-        else f"{samples[0]}-{samples[-1]} samples per replica (uneven)"
+        else f"{samples[0]}-{samples[-1]} per replica (uneven)"
     )
     lines = [
         f"plan for {plan.job} ({plan.model or 'model'}, {plan.dtype}) on {fleet_text}",
-        f"  parallelism  DP={plan.dp}  TP={plan.tp}  PP={plan.pp}  ZeRO={plan.zero_stage}"
-        f"  recompute={plan.recompute}  sequence-parallel={'yes' if plan.sequence_parallel else 'no'}",
-        f"  batch        global {plan.global_batch} x seq {plan.seq_len}; {share}",
-        f"  predicted    step {plan.predicted_step_s:.3f} s   {plan.tokens_per_s:,.0f} tokens/s"
-        f"   MFU {plan.mfu:.1%}",
+        f"  parallelism  DP={plan.dp} TP={plan.tp} PP={plan.pp} ZeRO={plan.zero_stage}"
+        f" recompute={plan.recompute}" + (" +SP" if plan.sequence_parallel else ""),
+        f"  batch        {plan.global_batch} x {plan.seq_len} tokens; {share}",
+        f"  predicted    step {plan.predicted_step_s:.3f} s, {plan.tokens_per_s:,.0f} tokens/s,"
+        f" MFU {plan.mfu:.1%}",
     ]
     if plan.uniform_step_s is not None and plan.speedup is not None:
         lines.append(
-            f"  uniform      step {plan.uniform_step_s:.3f} s (same GPUs, equal shares)"
-            f"   speedup {plan.speedup:.2f}x"
+            f"  uniform      step {plan.uniform_step_s:.3f} s (equal shares on the same GPUs):"
+            f" speedup {plan.speedup:.2f}x"
         )
     lines.extend(f"  note         {note}" for note in plan.notes)
     return "\n".join(lines)
@@ -193,12 +192,14 @@ def simulate_1f1b(
 
 
 def _stage_compute(plan: Plan, timeline: list[dict[str, Any]] | None) -> dict[int, dict[int, float]]:
-    """Compute seconds per (dp_rank, stage): from the planner's timeline when given, else
-    proportional work samples x layers / capability (relative units)."""
+    """Busy seconds per (dp_rank, stage) over all micro-batches: the planner timeline's
+    compute_s + comm_s (TP collectives and stage sends) when given, else proportional work
+    samples x layers / capability (relative units)."""
     out: dict[int, dict[int, float]] = defaultdict(dict)
     if timeline:
         for row in timeline:
-            out[int(row["dp_rank"])][int(row["stage"])] = float(row.get("compute_s", 0.0))
+            busy = float(row.get("compute_s", 0.0) or 0.0) + float(row.get("comm_s", 0.0) or 0.0)
+            out[int(row["dp_rank"])][int(row["stage"])] = busy
         return out
     for r in plan.ranks:
         work = _work(r)
@@ -217,9 +218,9 @@ def plot_plan(
     """Write a PNG: per-GPU work bars (top) and the pipeline schedule per replica (bottom).
 
     Work = samples x layers / capability: equal bars mean a balanced plan. The schedule is
-    a 1F1B Gantt per shown data-parallel replica (the slowest and fastest first when there
-    are more than `max_replicas`), built from the timeline's compute_s per (dp_rank, stage)
-    and its comm_s (gradient reduction, hatched) when given.
+    a 1F1B Gantt per shown data-parallel replica (the slowest and fastest when there are
+    more than `max_replicas`), built from `plan_timeline`'s compute_s + comm_s per
+    (dp_rank, stage), with its sync_s (gradient synchronisation + optimizer step) hatched.
     """
     import matplotlib
 
@@ -234,14 +235,14 @@ def plot_plan(
     color_of = {m: palette(i % 10) for i, m in enumerate(models)}
 
     compute = _stage_compute(plan, timeline)
-    comm: dict[tuple[int, int], float] = {}
+    sync: dict[tuple[int, int], float] = {}
     if timeline:
         for row in timeline:
-            comm[(int(row["dp_rank"]), int(row["stage"]))] = float(row.get("comm_s", 0.0) or 0.0)
+            sync[(int(row["dp_rank"]), int(row["stage"]))] = float(row.get("sync_s", 0.0) or 0.0)
     replica_total = {dp: sum(stages.values()) for dp, stages in compute.items()}
     order = sorted(replica_total, key=lambda dp: -replica_total[dp])
     if len(order) > max_replicas:
-        shown = sorted({order[0], order[-1], *order[: max_replicas - 2]})
+        shown = sorted({*order[: max(1, max_replicas - 1)], order[-1]})
     else:
         shown = sorted(order)
     mbs_of = {r.dp_rank: max(1, r.num_micro_batches) for r in ranks}
@@ -284,7 +285,7 @@ def plot_plan(
         stages = compute.get(dp, {})
         m = mbs_of.get(dp, 1)
         per_stage = [stages.get(s, 0.0) for s in range(plan.pp)]
-        # compute_s covers forward + backward of all micro-batches.
+        # Busy time covers forward + backward of all micro-batches.
         forward = [c / (m * (1 + BACKWARD_OVER_FORWARD)) for c in per_stage]
         events = simulate_1f1b(forward, m)
         for s in range(plan.pp):
@@ -298,12 +299,12 @@ def plot_plan(
                     color=color,
                     alpha=1.0 if kind == "F" else 0.55,
                     edgecolor="white",
-                    linewidth=0.3,
+                    linewidth=0.3 if m <= 16 else 0.0,
                 )
             finish = events[s][-1][3] if events[s] else 0.0
-            c = comm.get((dp, s), 0.0)
-            if c > 0:
-                ax_gantt.barh(y, c, left=finish, height=0.8, color="none", edgecolor="black", hatch="///")
+            tail = sync.get((dp, s), 0.0)
+            if tail > 0:
+                ax_gantt.barh(y, tail, left=finish, height=0.8, color="none", edgecolor="black", hatch="///")
             labels.append(f"dp{dp} stage{s}")
             y += 1
     ax_gantt.set_yticks(range(len(labels)))
@@ -316,7 +317,7 @@ def plot_plan(
         hidden = f" ({len(shown)} of {len(order)} replicas: slowest and fastest)"
     ax_gantt.set_title(
         f"1F1B pipeline schedule per replica{hidden}: "
-        "dark = forward, light = backward, hatched = gradient comm",
+        "dark = forward, light = backward, hatched = gradient sync + optimizer",
         fontsize=10,
     )
     fig.tight_layout()
