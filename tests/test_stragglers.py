@@ -223,8 +223,11 @@ def test_score_stragglers_counts_detections_delays_and_false_flags():
         _pred(20000, 5, True),  # false
         _pred(8120, None, True, reason="job-wide: network"),
     ]
-    steps = [{"job": "j", "rank": 1, "ts": 1000 + 60 * i} for i in range(10)]
+    labels.append({"kind": "straggler", "job": "j", "rank": 6, "node": "n", "gpu": 6, "start_ts": 1000,
+                   "end_ts": 1200, "factor": 0.7, "cause": "thermal"})  # 3 step records: too short to score
+    steps = [{"job": "j", "rank": r, "ts": 1000 + 60 * i} for i in range(100) for r in (1, 2, 6)]
     s = score_stragglers(preds, labels, job_hours=500.0, steps=steps)
+    assert s["too_short"] == 1
     assert s["injected"] == 2 and s["detected"] == 1 and s["detection_rate"] == 0.5
     assert s["delay_s"]["max"] == 180.0 and s["delay_steps"]["max"] == 3.0  # records at 1060,1120,1180
     assert s["detected_on_time"] == 1

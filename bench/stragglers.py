@@ -1,0 +1,140 @@
+"""Straggler detection scorecard on simulator traces (issue 5 targets).
+
+For each seed: simulate a mixed fleet (step records + labels), run StragglerDetector over
+the step records in event-time order, score it with ``score_stragglers`` and print a table.
+A baseline row scores NVIDIA Resiliency Extension's relative score (fastest-rank median
+compute / rank compute < 0.75) on the same records, to show what knowing each GPU model's
+speed buys.
+
+    .venv/bin/python bench/stragglers.py --seeds 101 102 103 --days 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+from fleetwise.predictors.stragglers import StragglerDetector, score_stragglers
+from fleetwise.schemas import Prediction
+from fleetwise.sim.config import SimConfig
+from fleetwise.sim.simulator import FleetSimulator
+
+# Seeds used while choosing the detector's settings; the scorecard uses others.
+TUNING_SEEDS = (1, 2, 3)
+DEFAULT_SEEDS = (101, 102, 103)
+
+
+def simulate(seed: int, days: float, gpus: str, straggler_rate: float, slowdown_rate: float
+             ) -> tuple[list[dict], list[dict]]:
+    cfg = SimConfig(gpus=gpus, days=days, seed=seed, straggler_rate_per_1000_gpu_days=straggler_rate,
+                    job_slowdown_rate_per_1000_job_hours=slowdown_rate)
+    sim = FleetSimulator(cfg)
+    steps: list[dict] = []
+    for tick in sim.ticks():
+        steps.extend(tick.steps)
+    return steps, sim.labels()
+
+
+def job_hours(steps: list[dict]) -> float:
+    span: dict[str, list[float]] = {}
+    for s in steps:
+        lo_hi = span.setdefault(s["job"], [s["ts"], s["ts"]])
+        lo_hi[1] = s["ts"]
+    return sum(hi - lo for lo, hi in span.values()) / 3600.0
+
+
+def nvrx_relative(steps: list[dict], threshold: float = 0.75) -> list[Prediction]:
+    """NVRx-style relative score: fastest rank's compute / this rank's compute (no model knowledge)."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for s in steps:
+        groups[(s["job"], s["step"])].append(s)
+    flagged: dict[tuple[str, int], bool] = {}
+    out: list[Prediction] = []
+    for (job, _step), rows in sorted(groups.items(), key=lambda kv: kv[1][0]["ts"]):
+        best = min(r["compute_s"] for r in rows)
+        for r in rows:
+            slow = best / r["compute_s"] < threshold if r["compute_s"] > 0 else False
+            if slow != flagged.get((job, r["rank"]), False):
+                flagged[(job, r["rank"])] = slow
+                out.append(Prediction(id=f"nvrx:{job}:{r['rank']}:{r['ts']}", type="straggler", ts=r["ts"],
+                                      node=r["node"], gpu=r["gpu"], job=job, rank=r["rank"],
+                                      probability=1.0 if slow else 0.0, horizon_h=0, alert=slow))
+    return out
+
+
+def _fmt(value: float | None, pattern: str = "{:.0f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
+    ap.add_argument("--days", type=float, default=7.0)
+    ap.add_argument("--gpus", default="h100-sxm:64,a100-sxm-80gb:64,b200:32")
+    # Raised above the fleet default (20) so each trace has enough slowdowns to score.
+    ap.add_argument("--straggler-rate", type=float, default=150.0, help="per 1,000 GPU-days")
+    ap.add_argument("--slowdown-rate", type=float, default=60.0, help="job-wide, per 1,000 job-hours")
+    ap.add_argument("--baseline", action="store_true", help="also score the NVRx-style relative score")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    rows = []
+    for seed in args.seeds:
+        t0 = time.perf_counter()
+        steps, labels = simulate(seed, args.days, args.gpus, args.straggler_rate, args.slowdown_rate)
+        sim_s = time.perf_counter() - t0
+        det = StragglerDetector()
+        t0 = time.perf_counter()
+        out = det.process(steps) + det.flush()
+        det_s = time.perf_counter() - t0
+        preds = [p for p in out if isinstance(p, Prediction)]
+        hours = job_hours(steps)
+        score = score_stragglers(preds, labels, hours, steps=steps)
+        row = {"seed": seed, "method": "fleetwise", "records": len(steps), "sim_s": sim_s,
+               "records_per_s": len(steps) / det_s, **score}
+        rows.append(row)
+        if args.baseline:
+            base = score_stragglers(nvrx_relative(steps), labels, hours, steps=steps)
+            rows.append({"seed": seed, "method": "nvrx-relative-0.75", "records": len(steps), **base})
+        print(f"seed {seed}: {len(steps)} step records simulated in {sim_s:.0f} s", flush=True)
+
+    if args.json:
+        print(json.dumps(rows, indent=1, default=str))
+        return
+    head = (f"{'seed':>5} {'method':<19} {'job-h':>7} {'inj':>4} {'short':>5} {'found':>5} {'on-time':>8} "
+            f"{'delay steps med/p95/max':>24} {'delay s med/p95':>16} {'|dF|':>6} {'false':>5} "
+            f"{'/1kjh':>6} {'jobwide found/all cause false':>30} {'rec/s':>8}")
+    print(head)
+    print("-" * len(head))
+    tot: dict[str, float] = defaultdict(float)
+    for r in rows:
+        ds, dt = r["delay_steps"], r["delay_s"]
+        delays_steps = f"{_fmt(ds['median'])}/{_fmt(ds['p95'])}/{_fmt(ds['max'])}"
+        delays_s = f"{_fmt(dt['median'])}/{_fmt(dt['p95'])}"
+        jobwide = (f"{r['job_slowdowns_found']}/{r['job_slowdowns']} {r['job_slowdown_cause_right']} "
+                   f"{r['job_wide_false_alerts']}")
+        print(f"{r['seed']:>5} {r['method']:<19} {r['job_hours']:>7.0f} {r['injected']:>4} "
+              f"{r['too_short']:>5} {r['detected']:>5} {_fmt(r['detection_rate_on_time'], '{:.1%}'):>8} "
+              f"{delays_steps:>24} {delays_s:>16} {_fmt(r['factor_abs_error_median'], '{:.3f}'):>6} "
+              f"{r['false_flags']:>5} {_fmt(r['false_flags_per_1000_job_hours'], '{:.2f}'):>6} "
+              f"{jobwide:>30} {_fmt(r.get('records_per_s')):>8}")
+        if r["method"] == "fleetwise":
+            for k in ("job_hours", "injected", "detected", "detected_on_time", "false_flags",
+                      "job_slowdowns", "job_slowdowns_found", "job_slowdown_cause_right"):
+                tot[k] += r[k]
+    if tot["injected"]:
+        print(f"\nall seeds (fleetwise): {tot['detected_on_time']:.0f}/{tot['injected']:.0f} on time "
+              f"({tot['detected_on_time'] / tot['injected']:.2%}), found {tot['detected']:.0f}, "
+              f"{tot['false_flags']:.0f} false flags in {tot['job_hours']:.0f} job-hours "
+              f"({1000 * tot['false_flags'] / tot['job_hours']:.2f} per 1,000 job-hours); job-wide slowdowns "
+              f"found {tot['job_slowdowns_found']:.0f}/{tot['job_slowdowns']:.0f}, cause right "
+              f"{tot['job_slowdown_cause_right']:.0f}")
+    missed = [m for r in rows if r["method"] == "fleetwise" for m in r["missed"]]
+    if missed:
+        print("missed:", json.dumps(missed[:10], default=str))
+
+
+if __name__ == "__main__":
+    main()
