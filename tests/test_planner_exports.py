@@ -348,6 +348,31 @@ def test_megatron_transformer_config_accepts_export_and_builds_plan_stages(plan,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
+    ("model_name", "gpus", "global_batch", "strategy"),
+    [
+        ("llama-13b", "a100-sxm-40gb:8,h100-sxm:8", 64, (1, 4, 4)),
+        ("gpt-39b", "a100-sxm-80gb:16,b200:16", 256, None),
+        ("llama-7b", "h100-sxm:8,b200:8", 128, None),
+    ],
+)
+def test_planner_plans_export_to_a_valid_megatron_config(model_name, gpus, global_batch, strategy):
+    # End to end: plans from the planner core, exported, accepted by megatron-core, and
+    # Megatron builds exactly the plan's layers on every pipeline rank.
+    from megatron.core.transformer import TransformerConfig
+
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+
+    model = resolve_model(model_name)
+    request = PlanRequest(model=model, global_batch=global_batch, strategy=strategy)
+    plan = plan_job(request, parse_gpu_spec(gpus))
+    args = megatron_arg_dict(plan, model)
+    assert check_megatron_rules(args) == []
+    config = TransformerConfig(**_transformer_config_kwargs(args))
+    assert _megatron_stage_counts(config, plan.pp) == stage_layer_counts(plan, model.layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
     "change",
     [
         {"tensor_model_parallel_size": 3, "world_size": 12},
