@@ -67,9 +67,314 @@ def schemas_export(directory: Path = typer.Argument(Path("docs/schemas"), help="
 
 
 # ---- plan ------------------------------------------------------------------------------------
+PLAN_FORMATS = ("table", "json", "megatron", "deepspeed", "ray", "kai")
+_MODEL_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+_INVENTORY_SUFFIXES = (".json", ".jsonl")
+
+
+def _plan_model(value: str):  # -> ModelShape
+    """A preset name, or a YAML/JSON model file."""
+    from fleetwise.planner import load_model
+
+    path = Path(value)
+    looks_like_file = path.suffix.lower() in _MODEL_FILE_SUFFIXES or "/" in value or "\\" in value
+    if looks_like_file or path.is_file():
+        if not path.is_file():
+            fail(f"--model: model file {value!r} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"--model: cannot read model file {value!r}: {exc}")
+        try:
+            return load_model(value, text)
+        except ValueError as exc:
+            fail(f"--model {value}: {exc}")
+    try:
+        return load_model(value)
+    except ValueError as exc:
+        fail(f"--model: {exc}")
+
+
+def _plan_inventory(path: Path) -> list:  # -> list[NodeInventory]
+    """NodeInventory records from a .json (one object or a list) or .jsonl file."""
+    from pydantic import ValidationError
+
+    from fleetwise.schemas import NodeInventory, describe_error
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"--gpus: cannot read inventory file {str(path)!r}: {exc}")
+    items: list[tuple[str, object]] = []
+    if path.suffix.lower() == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                items.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                fail(f"--gpus: {path} line {number} is not valid JSON: {exc.msg}")
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            fail(f"--gpus: {path} is not valid JSON: {exc.msg} (line {exc.lineno})")
+        records = data if isinstance(data, list) else [data]
+        items = [(f"item {i}", record) for i, record in enumerate(records)]
+    if not items:
+        fail(f"--gpus: inventory file {str(path)!r} holds no node records")
+    inventories = []
+    for where, record in items:
+        try:
+            inventories.append(NodeInventory.model_validate(record))
+        except ValidationError as exc:
+            fail(f"--gpus: {path} {where} is not a node inventory: {describe_error(exc)}")
+    return inventories
+
+
+def _plan_cluster(spec: str):  # -> Cluster
+    """A GPU spec like 'h100-sxm:16,b200:16', or an inventory file."""
+    from fleetwise.planner import cluster_from_inventory, parse_gpu_spec
+
+    path = Path(spec)
+    if path.suffix.lower() in _INVENTORY_SUFFIXES or path.is_file():
+        if not path.is_file():
+            fail(f"--gpus: inventory file {spec!r} does not exist")
+        try:
+            return cluster_from_inventory(_plan_inventory(path))
+        except ValueError as exc:
+            fail(f"--gpus {spec}: {exc}")
+    try:
+        return parse_gpu_spec(spec)
+    except ValueError as exc:
+        fail(f"--gpus: {exc}")
+
+
+def _plan_strategy(text: str | None, gpus: int) -> tuple[int, int, int] | None:
+    """'tp=2,pp=4,dp=4' -> (2, 4, 4); dp may be left out (then GPUs / (tp x pp))."""
+    if text is None:
+        return None
+    values: dict[str, int] = {}
+    for raw in text.split(","):
+        part = raw.strip()
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("tp", "pp", "dp"):
+            fail(f"--strategy: bad entry {part!r}; expected tp=N,pp=N[,dp=N], e.g. tp=2,pp=4,dp=4")
+        if key in values:
+            fail(f"--strategy: {key} is given twice")
+        try:
+            number = int(value.strip())
+        except ValueError:
+            fail(f"--strategy: {key}={value.strip()!r} is not a whole number")
+        if number < 1:
+            fail(f"--strategy: {key} must be at least 1, got {number}")
+        values[key] = number
+    tp, pp = values.get("tp", 1), values.get("pp", 1)
+    if "dp" not in values:
+        if gpus % (tp * pp):
+            fail(f"--strategy: {gpus} GPUs are not divisible by tp x pp = {tp * pp}; give dp explicitly")
+        values["dp"] = gpus // (tp * pp)
+    dp = values["dp"]
+    if tp * pp * dp > gpus:
+        fail(f"--strategy: tp x pp x dp = {tp * pp * dp} needs more GPUs than the {gpus} given")
+    return (tp, pp, dp)
+
+
+def _write_output(path: Path, text: str, what: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        fail(f"cannot write {what} to {str(path)!r}: {exc.strerror or exc}")
+    sys.stdout.flush()  # keep stdout (the plan) and this stderr note in order on a terminal
+    err_console.print(f"wrote {what} to {path}", highlight=False)
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="Model preset (e.g. llama-7b) or a YAML/JSON file."),
+    gpus: str = typer.Option(
+        ..., "--gpus", "-g", help="GPUs: 'h100-sxm:16,b200:16' (catalog names) or an inventory .json/.jsonl."
+    ),
+    global_batch: int = typer.Option(256, "--global-batch", min=1, help="Sequences per optimizer step."),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Sequence length (default: model's)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp8 or fp32."),
+    strategy: str | None = typer.Option(
+        None, "--strategy", help="Fix the parallelism instead of searching: tp=N,pp=N[,dp=N]."
+    ),
+    zero: int | None = typer.Option(None, "--zero", min=0, max=3, help="Fix the ZeRO stage (0-3)."),
+    recompute: str = typer.Option("auto", "--recompute", help="auto, none, selective or full."),
+    output_format: str = typer.Option(
+        "table", "--format", "-f", help="table, json, megatron, deepspeed, ray or kai."
+    ),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-GPU work and the pipeline."),
+    job: str | None = typer.Option(None, "--job", help="Job name (default: the model name)."),
+    queue: str = typer.Option("default", "--queue", help="KAI queue for --format kai."),
+    gpus_per_pod: int | None = typer.Option(
+        None, "--gpus-per-pod", min=1, help="--format kai: GPUs per pod (default: one pod per node)."
+    ),
+    microbatch_map_file: Path | None = typer.Option(
+        None, "--microbatch-map", help="Write the per-rank micro-batch map (JSON) for the training plugin."
+    ),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help="Search every candidate (slower)."),
+) -> None:
+    """Plan a training job over a (mixed) set of GPUs and print or export the plan."""
+    import shlex
+
+    from fleetwise.planner import InfeasiblePlanError, PlanRequest, plan_job, plan_timeline
+    from fleetwise.planner.exports import (
+        ExportError,
+        deepspeed_config,
+        kai_envelope,
+        megatron_args,
+        microbatch_map,
+        ray_scaling_config,
+    )
+    from fleetwise.planner.render import plan_summary, plan_table, plot_plan
+
+    fmt = output_format.strip().lower()
+    if fmt not in PLAN_FORMATS:
+        fail(f"--format: unknown format {output_format!r}; expected one of {', '.join(PLAN_FORMATS)}")
+    if recompute not in ("auto", "none", "selective", "full"):
+        fail(f"--recompute: expected auto, none, selective or full, got {recompute!r}")
+    shape = _plan_model(model)
+    cluster = _plan_cluster(gpus)
+    request = PlanRequest(
+        model=shape,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        strategy=_plan_strategy(strategy, len(cluster)),
+        zero_stages=(zero,) if zero is not None else (0, 1, 2, 3),
+        recompute=recompute,
+        job=job or shape.name,
+        exhaustive=exhaustive,
+    )
+    try:
+        plan = plan_job(request, cluster)
+    except InfeasiblePlanError as exc:
+        fail(f"no plan fits: {exc}")
+    except ValueError as exc:
+        fail(str(exc))
+
+    try:
+        if fmt == "table":
+            console.print(plan_summary(plan), highlight=False)
+            console.print(plan_table(plan))
+        elif fmt == "json":
+            print_json({**plan.model_dump(mode="json"), "speedup": plan.speedup})
+        elif fmt == "megatron":
+            sys.stdout.write(" ".join(shlex.quote(arg) for arg in megatron_args(plan, shape)) + "\n")
+        elif fmt == "deepspeed":
+            print_json(deepspeed_config(plan))
+        elif fmt == "ray":
+            print_json(ray_scaling_config(plan))
+        else:
+            print_json(kai_envelope(plan, job or shape.name, queue, gpus_per_pod=gpus_per_pod))
+    except ExportError as exc:
+        fail(f"--format {fmt}: {exc}")
+    if microbatch_map_file is not None:
+        try:
+            text = json.dumps(microbatch_map(plan), indent=2) + "\n"
+        except ExportError as exc:
+            fail(f"--microbatch-map: {exc}")
+        _write_output(microbatch_map_file, text, "micro-batch map")
+    if plot is not None:
+        try:
+            plot_plan(plan, plan_timeline(plan, request, cluster), plot)
+        except OSError as exc:
+            fail(f"--plot: cannot write {str(plot)!r}: {exc.strerror or exc}")
+        sys.stdout.flush()
+        err_console.print(f"wrote plot to {plot}", highlight=False)
 
 
 # ---- sim -------------------------------------------------------------------------------------
+@app.command("sim")
+def sim_cmd(
+    gpus: str = typer.Option(
+        "h100-sxm:32,a100-sxm-80gb:32,b200:16", "--gpus", help="GPU spec, e.g. h100-sxm:16,b200:16."
+    ),
+    days: float = typer.Option(1.0, "--days", help="Trace length in days."),
+    seed: int = typer.Option(0, "--seed", help="Seed: same seed, same trace."),
+    out: Path = typer.Option(..., "--out", help="Trace file (.jsonl or .jsonl.gz)."),
+    labels: Path | None = typer.Option(None, "--labels", help="Ground-truth labels file (.jsonl)."),
+    interval: float = typer.Option(60.0, "--interval", help="Sample interval in seconds."),
+    failure_rate: float | None = typer.Option(
+        None, "--failure-rate", help="Failures per 1,000 GPU-days (default 0.5, a real fleet's rate)."
+    ),
+    straggler_rate: float | None = typer.Option(
+        None, "--straggler-rate", help="Stragglers per 1,000 GPU-days."
+    ),
+    inventory: Path | None = typer.Option(
+        None, "--inventory", help="Also write node inventories (.jsonl)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Write a synthetic fleet trace (DCGM samples + step records) and its ground-truth labels."""
+    from fleetwise.sim import (
+        FleetSimulator,
+        SimConfig,
+        SimConfigError,
+        summarize_labels,
+        write_labels,
+        write_trace,
+    )
+
+    if not str(out).endswith((".jsonl", ".jsonl.gz")):
+        fail(f"--out must end in .jsonl or .jsonl.gz, got {str(out)!r}")
+    for name, value in (("--days", days), ("--interval", interval)):
+        if not value > 0:
+            fail(f"{name} must be > 0, got {value}")
+    for name, value in (("--failure-rate", failure_rate), ("--straggler-rate", straggler_rate)):
+        if value is not None and value < 0:
+            fail(f"{name} must be >= 0, got {value}")
+    for path in (out, labels, inventory):
+        if path is not None and not path.parent.exists():
+            fail(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
+    config = SimConfig(gpus=gpus, days=days, seed=seed, sample_interval_s=interval)
+    if failure_rate is not None:
+        config.failure_rate_per_1000_gpu_days = failure_rate
+    if straggler_rate is not None:
+        config.straggler_rate_per_1000_gpu_days = straggler_rate
+    try:
+        sim = FleetSimulator(config)
+    except SimConfigError as exc:
+        fail(str(exc))
+    counts = write_trace(sim, out)
+    label_rows = sim.labels()
+    if labels is not None:
+        write_labels(sim, labels)
+    if inventory is not None:
+        with open(inventory, "w", encoding="utf-8") as fh:
+            for row in sim.inventory():
+                fh.write(json.dumps(row, separators=(",", ":")) + "\n")
+    summary = {
+        "gpus": sim.n_gpus,
+        "nodes": len(sim.fleet.nodes),
+        "days": days,
+        "seed": seed,
+        "samples": counts["samples"],
+        "steps": counts["steps"],
+        "jobs": len(sim.schedule.jobs),
+        **summarize_labels(label_rows),
+        "out": str(out),
+        "labels": str(labels) if labels else None,
+    }
+    if as_json:
+        print_json(summary)
+        return
+    console.print(
+        f"{summary['gpus']} GPUs on {summary['nodes']} nodes, {days:g} days, seed {seed}: "
+        f"{summary['samples']:,} samples, {summary['steps']:,} step records, {summary['jobs']} jobs -> {out}"
+    )
+    fails = ", ".join(f"{k} {v}" for k, v in sorted(summary["failures"].items())) or "none"
+    console.print(f"failures: {fails} ({summary['failures_warned']} with precursors)")
+    strag = ", ".join(f"{k} {v}" for k, v in sorted(summary["stragglers"].items())) or "none"
+    console.print(f"stragglers: {strag}; job slowdowns: {sum(summary['job_slowdowns'].values())}")
+    traps = ", ".join(f"{k} {v}" for k, v in sorted(summary["traps"].items())) or "none"
+    console.print(f"traps: {traps}; lemons: {summary['lemons']}")
+    if labels:
+        console.print(f"labels -> {labels}")
 
 
 # ---- replay / demo / backtest ----------------------------------------------------------------
@@ -123,6 +428,120 @@ def replay(
     )
 
 
+@app.command()
+def demo(
+    out_dir: Path = typer.Option(Path("out/demo"), help="Where the trace, decisions and report go."),
+    model: str = typer.Option("llama-13b", help="The main job's model (preset name)."),
+    global_batch: int = typer.Option(512, help="The main job's global batch (sequences)."),
+) -> None:
+    """The main job on the embedded default: a bundled mixed fleet, its trace, the plan,
+    predictions and decisions, and a report to look at."""
+    from rich.table import Table
+
+    from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
+    from fleetwise.planner.render import plan_summary, plot_plan
+    from fleetwise.predictors.backtest import metrics_rows, score_all
+    from fleetwise.schemas import NodeInventory
+    from fleetwise.sim import FleetSimulator, summarize_labels, write_labels, write_trace
+    from fleetwise.sim.bundled import demo_config
+    from fleetwise.streams.embedded import replay as run_replay
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = demo_config()
+    sim = FleetSimulator(config)
+    inventories = [NodeInventory.model_validate(d) for d in sim.inventory()]
+
+    # 1. The fleet.
+    console.rule("[bold]1. The fleet")
+    fleet = Table("GPU model", "GPUs", "nodes", "racks", "sites")
+    by_model: dict[str, dict[str, set]] = {}
+    for inv in inventories:
+        for g in inv.gpus:
+            entry = by_model.setdefault(g.model, {k: set() for k in ("gpus", "nodes", "racks", "sites")})
+            entry["gpus"].add((inv.node, g.index))
+            entry["nodes"].add(inv.node)
+            entry["racks"].add(inv.rack)
+            entry["sites"].add(inv.site)
+    for name, e in sorted(by_model.items()):
+        fleet.add_row(name, *(str(len(e[k])) for k in ("gpus", "nodes", "racks", "sites")))
+    console.print(fleet)
+    console.print(f"{config.days:g} days sampled every {config.sample_interval_s:g} s, seed {config.seed}")
+
+    # 2. The main job's plan on that fleet.
+    console.rule(f"[bold]2. Plan: {model} on the fleet")
+    shape = resolve_model(model)
+    request = PlanRequest(model=shape, global_batch=global_batch, seq_len=shape.seq_len, job="demo-main")
+    cluster = cluster_from_inventory(inventories)
+    try:
+        plan = plan_job(request, cluster)
+    except ValueError as exc:
+        fail(str(exc))
+    console.print(plan_summary(plan))
+    plan_png = out_dir / "plan.png"
+    from fleetwise.planner import plan_timeline
+
+    plot_plan(plan, plan_timeline(plan, request, cluster), plan_png)
+
+    # 3. Telemetry: the bundled trace (generated from the seed, so it is the same every run).
+    console.rule("[bold]3. Telemetry trace")
+    trace, labels_path = out_dir / "trace.jsonl.gz", out_dir / "labels.jsonl"
+    inventory_path = out_dir / "inventory.jsonl"
+    counts = write_trace(sim, trace)
+    write_labels(sim, labels_path)
+    inventory_path.write_text("".join(inv.to_json() + "\n" for inv in inventories))
+    labels = [json.loads(line) for line in labels_path.read_text().splitlines() if line.strip()]
+    console.print(f"{trace}: {counts}")
+    console.print(f"injected (ground truth, {labels_path}): {summarize_labels(labels)}")
+
+    # 4. The control plane, embedded, over the trace.
+    console.rule("[bold]4. Replay through the control plane (embedded, event time)")
+    decisions_path = out_dir / "decisions.jsonl"
+    runtime = run_replay([trace], decisions_path, inventory=inventory_path)
+    decisions = runtime.decisions()
+    summary = runtime.summary
+    console.print(
+        f"{summary.samples} GPU samples and {summary.steps} step records processed, "
+        f"{len(summary.bad_lines)} bad lines; outputs per topic: {dict(summary.outputs)}"
+    )
+    alerts = Table("time (UTC)", "type", "node/gpu", "job/rank", "p / factor", "top signals", title="Alerts")
+    from datetime import UTC, datetime
+
+    def when(ts: float) -> str:
+        return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M")
+
+    for d in decisions:
+        if d.kind == "prediction" and d.alert:
+            value = f"{d.factor:.2f}" if d.type == "straggler" and d.factor else f"{d.probability:.2f}"
+            sig = ", ".join(f"{s.name}={s.value}" for s in d.signals[:2])
+            who = f"{d.job}/{d.rank}" if d.job else "-"
+            alerts.add_row(when(d.ts), d.type, f"{d.node}/{d.gpu}", who, value, sig[:60])
+    console.print(alerts)
+    commands = Table("time (UTC)", "command", "target", "reason", title="Commands (signed, idempotent)")
+    for d in decisions:
+        if d.kind == "command":
+            commands.add_row(when(d.ts), d.type, f"{d.job or '-'} {d.node}/{d.gpu}", d.reason[:70])
+    console.print(commands)
+
+    # 5. How the decisions compare with what was injected.
+    console.rule("[bold]5. Backtest against the injected ground truth")
+    n_gpus = sum(len(inv.gpus) for inv in inventories)
+    jobs = {(d.get("job")) for d in labels if d.get("kind") == "straggler"}
+    metrics = score_all(
+        decisions, labels, gpu_days=n_gpus * config.days, horizon_h=runtime.control.failure.horizon_h
+        if runtime.control.failure is not None else 24.0,
+        job_hours=max(len(jobs), 1) * config.days * 24,
+    )
+    scorecard = Table("metric", "value", "target (issue)")
+    for row in metrics_rows(metrics):
+        scorecard.add_row(*row)
+    console.print(scorecard)
+    report = out_dir / "report.html"
+    _write_report(report, decisions, labels_path)
+    console.rule("[bold]Files")
+    for path in (plan_png, trace, labels_path, decisions_path, report):
+        console.print(f"  {path}")
+
+
 def _write_report(path: Path, decisions: list, labels: Path | None) -> None:
     from fleetwise.predictors.report import write_report
 
@@ -134,10 +553,320 @@ def _write_report(path: Path, decisions: list, labels: Path | None) -> None:
 
 
 # ---- predictor -------------------------------------------------------------------------------
+predictor_app = typer.Typer(help="Failure predictor: reproducible training.", no_args_is_help=True)
+app.add_typer(predictor_app, name="predictor")
+
+TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    import gzip
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                fail(f"{path}:{lineno}: not valid JSON ({exc.msg})")
+    return out
+
+
+def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: float):  # noqa: ANN202
+    from fleetwise.predictors.training import compute_features
+    from fleetwise.sim import FleetSimulator, SimConfig, SimConfigError
+
+    try:
+        sim = FleetSimulator(SimConfig(gpus=mix, days=days, seed=seed, sample_interval_s=interval,
+                                       failure_rate_per_1000_gpu_days=failure_rate))
+    except (SimConfigError, ValueError) as exc:
+        fail(f"--mixes {mix!r}: {exc}")
+    table = compute_features(s for tick in sim.ticks() for s in tick.samples)
+    return table, sim.labels()
+
+
+@predictor_app.command("train")
+def predictor_train(
+    out_dir: Path = typer.Option(Path("fleetwise/predictors/models"), "--out-dir", help="Model folder."),
+    seeds: str = typer.Option("101,102,103", help="Simulator seeds, comma-separated (one trace per seed)."),
+    mixes: str = typer.Option(TRAIN_MIXES, help="Fleet mixes, ';'-separated, used round-robin over seeds."),
+    days: float = typer.Option(14.0, min=1.0, help="Days per training trace."),
+    failure_rate: float = typer.Option(40.0, help="Failures per 1,000 GPU-days in training traces."),
+    interval: float = typer.Option(120.0, help="Sample interval of training traces, s."),
+    fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
+) -> None:
+    """Generate simulator traces from SEEDS, build the dataset, fit and write the model."""
+    import time
+
+    import numpy as np
+
+    from fleetwise.predictors.training import (
+        HORIZON_H,
+        fit_failure_model,
+        gpu_groups,
+        label_rows,
+        model_matrix,
+    )
+
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        fail(f"--seeds must be comma-separated integers, got {seeds!r}")
+    mix_list = [m.strip() for m in mixes.split(";") if m.strip()]
+    if not seed_list or not mix_list:
+        fail("need at least one seed and one fleet mix")
+    xs, ys, hours, groups = [], [], [], []
+    offset, started, n_fail = 0, time.time(), 0
+    for i, seed in enumerate(seed_list):
+        mix = mix_list[i % len(mix_list)]
+        table, labels = _sim_table(mix, days, seed, failure_rate, interval)
+        lab = label_rows(table, labels, HORIZON_H)
+        g = gpu_groups(table.keys) + offset
+        offset = int(g.max()) + 1
+        m = lab.train_mask
+        xs.append(model_matrix(table)[m])
+        ys.append(lab.y[m])
+        hours.append(lab.hours_to_failure[m])
+        groups.append(g[m])
+        n_fail += sum(1 for x in labels if x["kind"] == "failure")
+        console.print(f"seed {seed} [{mix}]: {table.samples:,} samples, {len(table):,} GPU-hops, "
+                      f"{int(lab.y[m].sum())} positive hops used")
+    import sklearn
+
+    from fleetwise.predictors.failure import MODEL_FEATURES, feature_schema_hash
+
+    command = (f"fleetwise predictor train --out-dir {out_dir} --seeds {seeds} --mixes '{mixes}' "
+               f"--days {days} --failure-rate {failure_rate} --interval {interval} --fit-seed {fit_seed}")
+    meta = {"version": f"1.0+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
+            "training_command": command, "seeds": seed_list, "mixes": mix_list, "days": days,
+            "failure_rate_per_1000_gpu_days": failure_rate, "sample_interval_s": interval,
+            "fit_seed": fit_seed, "failures_in_training": n_fail, "sklearn": sklearn.__version__}
+    model = fit_failure_model(np.vstack(xs), np.concatenate(ys), np.concatenate(hours),
+                              np.concatenate(groups), seed=fit_seed, metadata=meta)
+    model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys))})
+    size_kb = model_path.stat().st_size / 1024
+    console.print(f"model -> {model_path} ({size_kb:.0f} KiB), metadata -> {meta_path} "
+                  f"in {time.time() - started:.0f} s")
+
+
+@app.command("backtest")
+def backtest_cmd(
+    trace: Path = typer.Option(..., "--trace", help="Trace (.jsonl / .jsonl.gz) of GPU samples and steps."),
+    labels: Path = typer.Option(..., "--labels", help="Simulator labels (.jsonl)."),
+    report: Path | None = typer.Option(None, "--report", help="Write an HTML report with plots."),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="A model other than the packaged one."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+) -> None:
+    """Score failure and straggler predictions over TRACE against LABELS."""
+    from fleetwise.predictors.backtest import metrics_rows, score_all
+    from fleetwise.predictors.failure import FailurePredictor, FeatureSchemaError
+    from fleetwise.predictors.stragglers import StragglerDetector
+    from fleetwise.predictors.training import compute_features, label_rows
+    from fleetwise.schemas import Prediction
+
+    _existing([trace, labels], "file")
+    try:
+        predictor = FailurePredictor.load(model_dir)
+    except (FileNotFoundError, FeatureSchemaError) as exc:
+        fail(str(exc))
+    records = _read_jsonl(trace)
+    label_list = _read_jsonl(labels)
+    samples: list[dict] = []
+    steps: list[dict] = []
+    for r in records:
+        if "metrics" in r:
+            samples.append(r)
+        elif "samples" in r and isinstance(r["samples"], list):
+            samples.extend(r["samples"])
+        elif "step_time_s" in r:
+            steps.append(r)
+    if not samples:
+        fail(f"{trace}: no GPU samples")
+    table = compute_features(samples)
+    lab = label_rows(table, label_list, predictor.model.horizon_h)
+    predictions, probs = predictor.process_arrays(table.keys, table.ts, table.features)
+    strag_preds: list[Prediction] = []
+    job_span: dict[str, list[float]] = {}
+    if steps:
+        detector = StragglerDetector()
+        for k in range(0, len(steps), 4096):
+            strag_preds += [p for p in detector.process(steps[k:k + 4096]) if isinstance(p, Prediction)]
+        strag_preds += [p for p in detector.flush() if isinstance(p, Prediction)]
+        for s in steps:
+            span = job_span.setdefault(s["job"], [s["ts"], s["ts"]])
+            span[0], span[1] = min(span[0], s["ts"]), max(span[1], s["ts"])
+    job_hours = sum(b - a for a, b in job_span.values()) / 3600.0
+    mask = lab.score_mask
+    metrics = score_all(predictions + strag_preds, label_list, gpu_days=table.gpu_days,
+                        horizon_h=predictor.model.horizon_h, job_hours=job_hours, steps=steps or None,
+                        hop_labels=lab.y[mask], hop_probs=probs[mask])
+    metrics["model"] = {k: predictor.model.metadata.get(k) for k in ("version", "training_command")}
+    if report is not None:
+        from fleetwise.predictors.report import write_backtest_report
+
+        write_backtest_report(report, metrics, label_list, table.keys, table.ts, probs, table.features,
+                              predictions)
+    if as_json:
+        print_json(metrics)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"failure predictor backtest: {trace.name}")
+    for col in ("metric", "value", "target"):
+        t.add_column(col)
+    for row in metrics_rows(metrics):
+        t.add_row(*row)
+    console.print(t)
+    if "straggler" in metrics:
+        s = metrics["straggler"]
+        flat = ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, list | dict))
+        console.print(f"stragglers: {flat}")
+    else:
+        console.print("stragglers: no step records in trace")
+    if report is not None:
+        console.print(f"report -> {report}")
+
 
 
 # ---- worker / agent --------------------------------------------------------------------------
+@app.command("worker")
+def worker(
+    bootstrap: str = typer.Option(..., "--bootstrap", help="Kafka bootstrap servers, host:port[,host:port]."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
+    store: str = typer.Option("memory://", "--store", help="Table store: memory:// or rocksdb://."),
+    app_id: str = typer.Option("fleetwise", "--app-id", help="Consumer group / app id."),
+    topic_prefix: str = typer.Option("", "--topic-prefix", help="Prefix for every topic name (tests)."),
+    web_port: int | None = typer.Option(None, "--web-port", help="faust's web UI port (off by default)."),
+    take_max: int = typer.Option(500, "--take-max", help="Max messages per processed batch."),
+    loglevel: str = typer.Option("warning", "--loglevel", help="faust log level."),
+) -> None:
+    """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka."""
+    import importlib.util
+    import re
 
+    hostport = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+    bad = [hp for hp in bootstrap.split(",") if not hostport.match(hp.strip())]
+    if bad:
+        fail(f"--bootstrap must be host:port[,host:port...]; bad entries: {', '.join(bad)}")
+    if store not in ("memory://", "rocksdb://"):
+        fail(f"--store must be memory:// or rocksdb://, got {store!r}")
+    if store == "rocksdb://" and importlib.util.find_spec("rocksdict") is None:
+        fail("--store rocksdb:// needs the python-rocksdict package (pip install rocksdict); "
+             "use --store memory:// (state is rebuilt from the changelog at start)")
+    if take_max < 1:
+        fail(f"--take-max must be at least 1, got {take_max}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        fail(f"--metrics-port must be 0..65535, got {metrics_port}")
+    from fleetwise.streams.app import run_worker
+
+    run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
+               topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max)
+
+
+@app.command("agent")
+def agent(
+    bootstrap: str = typer.Option(..., "--bootstrap", envvar="FLEETWISE_BOOTSTRAP",
+                                  help="Kafka bootstrap servers, host:port[,host:port]."),
+    source: str = typer.Option("nvml", "--source", help="Collector: nvml | dcgm | sim."),
+    dcgm_url: str = typer.Option("http://localhost:9400/metrics", "--dcgm-url", envvar="FLEETWISE_DCGM_URL",
+                                 help="dcgm-exporter /metrics URL (--source dcgm)."),
+    node: str | None = typer.Option(None, "--node", envvar=["FLEETWISE_NODE", "NODE_NAME"],
+                                    help="Node name (default: hostname or dcgm-exporter's hostname label)."),
+    interval: float = typer.Option(10.0, "--interval", help="Seconds between collections."),
+    rack: str | None = typer.Option(None, "--rack", envvar="FLEETWISE_RACK", help="Rack of this node."),
+    site: str | None = typer.Option(None, "--site", envvar="FLEETWISE_SITE", help="Site of this node."),
+    rack_power_w: str | None = typer.Option(None, "--rack-power-w", envvar="FLEETWISE_RACK_POWER_W",
+                                            help="Power budget of the rack, W."),
+    label: list[str] | None = typer.Option(None, "--label",
+                                           help="Node label k=v (repeat; also FLEETWISE_LABELS=k=v,k=v)."),
+    nic: list[str] | None = typer.Option(None, "--nic",
+                                         help="NIC NAME:GBPS[:KIND] (repeat; default: /sys/class/net)."),
+    nvlink_groups: str | None = typer.Option(None, "--nvlink-groups",
+                                             help="NVLink domains, e.g. '0-3;4-7' (default: observed)."),
+    sim_gpus: str | None = typer.Option(None, "--sim-gpus",
+                                        help="Simulated fleet spec, e.g. h100-sxm:8 (--source sim)."),
+    sim_nodes: int = typer.Option(1, "--sim-nodes", help="Simulated nodes this agent reports (load tests)."),
+    seed: int = typer.Option(0, "--seed", help="Simulator seed."),
+    fast: bool = typer.Option(False, "--fast", help="No pacing: collect as fast as possible (load tests)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
+    max_buffer: int = typer.Option(1000, "--max-buffer", help="Batches buffered while the broker is away."),
+    count: int | None = typer.Option(None, "--count", help="Stop after N collections (tests)."),
+    topic_prefix: str = typer.Option("", "--topic-prefix", help="Prefix for every topic name (tests)."),
+    create_topics: bool = typer.Option(True, "--create-topics/--no-create-topics",
+                                       help="Create missing topics (needs the admin ACL)."),
+    flush_timeout: float = typer.Option(10.0, "--flush-timeout", help="Seconds to flush the buffer at exit."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary of the run at exit."),
+    loglevel: str = typer.Option("info", "--loglevel", help="Log level (debug, info, warning, error)."),
+) -> None:
+    """Run a node agent: publish this node's inventory, then a node batch of GPU samples per interval."""
+    import asyncio
+    import logging
+    import os
+
+    from fleetwise.agent import BatchPublisher, CollectorError, NodeConfig
+    from fleetwise.agent import config as agent_config
+    from fleetwise.agent.runner import SOURCES, build_collector, run_until_signal
+
+    if source not in SOURCES:
+        fail(f"--source must be one of {', '.join(SOURCES)}, got {source!r}")
+    if not interval > 0:
+        fail(f"--interval must be > 0 seconds, got {interval}")
+    if max_buffer < 1:
+        fail(f"--max-buffer must be at least 1 batch, got {max_buffer}")
+    if count is not None and count < 1:
+        fail(f"--count must be at least 1, got {count}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        fail(f"--metrics-port must be 0..65535, got {metrics_port}")
+    if loglevel.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        fail(f"--loglevel must be debug, info, warning or error, got {loglevel!r}")
+    logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        bootstrap = agent_config.parse_bootstrap(bootstrap)
+        config = NodeConfig(
+            node=node or None, rack=rack, site=site,
+            rack_power_w=agent_config.parse_power(rack_power_w) if rack_power_w is not None else None,
+            labels=agent_config.parse_labels(label, os.environ.get("FLEETWISE_LABELS")),
+            nics=[agent_config.parse_nic(n) for n in nic] if nic else None,
+            nvlink_groups=agent_config.parse_nvlink_groups(nvlink_groups) if nvlink_groups else None,
+        ).resolved()
+        collector = build_collector(source, config, dcgm_url=dcgm_url, sim_gpus=sim_gpus, sim_nodes=sim_nodes,
+                                    seed=seed, interval_s=interval, count=count, fast=fast)
+        collector.start()
+    except (agent_config.AgentConfigError, CollectorError) as exc:
+        fail(str(exc))
+    name = config.node or ("sim" if source == "sim" and sim_nodes > 1 else None)
+    name = name or getattr(collector, "node", None) or os.uname().nodename
+    if metrics_port is not None:
+        from fleetwise.agent.metrics import start_metrics_server
+
+        try:
+            port = start_metrics_server(metrics_port)
+        except OSError as exc:
+            collector.close()
+            fail(f"--metrics-port {metrics_port}: cannot listen: {exc}")
+        err_console.print(f"agent metrics on :{port}/metrics", highlight=False)
+    publisher = BatchPublisher(bootstrap, agent=name, max_buffer=max_buffer, topic_prefix=topic_prefix,
+                               create_topics=create_topics)
+    run = asyncio.run(run_until_signal(collector, publisher, interval_s=interval, count=count, fast=fast,
+                                       flush_timeout_s=flush_timeout, started=True))
+    stats = publisher.stats
+    summary = {
+        "agent": name, "source": source, "ticks": run.ticks, "batches": run.batches, "samples": run.samples,
+        "batches_sent": stats.batches_sent, "inventories_sent": stats.inventories_sent,
+        "dropped": stats.dropped, "send_errors": stats.send_errors, "connect_errors": stats.connect_errors,
+        "collect_errors": run.collect_errors, "undelivered": publisher.depth,
+        "elapsed_s": round(run.elapsed_s, 3),
+    }
+    if as_json:
+        print_json(summary)
+    else:
+        err_console.print(" ".join(f"{k}={v}" for k, v in summary.items()), highlight=False)
+    if not run.delivered:
+        fail(f"agent stopped with {publisher.depth} batches undelivered (broker {bootstrap} unreachable?)",
+             code=1)
 
 if __name__ == "__main__":  # pragma: no cover
     app()
