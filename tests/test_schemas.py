@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -169,3 +170,10 @@ deadletters = st.builds(DeadLetter, ts=ts, source=names, reason=names, original=
 def test_round_trip_json(record):
     again = type(record).model_validate_json(record.model_dump_json())
     assert again == record
+
+
+def test_committed_json_schemas_are_current(tmp_path):
+    """docs/schemas is what `fleetwise schemas export` writes today (rerun it after a change)."""
+    committed = Path(__file__).resolve().parents[1] / "docs" / "schemas"
+    for path in write_json_schemas(tmp_path):
+        assert (committed / path.name).read_text() == path.read_text(), path.name
