@@ -32,7 +32,6 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from statistics import median
 from typing import Any
 
 from fleetwise.catalog import lookup
@@ -98,7 +97,12 @@ class StragglerConfig:
 
 
 def _median(values: Iterable[float]) -> float:
-    return float(median(values))
+    ordered = sorted(values)
+    n = len(ordered)
+    if not n:
+        raise ValueError("median of no values")
+    mid = n // 2
+    return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
 def _step_record(record: Record | Mapping[str, Any]) -> TrainingStep:
@@ -125,6 +129,7 @@ class StragglerDetector:
         self.config = config or StragglerConfig()
         self._speed = expected_speed or (lambda model: catalog_speed(model, self.config.dtype))
         self._jobs: dict[str, dict[str, Any]] = {}
+        self._keep_recent = max(5, self.config.clear_records)
 
     # ---- processor contract ----
     def process(self, records: Sequence[Record | Mapping[str, Any]]) -> list[Record]:
@@ -138,14 +143,14 @@ class StragglerDetector:
                 out.extend(self._close_group(rec.job, job))
                 pending = None
             if pending is None:
-                pending = job["pending"] = {"step": rec.step, "records": []}
+                pending = job["pending"] = {"step": rec.step, "records": {}}
             row = {
                 "ts": rec.ts, "rank": rec.rank, "node": rec.node, "gpu": rec.gpu,
                 "step_time_s": rec.step_time_s, "compute_s": rec.compute_s,
                 "work": float(rec.samples or rec.micro_batch or 1), "model": rec.model,
             }
             # A rank reporting twice for one step: keep the latest.
-            pending["records"] = [r for r in pending["records"] if r["rank"] != rec.rank] + [row]
+            pending["records"][str(rec.rank)] = row
             if self._group_complete(job, rec.ts):
                 out.extend(self._close_group(rec.job, job))
         return out
@@ -180,7 +185,7 @@ class StragglerDetector:
         reported = job["pending"]["records"]
         if not expected or len(reported) < len(expected):
             return False  # first step of a job: world size unknown until the next step
-        return set(expected) <= {r["rank"] for r in reported}
+        return all(str(rank) in reported for rank in expected)
 
     def _close_group(self, name: str, job: dict[str, Any]) -> list[Record]:
         pending = job["pending"]
@@ -188,7 +193,7 @@ class StragglerDetector:
         if not pending or not pending["records"]:
             return []
         cfg = self.config
-        rows = sorted(pending["records"], key=lambda r: r["rank"])
+        rows = sorted(pending["records"].values(), key=lambda r: r["rank"])
         ts = max(r["ts"] for r in rows)
         out: list[Record] = []
         preds: list[Record] = []
@@ -219,6 +224,8 @@ class StragglerDetector:
         pool = [job["ranks"][str(k)] for k in fresh if job["ranks"][str(k)]["cost"]]
         references = self._references(pool) if len(pool) >= cfg.min_ranks else {}
         sigma = self._job_sigma(job)
+        slack = max(cfg.cusum_slack, cfg.noise_slack_z * sigma)
+        limit = max(cfg.cusum_limit, cfg.noise_limit_z * sigma)
 
         for row in rows:
             rank = row["rank"]
@@ -235,7 +242,7 @@ class StragglerDetector:
                     (1 - cfg.noise_alpha) * rs["noise"] + cfg.noise_alpha * jump)
             rs["deficit"] = deficit
             rs["ref"] = ref[1]
-            pred = self._update_alert(name, rank, rs, deficit, factor, sigma, ts)
+            pred = self._update_alert(name, rank, rs, deficit, factor, slack, limit, ts)
             if pred is not None:
                 preds.append(pred)
 
@@ -273,11 +280,12 @@ class StragglerDetector:
 
     # ---- per-rank alerts ----
     def _update_alert(self, name: str, rank: int, rs: dict[str, Any], deficit: float,
-                      factor: float, sigma: float, ts: float) -> Prediction | None:
+                      factor: float, slack: float, limit: float, ts: float) -> Prediction | None:
         cfg = self.config
-        slack = max(cfg.cusum_slack, cfg.noise_slack_z * sigma)
-        limit = max(cfg.cusum_limit, cfg.noise_limit_z * sigma)
-        rs["recent"] = (rs["recent"] + [factor])[-max(5, cfg.clear_records):]
+        recent = rs["recent"]
+        recent.append(factor)
+        if len(recent) > self._keep_recent:
+            del recent[0]
         if rs["alert"]:
             # Clear on the mean of the last few records against half the slack: a rank hovering
             # near the slack does not clear and re-raise (hysteresis).
