@@ -144,14 +144,17 @@ class Fleet:
         candidates = [i for i in order[n_lemon:] if cool_rack[i]]
         self.hot_healthy = np.zeros(g, dtype=bool)
         self.hot_healthy_excess_c = np.zeros(g)
+        node_median_r = {n.index: float(np.median(self.r_base[n.gpus])) for n in self.nodes}
         for i in candidates[:n_hot_h]:
-            # Poor airflow position: 8-14 C hotter at full load, but kept below the thermal
-            # target at the warmest inlet of the day so it never throttles.
-            want = rng.uniform(8.0, 14.0)
+            # Poor airflow position: 7-12 C hotter than its node's typical board at 70% of TDP,
+            # but kept below the thermal target at full TDP and the warmest inlet of the day, so
+            # it never throttles.
+            want_full = rng.uniform(7.0, 12.0) / 0.7
+            ref_r = node_median_r[int(self.gpu_node[i])]
             hottest = self.static_inlet[i] + DIURNAL_AMPLITUDE_C + 1.0
-            room = SW_THERMAL_C - 4.0 - hottest - self.tdp_w[i] * self.r_base[i]
-            excess = max(3.0, min(want, room))
-            self.r_base[i] *= 1.0 + excess / (self.tdp_w[i] * self.r_base[i])
+            room = SW_THERMAL_C - 4.0 - hottest - self.tdp_w[i] * ref_r
+            excess = max(5.0, min(want_full, room))
+            self.r_base[i] = ref_r + excess / self.tdp_w[i]
             self.hot_healthy[i] = True
             self.hot_healthy_excess_c[i] = excess
         self.uuids: list[str] = [new_uuid(rng) for _ in range(g)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fleetwise.sim.config import SimConfig
-from fleetwise.sim.fleet import Fleet
+from fleetwise.sim.fleet import Fleet, new_uuid
 
 HOUR = 3600.0
 DAY = 86400.0
@@ -122,6 +122,7 @@ class Schedule:
             else max(10.0, 1.0 * rate)
         )
         self._schedule_failures(rng, gpu_days)
+        self.failures.sort(key=lambda f: (f.ts, f.gpu))
         self._schedule_jobs(rng)
         self._schedule_stragglers(rng)
         self._schedule_job_effects(rng)
@@ -145,22 +146,31 @@ class Schedule:
         cfg, fleet = self.config, self.fleet
         n = int(rng.poisson(cfg.failure_rate_per_1000_gpu_days * gpu_days / 1000.0))
         weights = fleet.hazard.copy()
-        n = min(n, int((weights > 0).sum()))
-        if n == 0:
+        if n == 0 or weights.sum() <= 0:
             return
-        chosen = rng.choice(fleet.n_gpus, size=n, replace=False, p=weights / weights.sum())
         classes = list(cfg.class_mix)
         mix = np.array([cfg.class_mix[c] for c in classes], float)
         mix /= mix.sum()
-        for gpu in sorted(int(g) for g in chosen):
-            ts = float(rng.uniform(self.start, self.end))
-            cls = classes[int(rng.choice(len(classes), p=mix))]
-            spec = fleet.spec(gpu)
-            if cls == "nvlink" and not fleet.has_nvlink[gpu]:
-                cls = "off_bus"  # no NVLink on this board: the link-level failure shows as the bus
-            f = self._precursor(rng, gpu, ts, cls, spec.family)
-            f.repair_ts = ts + float(rng.uniform(*cfg.repair_hours)) * HOUR
+        # Drawn with replacement: a slot may fail again after its repair (the lemon hazard stays
+        # with the slot - board, riser, cooling position), but two failures never overlap.
+        busy: dict[int, list[tuple[float, float]]] = {}
+        for _ in range(n):
+            for _attempt in range(20):
+                gpu = int(rng.choice(fleet.n_gpus, p=weights / weights.sum()))
+                ts = float(rng.uniform(self.start, self.end))
+                cls = classes[int(rng.choice(len(classes), p=mix))]
+                if cls == "nvlink" and not fleet.has_nvlink[gpu]:
+                    cls = "off_bus"  # no NVLink on this board: a link-level fault shows as the bus
+                f = self._precursor(rng, gpu, ts, cls, fleet.spec(gpu).family)
+                f.repair_ts = ts + float(rng.uniform(*cfg.repair_hours)) * HOUR
+                lo = f.precursor_start if f.precursor_start is not None else ts
+                if all(f.repair_ts < a or lo > b for a, b in busy.get(gpu, [])):
+                    break
+            else:
+                continue
+            busy.setdefault(gpu, []).append((lo, f.repair_ts))
             self.failures.append(f)
+            spec = fleet.spec(gpu)
             node = fleet.node_of(gpu)
             self.labels.append(
                 {
@@ -179,6 +189,15 @@ class Schedule:
                     "lemon": bool(fleet.lemon[gpu]),
                 }
             )
+            f.params["label"] = self.labels[-1]
+            if cls == "thermal_interface":
+                self.labels[-1]["throttle_start_ts"] = ts - f.params["throttle_s"]
+                self.labels[-1]["throttle_factor"] = round(f.params["factor"], 4)
+        # Each repair installs a new board; a slot's later failure is that board's.
+        current = list(fleet.uuids)
+        for f in sorted(self.failures, key=lambda x: (x.ts, x.gpu)):
+            f.params["label"]["uuid"] = current[f.gpu]
+            f.params["new_uuid"] = current[f.gpu] = new_uuid(rng)
 
     def _precursor(self, rng: np.random.Generator, gpu: int, ts: float, cls: str, family: str) -> Failure:
         """Draw whether a failure is warned and how long before it its precursor starts."""
@@ -324,7 +343,7 @@ class Schedule:
             comm_s=target_step * float(rng.uniform(0.05, 0.25)),
             split=split,
             dtype=dtype,
-            intensity=float(rng.uniform(0.80, 1.08)),
+            intensity=float(rng.uniform(0.80, 1.15)),  # > 1: the job would draw above TDP (capped)
             util=float(rng.uniform(94.0, 99.5)),
             mem_copy_util=float(rng.uniform(20.0, 60.0)),
             fb_frac=float(rng.uniform(0.55, 0.95)),
@@ -634,7 +653,9 @@ class Schedule:
         for f in self.failures:
             node = int(fleet.gpu_node[f.gpu])
             if f.repair_ts < self.end:
-                self.events.append(Event(f.repair_ts, "repair", gpu=f.gpu, node=node))
+                self.events.append(
+                    Event(f.repair_ts, "repair", gpu=f.gpu, node=node, data={"uuid": f.params["new_uuid"]})
+                )
                 self._reboot(node, f.repair_ts - 300.0, 300.0, "repair")
             self.events.append(Event(f.ts, "fail", gpu=f.gpu, node=node, code=f.final_xid))
 

@@ -19,7 +19,6 @@ from fleetwise.sim.fleet import (
     IDLE_SM_CLOCK_MHZ,
     SW_THERMAL_C,
     Fleet,
-    new_uuid,
 )
 from fleetwise.sim.schedule import DAY, HOUR, Schedule, Window
 
@@ -257,7 +256,7 @@ class FleetSimulator:
                 ev_ptr += 1
                 g = ev.gpu
                 if ev.kind == "xid":
-                    if alive[g]:
+                    if alive[g] and xid[g] == 0:  # a hardware XID in the same interval wins
                         xid[g] = ev.code
                 elif ev.kind == "xid74":
                     if alive[g]:
@@ -282,7 +281,7 @@ class FleetSimulator:
                     dying.append(g)
                 elif ev.kind == "repair":
                     alive[g] = True
-                    uuids[g] = new_uuid(rng)
+                    uuids[g] = ev.data["uuid"]
                     for key in VOLATILE + PERSISTENT:
                         ctr[key][g] = 0
                     energy[g] = 0.0
@@ -393,7 +392,7 @@ class FleetSimulator:
                 + 0.2 * noise[0]
             )
             tdp, idle = fleet.tdp_w, fleet.idle_w
-            demand = idle + (tdp - idle) * intensity * load * (0.6 + 0.4 * activity)
+            demand = idle + (tdp - idle) * intensity * load * (0.7 + 0.3 * activity)
             capped = demand > tdp
             power = np.minimum(demand, tdp)
             clock = np.where(
