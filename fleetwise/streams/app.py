@@ -67,6 +67,17 @@ def produced_at(message: Any) -> float:
     return float(message.timestamp or 0.0)
 
 
+def state_partition(inner: str, partitions: int) -> int:
+    """Changelog partition for a key's state: the partition Kafka's default partitioner
+    (murmur2, as the Java and aiokafka producers use) gives the input message of that key
+    (telemetry by node, steps by job). Every write of a key then lands in one changelog
+    partition (so the latest write wins on recovery) and moves with its input partition."""
+    from aiokafka.partitioner import murmur2
+
+    message_key = inner.split("/", 1)[0]
+    return (murmur2(message_key.encode()) & 0x7FFFFFFF) % partitions
+
+
 def record_keys(record: Record) -> tuple[str, ...]:
     """The processor keys (inner, without the processor name) an input record belongs to."""
     if isinstance(record, GpuSample):
@@ -89,8 +100,11 @@ class StreamProcessor:
         send: Callable[[str, bytes, bytes, list[tuple[str, bytes]]], Any],
         *,
         topic_prefix: str = "",
+        state_partitions: int = T.TELEMETRY_GPU.partitions,
     ) -> None:
         self.control = control
+        self.state_partitions = state_partitions
+        self._partition_of: dict[str, int] = {}
         self.table = table  # faust Table (uses .data and .send_changelog) or a stand-in
         self.send = send  # async (topic, key, value, headers) -> awaitable delivery future
         self.prefix = topic_prefix
@@ -122,6 +136,7 @@ class StreamProcessor:
         offsets = entry.get("offsets", {})
         if self._restored_from.get(inner) == offsets or self._offsets.get(inner) == offsets:
             return  # this worker wrote (or already restored) exactly that entry
+        log.info("restoring %s from the state table (offsets %s)", inner, offsets)
         for name, state in entry.get("state", {}).items():
             self.control.restore(f"{name}:{inner}", state)
         self._offsets[inner] = dict(offsets)
@@ -203,9 +218,11 @@ class StreamProcessor:
             M.DECISIONS_OUT.labels(kind, label).inc()
         for fut in futures:
             await fut
-        # 2. state of the touched keys, to the changelog partition of the input partition
-        partition = events[-1].message.partition if events else 0
+        # 2. state of the touched keys, to the changelog partition of the key's input partition
         for inner, item in snapshot.items():
+            partition = self._partition_of.get(inner)
+            if partition is None:
+                partition = self._partition_of[inner] = state_partition(inner, self.state_partitions)
             offsets = dict(self._offsets.get(inner, {}))
             entry = {"state": item["state"], "offsets": offsets}
             self.table.data[inner] = entry
@@ -286,7 +303,8 @@ def make_app(
     async def send(topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> Any:
         return await app.producer.send(topic, key, value, partition=None, timestamp=None, headers=headers)
 
-    processor = StreamProcessor(control, table, send, topic_prefix=topic_prefix)
+    processor = StreamProcessor(control, table, send, topic_prefix=topic_prefix,
+                                state_partitions=state_partitions)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
