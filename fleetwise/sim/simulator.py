@@ -193,7 +193,6 @@ class FleetSimulator:
         dt = cfg.sample_interval_s
         alpha = 1.0 - math.exp(-dt / THERMAL_TAU_S)
         ctr = {k: np.zeros(g_n, dtype=np.int64) for k in VOLATILE + PERSISTENT}
-        energy = np.zeros(g_n)  # mJ, float accumulator
         alive = np.ones(g_n, dtype=bool)
         uuids = list(fleet.uuids)
         temp = fleet.static_inlet + fleet.tdp_w * 0.1 * fleet.r_base
@@ -201,6 +200,7 @@ class FleetSimulator:
         lemon = fleet.lemon
         bg = {k: np.where(lemon, hi, lo) * dt / DAY for k, (lo, hi) in BG_PER_DAY.items()}
         bg["nvl_flit"] = bg["nvl_flit"] * fleet.has_nvlink
+        energy = self._initial_state(rng, ctr)
         hbm_offset = 6.0  # HBM runs a few degrees above the die under load (our calibration)
         site_phase = fleet.site_phase_h[fleet.gpu_site]
         node_gpus = [np.array(n.gpus, dtype=np.int64) for n in fleet.nodes]
@@ -568,6 +568,61 @@ class FleetSimulator:
             for g in dying:
                 alive[g] = False
             yield Tick(ts, samples, steps)
+
+    def _initial_state(self, rng: np.random.Generator, ctr: dict[str, np.ndarray]) -> np.ndarray:
+        """Counters as a fleet in service has them at the trace start; returns energy in mJ.
+
+        Nodes have been up for days (since-boot counters are not zero) and boards in service for
+        months (persistent ECC counts and the odd remapped row exist on healthy GPUs); a failure
+        whose precursor began before the trace has already accumulated its errors.
+        """
+        fleet, cfg = self.fleet, self.config
+        g_n = fleet.n_gpus
+        uptime_d = rng.uniform(1.0, 60.0, len(fleet.nodes))[fleet.gpu_node]
+        age_d = np.maximum(uptime_d, rng.uniform(60.0, 900.0, g_n))
+        lemon = fleet.lemon
+        for key, (lo, hi) in BG_PER_DAY.items():
+            rate = np.where(lemon, hi, lo)
+            if key == "nvl_flit":
+                rate = rate * fleet.has_nvlink
+            since_boot = rng.poisson(rate * uptime_d)
+            if key == "sbe":
+                ctr["sbe_vol"] += since_boot
+                ctr["sbe_agg"] += since_boot + rng.poisson(rate * (age_d - uptime_d))
+            elif key == "pcie":
+                ctr["pcie"] += since_boot
+            else:
+                ctr["nvl_flit"] += since_boot
+                ctr["nvl_replay"] += since_boot // 2
+        # Healthy boards collect a correctable remap now and then (our calibration: ~1 per 3 years,
+        # lemons 10x).
+        remaps = rng.poisson(np.where(lemon, 10.0, 1.0) * age_d / 1000.0)
+        ctr["remap_corr"] += np.where(fleet.has_remap, remaps, 0)
+        ctr["ret_sbe"] += np.where(fleet.has_remap, 0, remaps)
+        # Power-capped share of past busy time, for the violation counter.
+        ctr["pviol"] += (rng.uniform(0.0, 0.1, g_n) * uptime_d * DAY * 1e9).astype(np.int64)
+        for f in self.schedule.failures:
+            if f.precursor_start is None or f.precursor_start >= cfg.start_ts:
+                continue
+            g, lead_h = f.gpu, (f.ts - f.precursor_start) / HOUR
+            x0 = (cfg.start_ts - f.precursor_start) / (f.ts - f.precursor_start)
+            if f.cls == "hbm_ecc":
+                n = int(rng.poisson(0.2 * lead_h * (math.exp(6.5 * x0) - 1.0) / 6.5))
+                ctr["sbe_vol"][g] += n
+                ctr["sbe_agg"][g] += n
+                done = int(rng.poisson(0.05 * lead_h * (math.exp(4.0 * x0) - 1.0) / 4.0))
+                if done:
+                    ctr["remap_corr" if fleet.has_remap[g] else "ret_sbe"][g] += done
+                    ctr["remap_pending" if fleet.has_remap[g] else "ret_pending"][g] = 1
+            elif f.cls == "nvlink":
+                n = int(rng.poisson(3.0 * lead_h * (math.exp(5.0 * x0) - 1.0) / 5.0))
+                ctr["nvl_flit"][g] += n
+                ctr["nvl_data"][g] += int(0.3 * n)
+                ctr["nvl_replay"][g] += int(0.5 * n)
+            elif f.cls == "off_bus":
+                ctr["pcie"][g] += int(rng.poisson(2.0 * lead_h * (math.exp(5.0 * x0) - 1.0) / 5.0))
+        # Average draw since boot ~ half of TDP.
+        return fleet.tdp_w * rng.uniform(0.35, 0.65, g_n) * uptime_d * DAY * 1000.0
 
     def _precursor_tick(
         self,
