@@ -1,0 +1,118 @@
+"""Embedded replay throughput: GPU samples/s through validation + windowed features (+ predictors).
+
+Runs on one core (the embedded runtime is one Python thread). Lines are prepared in memory
+first, so file reading and gzip are not timed: what is timed is what a worker does per
+message: JSON decode + pydantic validation + catalog check, feature windows, and (with
+--predictors) the failure predictor, the alert policy and the actuators.
+
+    .venv/bin/python bench/replay.py --gpus 256 --hours 24 [--source sim|synthetic]
+
+Prints a table; copy it into docs/benchmarks.md ("Replay throughput").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import time
+
+import numpy as np
+
+METRIC_KEYS = {
+    "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK",
+    "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_XID_ERRORS",
+}
+
+
+def synthetic_lines(gpus: int, hours: float, interval_s: float, seed: int) -> list[bytes]:
+    """Plausible DCGM samples (gauges with noise, climbing counters) for an 8-GPU-node fleet."""
+    rng = np.random.default_rng(seed)
+    models = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA B200"]
+    steps = int(hours * 3600 / interval_s)
+    t0 = 1764547200.0
+    sbe = np.zeros(gpus)
+    lines = []
+    for k in range(steps):
+        ts = t0 + k * interval_s
+        power = rng.uniform(100, 650, gpus)
+        temp = 30 + 0.06 * power + rng.normal(0, 0.5, gpus)
+        sbe += rng.random(gpus) < 0.001
+        for g in range(gpus):
+            lines.append(json.dumps({
+                "ts": ts, "node": f"node-{g // 8:04d}", "gpu": g % 8, "uuid": f"GPU-{g:08x}",
+                "model": models[(g // 8) % 3], "metrics": {
+                    "DCGM_FI_DEV_GPU_TEMP": round(float(temp[g]), 1),
+                    "DCGM_FI_DEV_MEMORY_TEMP": round(float(temp[g] + 5), 1),
+                    "DCGM_FI_DEV_POWER_USAGE": round(float(power[g]), 1),
+                    "DCGM_FI_DEV_SM_CLOCK": 1980, "DCGM_FI_DEV_GPU_UTIL": 95,
+                    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": 0, "DCGM_FI_DEV_XID_ERRORS": 0,
+                    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(sbe[g]), "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": 0,
+                    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": 0, "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": 0,
+                    "DCGM_FI_DEV_ROW_REMAP_FAILURE": 0, "DCGM_FI_DEV_ROW_REMAP_PENDING": 0,
+                    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": 0,
+                    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": 0,
+                },
+            }).encode() + b"\n")
+    return lines
+
+
+def sim_lines(gpus: int, hours: float, interval_s: float, seed: int) -> list[bytes]:
+    from fleetwise.sim import FleetSimulator, SimConfig
+
+    per = max(1, gpus // 3)
+    cfg = SimConfig(gpus=f"h100-sxm:{per},a100-sxm-80gb:{per},b200:{gpus - 2 * per}", days=hours / 24,
+                    seed=seed, sample_interval_s=interval_s)
+    out = []
+    for rec in FleetSimulator(cfg).ticks():
+        obj = rec if isinstance(rec, dict) else rec.model_dump(exclude_none=True)
+        if "metrics" in obj:
+            out.append(json.dumps(obj).encode() + b"\n")
+        elif "samples" in obj:
+            out.extend(json.dumps(s).encode() + b"\n" for s in obj["samples"])
+    return out
+
+
+def run(lines: list[bytes], predictors: bool) -> tuple[float, int, dict]:
+    from fleetwise.streams.embedded import EmbeddedRuntime
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    control = ControlPlane(ControlPlaneConfig(failure_predictor=predictors, straggler_detector=predictors))
+    runtime = EmbeddedRuntime(control)
+    start = time.process_time()
+    runtime.feed_lines(lines, "bench")
+    summary = runtime.finish()
+    elapsed = time.process_time() - start
+    return elapsed, summary.samples, dict(summary.outputs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=256)
+    ap.add_argument("--hours", type=float, default=24.0)
+    ap.add_argument("--interval", type=float, default=60.0, help="sample interval, s")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--source", choices=["synthetic", "sim"], default="synthetic")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core: numpy/sklearn must not fan out
+    gen = sim_lines if args.source == "sim" else synthetic_lines
+    t = time.perf_counter()
+    lines = gen(args.gpus, args.hours, args.interval, args.seed)
+    prep = time.perf_counter() - t
+    print(f"# {len(lines):,} sample lines from {args.source} ({args.gpus} GPUs x {args.hours} h at "
+          f"{args.interval:.0f} s) prepared in {prep:.1f} s; {platform.processor() or platform.machine()}, "
+          f"Python {platform.python_version()}, CPU time of one thread")
+    print(f"| {'pipeline':<44} | {'samples':>10} | {'CPU s':>7} | {'samples/s':>10} | target |")
+    print(f"|{'-' * 46}|{'-' * 12}|{'-' * 9}|{'-' * 12}|--------|")
+    for label, pred in (("validation + features", False), ("validation + features + predictors", True)):
+        elapsed, n, outputs = run(lines, pred)
+        rate = n / elapsed if elapsed else float("inf")
+        print(f"| {label:<44} | {n:>10,} | {elapsed:>7.2f} | {rate:>10,.0f} | 100,000 |")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"# outputs (last run): {outputs}; peak RSS {rss:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Backtest: score failure (and straggler) predictions against simulator labels.
+
+Pure functions over predictions, labels and per-hop probabilities; no file I/O.
+
+Definitions (failure side):
+- alert episode: per GPU, from the first `alert: true` prediction to the first later
+  `alert: false` (or the end of the trace). Repeated alert predictions are one episode.
+- an episode is true when that GPU fails in [raise, end + horizon]: an open alert is a
+  standing claim that the GPU fails within the horizon. Otherwise it is a false alarm.
+- a failure is caught with lead L when a true episode for it was raised at least L
+  before the failure; its lead time is failure ts - earliest such raise.
+- precision = true episodes / all episodes; false alarms per 1,000 GPU-days.
+- precision at a realistic base rate b (failures per 1,000 GPU-days):
+  b * recall / (b * recall + false alarms per 1,000 GPU-days).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fleetwise.predictors.training import REPAIR_WINDOW_H
+from fleetwise.schemas import Prediction
+
+BASE_RATE_PER_1000_GPU_DAYS = 0.5  # REFERENCE.md: Llama 3 ~0.47, Meta RSC 0.3-0.8 per 1,000 GPU-days
+LEAD_30MIN_H, LEAD_12H = 0.5, 12.0
+LONG_PRECURSOR_H = 18.0
+
+
+@dataclass
+class Episode:
+    node: str
+    gpu: int
+    raised_ts: float
+    end_ts: float | None
+    source: str
+
+
+def _get(p: Prediction | Mapping[str, Any], name: str) -> Any:
+    return p.get(name) if isinstance(p, Mapping) else getattr(p, name, None)
+
+
+def _source(p: Prediction | Mapping[str, Any]) -> str:
+    for s in _get(p, "signals") or ():
+        name = s.get("name") if isinstance(s, Mapping) else s.name
+        if name == "source":
+            return str(s.get("value") if isinstance(s, Mapping) else s.value)
+    return "model"
+
+
+def alert_episodes(predictions: Iterable[Prediction | Mapping[str, Any]]) -> list[Episode]:
+    """Failure alert episodes per GPU, from predictions in any order."""
+    by_gpu: dict[tuple[str, int], list[tuple[float, bool, str]]] = {}
+    for p in predictions:
+        if _get(p, "type") != "failure" or _get(p, "gpu") is None:
+            continue
+        by_gpu.setdefault((_get(p, "node"), int(_get(p, "gpu"))), []).append(
+            (float(_get(p, "ts")), bool(_get(p, "alert")), _source(p)))
+    out: list[Episode] = []
+    for (node, gpu), rows in sorted(by_gpu.items()):
+        rows.sort()
+        open_ep: Episode | None = None
+        for ts, alert, source in rows:
+            if alert and open_ep is None:
+                open_ep = Episode(node, gpu, ts, None, source)
+            elif not alert and open_ep is not None:
+                open_ep.end_ts = ts
+                out.append(open_ep)
+                open_ep = None
+        if open_ep is not None:
+            out.append(open_ep)
+    return out
+
+
+def _auprc(y: np.ndarray, p: np.ndarray) -> float | None:
+    if len(y) == 0 or not y.any():
+        return None
+    from sklearn.metrics import average_precision_score
+
+    return float(average_precision_score(y, p))
+
+
+def score_failures(
+    predictions: Iterable[Prediction | Mapping[str, Any]],
+    labels: Sequence[Mapping[str, Any]],
+    *,
+    gpu_days: float,
+    horizon_h: float,
+    hop_labels: np.ndarray | None = None,
+    hop_probs: np.ndarray | None = None,
+    base_rate: float = BASE_RATE_PER_1000_GPU_DAYS,
+) -> dict[str, Any]:
+    """Failure-prediction metrics (see the module docstring for definitions)."""
+    episodes = alert_episodes(predictions)
+    fails = [lab for lab in labels if lab.get("kind") == "failure"]
+    hz = horizon_h * 3600.0
+    by_gpu: dict[tuple[str, int], list[Episode]] = {}
+    for ep in episodes:
+        by_gpu.setdefault((ep.node, ep.gpu), []).append(ep)
+
+    true_eps: set[int] = set()
+    failure_rows = []
+    for f in fails:
+        tf = float(f["ts"])
+        key = (f["node"], int(f["gpu"]))
+        lead = None
+        source = None
+        for ep in by_gpu.get(key, []):
+            end = ep.end_ts if ep.end_ts is not None else np.inf
+            if ep.raised_ts <= tf <= end + hz:
+                true_eps.add(id(ep))
+                if ep.raised_ts <= tf:
+                    this = (tf - ep.raised_ts) / 3600.0
+                    if lead is None or this > lead:
+                        lead, source = this, ep.source
+        pre = f.get("precursor_start_ts")
+        precursor_h = None if (f.get("abrupt") or pre is None) else (tf - float(pre)) / 3600.0
+        failure_rows.append({"class": f.get("class", "unknown"), "lead_h": lead, "precursor_h": precursor_h,
+                             "source": source, "node": f["node"], "gpu": int(f["gpu"]), "ts": tf})
+    # Alerts raised in a repair window (a dead GPU's aftermath) are neither true nor false.
+    repair: dict[tuple[str, int], list[float]] = {}
+    for f in fails:
+        repair.setdefault((f["node"], int(f["gpu"])), []).append(float(f["ts"]))
+    false_eps = [ep for ep in episodes if id(ep) not in true_eps and not any(
+        0 <= ep.raised_ts - tf <= REPAIR_WINDOW_H * 3600 for tf in repair.get((ep.node, ep.gpu), []))]
+    n_true, n_false = len(true_eps), len(false_eps)
+
+    def recall(rows: list[dict], min_lead: float) -> dict[str, Any]:
+        hit = sum(1 for r in rows if r["lead_h"] is not None and r["lead_h"] >= min_lead)
+        return {"n": len(rows), "caught": hit, "recall": hit / len(rows) if rows else None}
+
+    with_pre = [r for r in failure_rows if r["precursor_h"] is not None]
+    long_pre = [r for r in with_pre if r["precursor_h"] >= LONG_PRECURSOR_H]
+    abrupt = [r for r in failure_rows if r["precursor_h"] is None]
+    classes = sorted({r["class"] for r in failure_rows})
+    fa_rate = n_false / gpu_days * 1000.0 if gpu_days > 0 else None
+    r_all = recall(failure_rows, LEAD_30MIN_H)["recall"]
+
+    def base_precision(rec: float | None) -> float | None:
+        if rec is None or fa_rate is None:
+            return None
+        tp = base_rate * rec
+        return tp / (tp + fa_rate) if tp + fa_rate > 0 else None
+
+    leads = sorted(r["lead_h"] for r in failure_rows if r["lead_h"] is not None)
+    hot = {(lab["node"], int(lab["gpu"])) for lab in labels
+           if lab.get("kind") == "trap" and lab.get("type") == "hot_healthy" and lab.get("gpu") is not None}
+    false_keys = {(ep.node, ep.gpu) for ep in false_eps}
+    out: dict[str, Any] = {
+        "horizon_h": horizon_h,
+        "gpu_days": gpu_days,
+        "failures": len(failure_rows),
+        "alert_episodes": len(episodes),
+        "true_alerts": n_true,
+        "false_alerts": n_false,
+        "precision": n_true / (n_true + n_false) if (n_true + n_false) else None,
+        "false_alarms_per_1000_gpu_days": fa_rate,
+        "recall_long_precursor_12h": recall(long_pre, LEAD_12H),
+        "recall_with_precursor_30min": recall(with_pre, LEAD_30MIN_H),
+        "recall_abrupt_30min": recall(abrupt, LEAD_30MIN_H),
+        "recall_all_30min": recall(failure_rows, LEAD_30MIN_H),
+        "recall_all_12h": recall(failure_rows, LEAD_12H),
+        "recall_by_class_30min": {c: recall([r for r in failure_rows if r["class"] == c], LEAD_30MIN_H)
+                                  for c in classes},
+        "recall_by_class_12h": {c: recall([r for r in failure_rows if r["class"] == c], LEAD_12H)
+                                for c in classes},
+        "lead_time_h": {
+            "n": len(leads),
+            "p10": float(np.percentile(leads, 10)) if leads else None,
+            "median": float(np.median(leads)) if leads else None,
+            "p90": float(np.percentile(leads, 90)) if leads else None,
+            "values": [round(v, 2) for v in leads],
+        },
+        "rule_only_alerts": sum(1 for ep in episodes if ep.source.startswith("rule")),
+        "hot_healthy_gpus": len(hot),
+        "hot_healthy_flagged_share": (len(hot & false_keys) / len(hot)) if hot else None,
+        "auprc": _auprc(hop_labels, hop_probs) if hop_labels is not None and hop_probs is not None else None,
+        "base_rate_per_1000_gpu_days": base_rate,
+        "precision_at_base_rate": base_precision(r_all),
+        "precision_at_base_rate_precursor_only": base_precision(recall(with_pre, LEAD_30MIN_H)["recall"]),
+        "failure_rows": failure_rows,
+        "false_alert_list": [{"node": e.node, "gpu": e.gpu, "raised_ts": e.raised_ts, "source": e.source}
+                             for e in false_eps],
+    }
+    return out
+
+
+def score_all(
+    predictions: Sequence[Prediction | Mapping[str, Any]],
+    labels: Sequence[Mapping[str, Any]],
+    *,
+    gpu_days: float,
+    horizon_h: float,
+    job_hours: float = 0.0,
+    steps: Iterable[Mapping[str, Any]] | None = None,
+    hop_labels: np.ndarray | None = None,
+    hop_probs: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """Failure metrics, plus straggler metrics from the straggler detector's own scorer."""
+    from fleetwise.predictors.stragglers import score_stragglers
+
+    out = {"failure": score_failures(predictions, labels, gpu_days=gpu_days, horizon_h=horizon_h,
+                                     hop_labels=hop_labels, hop_probs=hop_probs)}
+    strag_preds = [p for p in predictions if _get(p, "type") != "failure"]
+    if job_hours > 0:
+        out["straggler"] = score_stragglers(strag_preds, list(labels), job_hours, steps=steps)  # type: ignore[arg-type]
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def metrics_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(metric, value, target) rows of the failure metrics for a table."""
+    f = metrics.get("failure", metrics)
+
+    def rec(d: Mapping[str, Any]) -> str:
+        return f"{_fmt(d['recall'])} ({d['caught']}/{d['n']})"
+
+    rows = [
+        ("failures in trace", str(f["failures"]), ""),
+        ("GPU-days", f"{f['gpu_days']:.0f}", ""),
+        ("recall, precursor >= 18 h, lead >= 12 h", rec(f["recall_long_precursor_12h"]), ">= 0.8"),
+        ("recall, any precursor, lead >= 30 min", rec(f["recall_with_precursor_30min"]), ">= 0.75"),
+        ("recall, abrupt (ceiling), lead >= 30 min", rec(f["recall_abrupt_30min"]), "report"),
+        ("recall, all failures, lead >= 30 min", rec(f["recall_all_30min"]), ""),
+        ("precision (alert episodes)", f"{_fmt(f['precision'])} ({f['true_alerts']}/{f['alert_episodes']})",
+         ">= 0.9"),
+        ("false alarms / 1,000 GPU-days", _fmt(f["false_alarms_per_1000_gpu_days"]), "<= 0.05"),
+        ("hot-but-healthy GPUs flagged", f"{_fmt(f['hot_healthy_flagged_share'])} of {f['hot_healthy_gpus']}",
+         "<= 0.01"),
+        ("AUPRC (per GPU-hop)", _fmt(f["auprc"]), ""),
+        ("precision at 0.5 failures / 1,000 GPU-days", _fmt(f["precision_at_base_rate"]), ""),
+        ("lead time h (p10 / median / p90)",
+         " / ".join(_fmt(f["lead_time_h"][k]) for k in ("p10", "median", "p90")), ""),
+        ("rule-only alert episodes", str(f["rule_only_alerts"]), ""),
+    ]
+    for c, d in f["recall_by_class_30min"].items():
+        rows.append((f"recall {c} (>=30 min / >=12 h)", f"{rec(d)} / {rec(f['recall_by_class_12h'][c])}", ""))
+    return rows

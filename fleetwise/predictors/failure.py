@@ -1,0 +1,258 @@
+"""Failure predictor: packaged scikit-learn model + rules layer + alert policy with hysteresis.
+
+Per closed feature hop of a GPU, the model gives the probability that the GPU fails within
+`horizon_h`; a lead-time estimate and the top signals come with it. The alert policy turns
+probabilities into `alert: true` predictions without flapping. The rules layer covers what
+no trend shows (a row-remap failure, XID 79 off the bus, fatal memory XIDs 48/64/95/140);
+rule alerts carry a `source=rule:<name>` signal, model alerts `source=model`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleetwise.predictors.features import FEATURE_NAMES
+from fleetwise.schemas import FeatureVector, Prediction, Signal
+
+MODEL_FILE = "failure_model.joblib"
+META_FILE = "failure_model.json"
+
+# Features the model sees. Absolute temperatures and the inlet estimate are left out on
+# purpose: they mostly encode *where* a GPU sits (hot aisle, top of rack), and a model
+# that learns "hot -> fails" flags hot-but-healthy GPUs. It sees self-relative thermal
+# signals instead (residual against its own power fit, thermal-resistance drift, clock
+# loss against its own typical clock, throttle duty).
+# Throttle-violation counters are left out too: their unit differs between DCGM versions and
+# exporters (us vs ns), and the throttle-reason duty cycles carry the same information.
+EXCLUDED = {"samples", "temp_mean", "temp_max", "mem_temp_mean", "inlet_est_c", "rth_fast", "rth_slow"}
+MODEL_FEATURES: list[str] = [
+    n for n in FEATURE_NAMES if n not in EXCLUDED and "_violation_us" not in n
+]
+RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
+    "remap_failure": "remap_failure",
+    "xid_bus_hop": "xid79_off_bus",
+    "xid_mem_fatal_hop": "xid_fatal_memory",
+}
+
+
+def feature_schema_hash(names: Sequence[str]) -> str:
+    """Short hash of the ordered feature names: a model fits exactly one schema."""
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+
+
+class FeatureSchemaError(RuntimeError):
+    """The packaged model was fitted on a different feature schema than this code computes."""
+
+
+@dataclass
+class AlertPolicy:
+    """Raise at p >= hi for k consecutive hops; clear at p < lo for m consecutive hops."""
+
+    hi: float = 0.6
+    lo: float = 0.3
+    k_raise: int = 2
+    m_clear: int = 6
+    rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
+    emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
+
+
+@dataclass
+class FailureModel:
+    """The fitted bundle: calibrated classifier, lead-time regressor, healthy baseline."""
+
+    classifier: Any
+    calibrator: Any
+    lead_regressor: Any
+    feature_names: list[str]
+    baseline_median: np.ndarray
+    baseline_scale: np.ndarray
+    importance: np.ndarray
+    horizon_h: float
+    policy: AlertPolicy = field(default_factory=AlertPolicy)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        """Calibrated probability of failing within horizon_h, per row of MODEL_FEATURES."""
+        if len(x) == 0:
+            return np.empty(0)
+        raw = self.classifier.predict_proba(x)[:, 1]
+        return np.clip(self.calibrator.predict(raw), 0.0, 1.0)
+
+    def lead_time_h(self, x: np.ndarray) -> np.ndarray:
+        if len(x) == 0 or self.lead_regressor is None:
+            return np.full(len(x), np.nan)
+        return np.expm1(np.clip(self.lead_regressor.predict(x), 0.0, np.log1p(self.horizon_h)))
+
+    def contributions(self, x: np.ndarray) -> np.ndarray:
+        """Cheap per-feature contribution: deviation from the healthy baseline x importance."""
+        z = np.abs(x - self.baseline_median) / self.baseline_scale
+        return np.nan_to_num(z, nan=0.0) * self.importance
+
+    # ---- persistence ----
+    def save(self, directory: Path, extra_metadata: dict[str, Any] | None = None) -> tuple[Path, Path]:
+        import joblib
+        import sklearn
+
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {
+            **self.metadata,
+            **(extra_metadata or {}),
+            "feature_names": self.feature_names,
+            "feature_schema_hash": feature_schema_hash(self.feature_names),
+            "horizon_h": self.horizon_h,
+            "policy": asdict(self.policy),
+            "sklearn_version": sklearn.__version__,
+        }
+        bundle = {k: getattr(self, k) for k in (
+            "classifier", "calibrator", "lead_regressor", "baseline_median", "baseline_scale", "importance")}
+        joblib.dump(bundle, directory / MODEL_FILE, compress=3)
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        return directory / MODEL_FILE, directory / META_FILE
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> FailureModel:
+        """Load the packaged model (or one from `directory`); checks the feature schema."""
+        import joblib
+
+        base = Path(directory) if directory else Path(str(resources.files("fleetwise.predictors") / "models"))
+        meta_path, model_path = base / META_FILE, base / MODEL_FILE
+        if not meta_path.exists() or not model_path.exists():
+            raise FileNotFoundError(
+                f"no failure model in {base}: run `fleetwise predictor train` to create one"
+            )
+        meta = json.loads(meta_path.read_text())
+        expected = feature_schema_hash(MODEL_FEATURES)
+        if meta.get("feature_schema_hash") != expected or meta.get("feature_names") != MODEL_FEATURES:
+            raise FeatureSchemaError(
+                f"failure model in {base} was fitted on feature schema {meta.get('feature_schema_hash')} "
+                f"but this code computes {expected}; retrain with `fleetwise predictor train`"
+            )
+        bundle = joblib.load(model_path)
+        return cls(feature_names=list(MODEL_FEATURES), horizon_h=float(meta["horizon_h"]),
+                   policy=AlertPolicy(**meta.get("policy", {})), metadata=meta, **bundle)
+
+
+_MODEL_COLS = np.array([FEATURE_NAMES.index(n) for n in MODEL_FEATURES])
+_RULE_COLS = {FEATURE_NAMES.index(f): name for f, name in RULES.items()}
+
+
+@dataclass
+class _GpuAlert:
+    alerting: bool = False
+    high: int = 0
+    low: int = 0
+    rule_left: int = 0
+    source: str = ""
+    raised_ts: float = 0.0
+
+
+class FailurePredictor:
+    """Stream processor: FeatureVector(scope="gpu") -> Prediction(type="failure")."""
+
+    def __init__(self, model: FailureModel, policy: AlertPolicy | None = None) -> None:
+        self.model = model
+        self.policy = policy or model.policy
+        self._gpu: dict[str, _GpuAlert] = {}
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> FailurePredictor:
+        return cls(FailureModel.load(directory))
+
+    def process(self, records: Sequence[FeatureVector]) -> list[Prediction]:
+        vectors = [r for r in records if isinstance(r, FeatureVector) and r.scope == "gpu"]
+        if not vectors:
+            return []
+        f = np.full((len(vectors), len(FEATURE_NAMES)), np.nan)
+        for i, v in enumerate(vectors):
+            vals = v.values
+            f[i] = [np.nan if (x := vals.get(n)) is None else x for n in FEATURE_NAMES]
+        keys = [(v.node, v.gpu) for v in vectors]
+        ts = np.array([v.ts for v in vectors])
+        return self.process_arrays(keys, ts, f)[0]
+
+    def process_arrays(
+        self, keys: Sequence[tuple[str, int]], ts: np.ndarray, features: np.ndarray
+    ) -> tuple[list[Prediction], np.ndarray]:
+        """Score rows of the full FEATURE_NAMES matrix (event-time order); returns the emitted
+        predictions and every row's probability (for backtests)."""
+        x = features[:, _MODEL_COLS]
+        prob = self.model.predict_proba(x)
+        rule_hit: list[list[str]] = [[] for _ in range(len(keys))]
+        for col, name in _RULE_COLS.items():
+            for i in np.flatnonzero(np.nan_to_num(features[:, col]) > 0):
+                rule_hit[i].append(name)
+        pol = self.policy
+        emit_rows: list[int] = []
+        states: list[tuple[bool, str, bool]] = []
+        for i, (node, gpu) in enumerate(keys):
+            key = f"{node}/{gpu}"
+            st = self._gpu.get(key)
+            if st is None:
+                st = self._gpu[key] = _GpuAlert()
+            p = prob[i]
+            was = st.alerting
+            st.high = st.high + 1 if p >= pol.hi else 0
+            st.low = st.low + 1 if p < pol.lo else 0
+            if rule_hit[i]:
+                st.rule_left = pol.rule_hold_hops
+            elif st.rule_left > 0:
+                st.rule_left -= 1
+            if not st.alerting:
+                if rule_hit[i]:
+                    st.alerting, st.source, st.raised_ts = True, "rule:" + ",".join(rule_hit[i]), float(ts[i])
+                elif st.high >= pol.k_raise:
+                    st.alerting, st.source, st.raised_ts = True, "model", float(ts[i])
+            elif st.rule_left == 0 and st.low >= pol.m_clear:
+                st.alerting = False
+            if st.alerting or was or p >= pol.emit_floor:
+                emit_rows.append(i)
+                states.append((st.alerting, st.source if (st.alerting or was) else "model", was))
+        if not emit_rows:
+            return [], prob
+        rows = np.array(emit_rows)
+        lead = self.model.lead_time_h(x[rows])
+        contrib = self.model.contributions(x[rows])
+        out = []
+        for j, i in enumerate(emit_rows):
+            node, gpu = keys[i]
+            alert, source, was = states[j]
+            top = np.argsort(-contrib[j])[:4]
+            signals = [Signal(name="source", value=source)]
+            signals += [
+                Signal(name=MODEL_FEATURES[c], value=_num(x[i, c]), weight=round(float(contrib[j, c]), 4))
+                for c in top if contrib[j, c] > 0
+            ]
+            for name in rule_hit[i]:
+                signals.append(Signal(name=f"rule:{name}", value=1.0, weight=None))
+            reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
+            out.append(Prediction(
+                id=f"failure:{node}/{gpu}:{int(ts[i])}", type="failure", ts=float(ts[i]),
+                node=node, gpu=int(gpu),
+                probability=float(prob[i]), horizon_h=self.model.horizon_h, alert=alert, signals=signals,
+                lead_time_h=None if np.isnan(lead[j]) else round(float(lead[j]), 2), reason=reason,
+            ))
+        return out, prob
+
+    def flush(self) -> list[Prediction]:
+        return []
+
+    def keys(self) -> list[str]:
+        return list(self._gpu)
+
+    def state(self, key: str) -> dict:
+        return asdict(self._gpu[key])
+
+    def restore(self, key: str, state: dict) -> None:
+        self._gpu[key] = _GpuAlert(**state)
+
+
+def _num(value: float) -> float | None:
+    return None if np.isnan(value) else round(float(value), 4)

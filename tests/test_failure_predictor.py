@@ -1,0 +1,135 @@
+"""Failure predictor: alert hysteresis, rules layer, schema check on load, fitting, packaged model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleetwise.predictors.failure import (
+    MODEL_FEATURES,
+    AlertPolicy,
+    FailureModel,
+    FailurePredictor,
+    FeatureSchemaError,
+)
+from fleetwise.predictors.features import FEATURE_NAMES
+from fleetwise.predictors.training import fit_failure_model
+
+RISK = "temp_residual_6h"
+
+
+class _ColumnClassifier:
+    """Stand-in classifier: p = the RISK column clipped to [0, 1] (to drive the policy exactly)."""
+
+    col = MODEL_FEATURES.index(RISK)
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        p = np.clip(np.nan_to_num(x[:, self.col]), 0, 1)
+        return np.stack([1 - p, p], axis=1)
+
+
+class _Identity:
+    def predict(self, p: np.ndarray) -> np.ndarray:
+        return p
+
+
+def stub_model(policy: AlertPolicy | None = None) -> FailureModel:
+    n = len(MODEL_FEATURES)
+    return FailureModel(
+        classifier=_ColumnClassifier(), calibrator=_Identity(), lead_regressor=None,
+        feature_names=list(MODEL_FEATURES), baseline_median=np.zeros(n), baseline_scale=np.ones(n),
+        importance=np.ones(n) / n, horizon_h=48.0,
+        policy=policy or AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3),
+    )
+
+
+def run(pred: FailurePredictor, probs: list[float], extra: dict[str, list[float]] | None = None) -> list:
+    f = np.zeros((len(probs), len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(RISK)] = probs
+    for name, values in (extra or {}).items():
+        f[:, FEATURE_NAMES.index(name)] = values
+    ts = 1764547200.0 + 600.0 * np.arange(1, len(probs) + 1)
+    out, _ = pred.process_arrays([("n1", 0)] * len(probs), ts, f)
+    return out
+
+
+def alert_series(out: list, n: int) -> list[bool]:
+    by_ts = {p.ts: p.alert for p in out}
+    ts = 1764547200.0 + 600.0 * np.arange(1, n + 1)
+    return [by_ts.get(t, False) for t in ts]
+
+
+def test_raises_after_k_hops_and_does_not_flap() -> None:
+    probs = [0.1, 0.7, 0.1, 0.7, 0.7, 0.5, 0.2, 0.5, 0.2, 0.2, 0.2, 0.1]
+    alerts = alert_series(run(FailurePredictor(stub_model()), probs), len(probs))
+    # one isolated hop above hi does not raise; two in a row do; dips between lo and hi and a
+    # single dip below lo keep it; three consecutive hops below lo clear it
+    assert alerts == [False, False, False, False, True, True, True, True, True, True, False, False]
+
+
+def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
+    probs = [0.0] * 5
+    out = run(FailurePredictor(stub_model()), probs, {"xid_bus_hop": [0, 0, 1, 0, 0]})
+    first = next(p for p in out if p.alert)
+    assert first.ts == 1764547200.0 + 600.0 * 3
+    sources = {s.name: s.value for s in first.signals}
+    assert sources["source"] == "rule:xid79_off_bus" and "rule:xid79_off_bus" in sources
+
+
+def test_model_alert_source_and_stable_ids() -> None:
+    out = run(FailurePredictor(stub_model()), [0.9, 0.9, 0.9])
+    alert = [p for p in out if p.alert][0]
+    assert {s.name: s.value for s in alert.signals}["source"] == "model"
+    assert alert.id == f"failure:n1/0:{int(alert.ts)}"
+    again = run(FailurePredictor(stub_model()), [0.9, 0.9, 0.9])
+    assert [p.model_dump() for p in out] == [p.model_dump() for p in again]
+
+
+def test_state_round_trip() -> None:
+    a = FailurePredictor(stub_model())
+    run(a, [0.9])  # one hop high: not raised yet
+    b = FailurePredictor(stub_model())
+    for key in a.keys():  # noqa: SIM118 - the processor contract's keys()
+        b.restore(key, json.loads(json.dumps(a.state(key))))
+    f = np.zeros((1, len(FEATURE_NAMES)))
+    f[0, FEATURE_NAMES.index(RISK)] = 0.9
+    out, _ = b.process_arrays([("n1", 0)], np.array([1764547200.0 + 1200]), f)
+    assert out[0].alert  # the second consecutive high hop raises after the restore
+
+
+def _synthetic(rng: np.random.Generator, n: int, pos_share: float) -> tuple[np.ndarray, np.ndarray]:
+    x = rng.normal(0, 1, (n, len(MODEL_FEATURES)))
+    y = rng.random(n) < pos_share
+    x[y, MODEL_FEATURES.index("sbe_vol_24h")] += 4.0  # failing GPUs: single-bit errors climb
+    return x, y
+
+
+def test_fit_learns_signal_and_save_load_checks_schema(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x, y = _synthetic(rng, 2500, 0.08)
+    hours = np.where(y, rng.uniform(1, 48, len(y)), np.nan)
+    groups = np.arange(len(y)) // 10
+    model = fit_failure_model(x, y, hours, groups, seed=1)
+    xt, yt = _synthetic(np.random.default_rng(1), 2000, 0.05)
+    p = model.predict_proba(xt)
+    assert p[yt].mean() > 0.5 > p[~yt].mean()
+    # the top contribution of a failing row is the signal that was planted
+    c = model.contributions(xt[yt][:1])
+    assert MODEL_FEATURES[int(np.argmax(c[0]))] == "sbe_vol_24h"
+    model.save(tmp_path)
+    loaded = FailureModel.load(tmp_path)
+    assert np.allclose(loaded.predict_proba(xt), p)
+    meta = json.loads((tmp_path / "failure_model.json").read_text())
+    meta["feature_names"] = meta["feature_names"][:-1]
+    meta["feature_schema_hash"] = "0" * 16
+    (tmp_path / "failure_model.json").write_text(json.dumps(meta))
+    with pytest.raises(FeatureSchemaError, match="retrain"):
+        FailureModel.load(tmp_path)
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="predictor train"):
+        FailureModel.load(tmp_path)
