@@ -1,0 +1,73 @@
+"""Backtest scoring: episodes, precision, recall by lead time, false-alarm rate, base-rate precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fleetwise.predictors.backtest import alert_episodes, score_failures
+from fleetwise.schemas import Prediction, Signal
+
+H = 3600.0
+T0 = 1764547200.0
+
+
+def pred(node: str, gpu: int, t_h: float, alert: bool, source: str = "model") -> Prediction:
+    ts = T0 + t_h * H
+    return Prediction(id=f"failure:{node}/{gpu}:{int(ts)}", type="failure", ts=ts, node=node, gpu=gpu,
+                      probability=0.9 if alert else 0.1, horizon_h=48, alert=alert,
+                      signals=[Signal(name="source", value=source)])
+
+
+def failure(node: str, gpu: int, t_h: float, cls: str = "hbm_ecc", precursor_h: float | None = 24.0) -> dict:
+    return {"kind": "failure", "node": node, "gpu": gpu, "ts": T0 + t_h * H, "class": cls,
+            "abrupt": precursor_h is None,
+            "precursor_start_ts": None if precursor_h is None else T0 + (t_h - precursor_h) * H}
+
+
+def test_repeated_alerts_are_one_episode() -> None:
+    preds = [pred("a", 0, h, True) for h in (1, 1.2, 1.4)] + [pred("a", 0, 2, False), pred("a", 0, 3, True)]
+    eps = alert_episodes(preds)
+    assert [(e.raised_ts, e.end_ts) for e in eps] == [(T0 + H, T0 + 2 * H), (T0 + 3 * H, None)]
+
+
+def test_precision_recall_lead_and_false_alarm_rate() -> None:
+    preds = [
+        pred("a", 0, 10, True),  # raised 20 h before a's failure at 30 h: caught, lead 20 h
+        pred("b", 1, 49.5, True),  # raised 30 min before b's failure at 50 h: caught at >= 30 min only
+        pred("c", 2, 5, True), pred("c", 2, 8, False),  # c never fails: a false alarm
+        pred("d", 3, 12, True, source="rule:xid79_off_bus"),  # abrupt failure, alert after it
+    ]
+    labels = [failure("a", 0, 30), failure("b", 1, 50, cls="nvlink", precursor_h=2),
+              failure("d", 3, 11.9, cls="off_bus", precursor_h=None),
+              {"kind": "trap", "type": "hot_healthy", "node": "c", "gpu": 2},
+              {"kind": "trap", "type": "hot_healthy", "node": "e", "gpu": 0}]
+    m = score_failures(preds, labels, gpu_days=2000.0, horizon_h=48.0)
+    assert m["precision"] == pytest.approx(2 / 3)  # d's alert is in its repair window: not counted
+    assert m["recall_with_precursor_30min"]["recall"] == 1.0
+    assert m["recall_long_precursor_12h"] == {"n": 1, "caught": 1, "recall": 1.0}
+    assert m["recall_abrupt_30min"]["recall"] == 0.0
+    assert m["recall_by_class_12h"]["nvlink"]["recall"] == 0.0
+    assert m["false_alarms_per_1000_gpu_days"] == pytest.approx(0.5)
+    assert m["hot_healthy_flagged_share"] == pytest.approx(0.5)
+    assert sorted(m["lead_time_h"]["values"]) == [0.5, 20.0]
+    # at 0.5 failures / 1,000 GPU-days: recall 2/3 of all failures, 0.5 false alarms per 1,000 GPU-days
+    rec = 2 / 3
+    assert m["precision_at_base_rate"] == pytest.approx(0.5 * rec / (0.5 * rec + 0.5))
+
+
+def test_alert_long_before_failure_counts_only_if_still_open_within_horizon() -> None:
+    early_closed = [pred("a", 0, 0, True), pred("a", 0, 1, False)]
+    m = score_failures(early_closed, [failure("a", 0, 100)], gpu_days=100.0, horizon_h=48.0)
+    assert m["recall_all_30min"]["recall"] == 0.0 and m["false_alerts"] == 1
+    still_open = [pred("a", 0, 0, True)]
+    m = score_failures(still_open, [failure("a", 0, 100)], gpu_days=100.0, horizon_h=48.0)
+    assert m["recall_all_30min"]["recall"] == 1.0 and m["false_alerts"] == 0
+
+
+def test_auprc_from_hop_probabilities() -> None:
+    y = np.array([0, 0, 1, 1, 0], dtype=bool)
+    perfect = score_failures([], [], gpu_days=1.0, horizon_h=48.0, hop_labels=y, hop_probs=y * 0.9 + 0.05)
+    assert perfect["auprc"] == pytest.approx(1.0)
+    inverted = score_failures([], [], gpu_days=1.0, horizon_h=48.0, hop_labels=y, hop_probs=1.0 - y * 0.9)
+    assert inverted["auprc"] < 0.5
