@@ -109,6 +109,8 @@ class Schedule:
         self.windows: list[Window] = []
         self.events: list[Event] = []
         self.labels: list[dict] = []
+        self._visible: tuple[list[Job], np.ndarray] | None = None
+        self._busy_p: np.ndarray | None = None
         gpu_days = fleet.n_gpus * config.days
         rate = config.failure_rate_per_1000_gpu_days
         self.app_xid_rate = (
@@ -256,6 +258,9 @@ class Schedule:
         cfg, fleet = self.config, self.fleet
         n_nodes = len(fleet.nodes)
         down = [self.down_windows(i) for i in range(n_nodes)]
+        fails_on_node: list[list[tuple[float, int]]] = [[] for _ in range(n_nodes)]
+        for f in self.failures:
+            fails_on_node[int(fleet.gpu_node[f.gpu])].append((f.ts, f.gpu))
         # Jobs already running when the trace starts began up to a job-length earlier.
         free_at = self.start - rng.uniform(0.0, 1.0, n_nodes) * cfg.job_hours_median * HOUR
         tie = rng.random(n_nodes)
@@ -289,9 +294,9 @@ class Schedule:
             end = start + duration
             gpus = np.array([g for i in chosen for g in fleet.nodes[i].gpus], dtype=np.int64)
             crashed = False
-            for f in self.failures:
-                if f.gpu in set(gpus.tolist()) and start < f.ts < end:
-                    end, crashed = f.ts, True
+            for f in sorted(f for i in chosen for f in fails_on_node[i]):
+                if start < f[0] < end:
+                    end, crashed = f[0], True
             job = self._make_job(rng, f"job-{counter:04d}", start, end, chosen, gpus)
             job.crashed = crashed
             counter += 1
@@ -363,13 +368,16 @@ class Schedule:
         return t0, t1
 
     def _visible_jobs(self) -> tuple[list[Job], np.ndarray]:
-        jobs = [j for j in self.jobs if min(j.end, self.end) - max(j.start, self.start) > 600.0]
-        hours = np.array([(min(j.end, self.end) - max(j.start, self.start)) / HOUR for j in jobs])
-        return jobs, hours
+        """Jobs with at least 10 minutes inside the trace, and those hours (computed once)."""
+        if self._visible is None:
+            jobs = [j for j in self.jobs if min(j.end, self.end) - max(j.start, self.start) > 600.0]
+            hours = np.array([(min(j.end, self.end) - max(j.start, self.start)) / HOUR for j in jobs])
+            self._visible = (jobs, hours)
+        return self._visible
 
     # --- stragglers --------------------------------------------------------------------------
     def _schedule_stragglers(self, rng: np.random.Generator) -> None:
-        cfg = self.config
+        cfg, fleet = self.config, self.fleet
         jobs, hours = self._visible_jobs()
         if jobs:
             gpu_days = float(np.sum(hours * np.array([j.ranks for j in jobs]))) / 24.0
@@ -402,7 +410,7 @@ class Schedule:
                 )
             )
             for job in self.jobs:
-                if f.gpu not in set(job.gpus.tolist()):
+                if int(fleet.gpu_node[f.gpu]) not in job.nodes or f.gpu not in job.gpus:
                     continue
                 t0, t1 = max(t_thr, job.start, self.start), min(f.ts, job.end, self.end)
                 if t1 - t0 > 0:
@@ -436,8 +444,9 @@ class Schedule:
     def _schedule_job_effects(self, rng: np.random.Generator) -> None:
         cfg = self.config
         jobs, hours = self._visible_jobs()
+        job_index = {id(j): i for i, j in enumerate(self.jobs)}
         for ji, job in enumerate(jobs):
-            idx = self.jobs.index(job)
+            idx = job_index[id(job)]
             for _ in range(int(rng.poisson(cfg.job_slowdown_rate_per_1000_job_hours * hours[ji] / 1000.0))):
                 t0, t1 = self._job_window(rng, job, 0.5, 1.0 / 6.0)
                 cause = "network" if rng.random() < 0.6 else "input"
@@ -476,8 +485,10 @@ class Schedule:
         jobs, hours = self._visible_jobs()
         if not jobs:
             return None
-        w = hours * np.array([j.ranks for j in jobs])
-        job = jobs[int(rng.choice(len(jobs), p=w / w.sum()))]
+        if self._busy_p is None:
+            w = hours * np.array([j.ranks for j in jobs])
+            self._busy_p = w / w.sum()
+        job = jobs[int(rng.choice(len(jobs), p=self._busy_p))]
         return job, float(rng.uniform(max(job.start, self.start), min(job.end, self.end)))
 
     def _schedule_traps(self, rng: np.random.Generator, gpu_days: float) -> None:
@@ -517,7 +528,7 @@ class Schedule:
             rank = int(rng.integers(job.ranks))
             gpu = int(job.gpus[rank])
             node = fleet.node_of(gpu)
-            targets = [gpu] if rng.random() < 0.6 else [g for g in node.gpus if g in set(job.gpus.tolist())]
+            targets = [gpu] if rng.random() < 0.6 else [g for g in node.gpus if g in job.gpus]
             follow = rng.random() < 0.3
             for g in targets:
                 self.events.append(Event(ts, "xid", gpu=g, code=code))
