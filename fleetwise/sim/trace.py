@@ -28,7 +28,7 @@ def write_trace(sim: FleetSimulator, path: Path) -> dict:
         if path.name.endswith(".gz"):
             # mtime=0 and no file name in the header: same seed, same bytes.
             raw = stack.enter_context(
-                gzip.GzipFile(filename="", mode="wb", compresslevel=6, fileobj=raw, mtime=0)
+                gzip.GzipFile(filename="", mode="wb", compresslevel=3, fileobj=raw, mtime=0)
             )
         out = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8", newline="\n"))
         for tick in sim.ticks():
