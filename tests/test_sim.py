@@ -175,6 +175,40 @@ def test_scrape_gaps_and_missing_keys_exist(mixed: Trace) -> None:
     assert lacking > 0
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        SimConfig(gpus="h100-sxm:1", days=0.03),
+        SimConfig(gpus="l40s:4,t4:4,h100-pcie:2", days=0.05, gpus_per_node=4, sites=1, nodes_per_rack=1),
+        SimConfig(gpus="h100-sxm:8", days=0.01, sample_interval_s=10, step_record_interval_s=5),
+        SimConfig(gpus="b200:8,h200:8", days=0.05, step_record_interval_s=300),
+        SimConfig(gpus="gb200:8,rubin:8", days=0.02),
+    ],
+    ids=["one-gpu", "pcie-cards", "sub-tick-steps", "sparse-steps", "unreleased"],
+)
+def test_odd_fleets_and_intervals_give_valid_ordered_records(config: SimConfig) -> None:
+    from fleetwise.catalog import lookup
+
+    sim = FleetSimulator(config)
+    last_step: dict[tuple[str, int], int] = {}
+    n_samples = 0
+    prev_ts = -np.inf
+    for tick in sim.ticks():
+        assert tick.ts > prev_ts
+        for r in tick.steps:
+            TrainingStep.model_validate(r)
+            assert prev_ts < r["ts"] <= tick.ts
+            key = (r["job"], r["rank"])
+            assert r["step"] >= last_step.get(key, 0)
+            last_step[key] = r["step"]
+        for s in tick.samples:
+            GpuSample.model_validate(s)
+            lookup(s["model"])  # the NVML model name resolves through the catalog
+        n_samples += len(tick.samples)
+        prev_ts = tick.ts
+    assert n_samples > 0 and last_step
+
+
 def test_bad_config_is_rejected() -> None:
     with pytest.raises(SimConfigError, match="unknown GPU"):
         FleetSimulator(SimConfig(gpus="h900:8"))

@@ -111,6 +111,11 @@ class SimConfig:
         parse_gpu_spec(self.gpus)
 
 
+def nvml_name(spec: GpuSpec) -> str:
+    """The model string NVML / dcgm-exporter reports (catalog name for unreleased parts)."""
+    return spec.nvml_names[0] if spec.nvml_names else spec.name
+
+
 def parse_gpu_spec(spec: str) -> list[tuple[GpuSpec, int]]:
     """Parse "h100-sxm:32,b200:16" (any name the catalog resolves) into (GpuSpec, count) pairs.
 
@@ -136,9 +141,10 @@ def parse_gpu_spec(spec: str) -> list[tuple[GpuSpec, int]]:
             gpu = lookup(name.strip())
         except UnknownGpuError as exc:
             raise SimConfigError(f"{exc} (in GPU spec item {item!r})") from None
-        if gpu.vendor != "NVIDIA" or not gpu.nvml_names:
+        if gpu.vendor != "NVIDIA":
             raise SimConfigError(
-                f"GPU {gpu.id!r} has no NVML/DCGM telemetry; the simulator writes DCGM fields (NVIDIA only)"
+                f"GPU {gpu.id!r} is {gpu.vendor}, without DCGM telemetry; the simulator writes DCGM fields "
+                "(NVIDIA only)"
             )
         out.append((gpu, count))
     if not out:

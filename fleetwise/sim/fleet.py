@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetwise.catalog import GpuSpec
-from fleetwise.sim.config import SimConfig, parse_gpu_spec
+from fleetwise.sim.config import SimConfig, nvml_name, parse_gpu_spec
 
 # Max SM / memory clocks (MHz) per family as `nvidia-smi -q` "Max Clocks" reports them for the
 # reference part: V100-SXM2 1530/877, T4 1590/5001, A100-SXM4 1410/1593, L40S 2520/9001,
@@ -204,7 +204,7 @@ class Fleet:
                     {
                         "index": local,
                         "uuid": self.uuids[g],
-                        "model": spec.nvml_names[0],
+                        "model": nvml_name(spec),
                         "memory_gb": spec.memory_gb,
                         "pci_bus_id": f"00000000:{0x18 + 0x10 * local:02X}:00.0",
                         "nvlink_peers": peers,

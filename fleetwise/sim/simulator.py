@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fleetwise.sim.config import SimConfig
+from fleetwise.sim.config import SimConfig, nvml_name
 from fleetwise.sim.fleet import (
     DIURNAL_AMPLITUDE_C,
     HW_SLOWDOWN_C,
@@ -209,7 +209,7 @@ class FleetSimulator:
             (
                 node_names[int(fleet.gpu_node[g])],
                 int(fleet.gpu_local[g]),
-                fleet.spec(g).nvml_names[0],
+                nvml_name(fleet.spec(g)),
                 fleet.node_of(g).rack,
                 fleet.node_of(g).site,
             )
