@@ -10,6 +10,7 @@ import math
 import socket
 import threading
 import types
+import urllib.request
 from pathlib import Path
 
 import pynvml
@@ -37,6 +38,7 @@ from fleetwise.agent import (
     samples_from_page,
 )
 from fleetwise.agent.config import parse_bootstrap
+from fleetwise.agent.metrics import start_metrics_server
 from fleetwise.cli import app
 from fleetwise.schemas import GpuInventory, GpuSample, NodeBatch, NodeInventory
 
@@ -470,6 +472,16 @@ async def test_collection_is_not_blocked_by_an_unreachable_broker():
     assert not run.delivered and pub.stats.batches_sent == 0 and pub.stats.connect_errors >= 1
     assert pub.stats.dropped == 15 and pub.depth == 5
     assert max(run.collect_s) < 1.0
+    # the Prometheus endpoint tells the same story
+    port = start_metrics_server(0, addr="127.0.0.1")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        page = parse_exposition(resp.read().decode())
+    values = {(s.name, s.labels.get("agent") or s.labels.get("node")): s.value for s in page.samples}
+    assert values[("fleetwise_agent_dropped_total", "unit-outage")] == 15
+    assert values[("fleetwise_agent_buffered_batches", "unit-outage")] == 5
+    assert values[("fleetwise_agent_samples_collected_total", "unit-outage")] == 20 * 8
+    assert values[("fleetwise_agent_send_errors_total", "unit-outage")] >= 1
+    assert values[("fleetwise_agent_batches_sent_total", "unit-outage")] == 0
 
 
 # --------------------------------------------------------------------------- simulator source
@@ -490,6 +502,16 @@ def test_sim_source_is_deterministic_and_renames_the_node():
     assert {p.node for p in parsed} == {"demo-1"} and {s.rack for p in parsed for s in p.samples} == {"r9"}
     assert [p.ts for p in parsed] == sorted(p.ts for p in parsed)
     assert inv[0].node == "demo-1" and inv[0].rack == "r9" and len(inv[0].gpus) == 8
+
+
+def test_sim_source_publishes_dcgm_blanks_as_missing_keys():
+    c = SimCollector(gpus="h100-sxm:8", seed=1, interval_s=10, ticks=2)
+    c.start()
+    raw = next(c.sim.ticks()).samples[0]
+    raw["metrics"]["DCGM_FI_DEV_MEMORY_TEMP"] = 9223372036854775794  # what dcgm-exporter prints
+    cleaned = c._rename(raw)["metrics"]
+    assert "DCGM_FI_DEV_MEMORY_TEMP" not in cleaned
+    assert cleaned["DCGM_FI_DEV_GPU_TEMP"] == raw["metrics"]["DCGM_FI_DEV_GPU_TEMP"]
 
 
 def test_sim_source_errors():

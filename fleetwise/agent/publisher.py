@@ -82,6 +82,10 @@ class BatchPublisher:
         self.backoff_max_s = backoff_max_s
         self.create_topics = create_topics
         self.stats = PublisherStats()
+        # Create every series now so a dashboard shows 0, not "no data", before the first event.
+        for counter in (metrics.SAMPLES_COLLECTED, metrics.BATCHES_COLLECTED, metrics.BATCHES_SENT,
+                        metrics.INVENTORIES_SENT, metrics.SEND_ERRORS, metrics.COLLECT_ERRORS):
+            counter.labels(agent=agent)
         self._dropped_metric = metrics.AGENT_DROPPED.labels(node=agent)
         self._depth_metric = metrics.AGENT_BUFFERED.labels(node=agent)
         self.buffer: DropOldestBuffer[Outgoing] = DropOldestBuffer(max_buffer, on_drop=self._on_drop)

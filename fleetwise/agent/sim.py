@@ -6,12 +6,17 @@ from __future__ import annotations
 
 from fleetwise.agent.collector import CollectorError
 from fleetwise.agent.config import NodeConfig
-from fleetwise.schemas import GpuSample, NodeBatch, NodeInventory
+from fleetwise.schemas import NodeBatch, NodeInventory, is_dcgm_blank
 
 DEFAULT_GPUS_PER_NODE = 8
 # Ticks simulated ahead of need when --count is not given: 30 days (at 10 s, 259,200 ticks);
 # the simulator pre-schedules its whole horizon at start, which takes well under a second.
 OPEN_ENDED_DAYS = 30.0
+
+
+def is_blank(value: float) -> bool:
+    """True for a DCGM blank sentinel."""
+    return value > 0 and is_dcgm_blank(value)
 
 
 class SimCollector:
@@ -76,6 +81,11 @@ class SimCollector:
     def _rename(self, record: dict) -> dict:
         out = dict(record)
         out["node"] = self._names[record["node"]]
+        metrics = record.get("metrics")
+        if metrics is not None:
+            # The simulator writes DCGM blanks as an exporter would; like the other collectors,
+            # the agent publishes them as missing keys.
+            out["metrics"] = {k: v for k, v in metrics.items() if v is not None and not is_blank(v)}
         if self.config.rack:
             out["rack"] = self.config.rack
         if self.config.site:
@@ -100,12 +110,14 @@ class SimCollector:
         """The simulator's next tick (its own event time; `ts` is ignored). Nodes in a scrape
         gap of the simulated trace send no batch that tick. Raises StopIteration at the end."""
         tick = next(self._ticks)
-        grouped: dict[str, list[GpuSample]] = {}
+        grouped: dict[str, list[dict]] = {}
         for s in tick.samples:
             if s["node"] in self._names:
-                sample = GpuSample.model_validate(self._rename(s))
-                grouped.setdefault(sample.node, []).append(sample)
-        return [NodeBatch(ts=tick.ts, node=node, samples=grouped[node]) for node in sorted(grouped)]
+                sample = self._rename(s)
+                grouped.setdefault(sample["node"], []).append(sample)
+        # One validation call per node batch (the samples are validated inside it).
+        return [NodeBatch.model_validate({"ts": tick.ts, "node": node, "samples": grouped[node]})
+                for node in sorted(grouped)]
 
     def close(self) -> None:
         self._ticks = None
