@@ -129,7 +129,8 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetwise.cli", "worker", "--bootstrap", self.bootstrap,
              "--app-id", self.app_id, "--topic-prefix", self.prefix,
-             "--metrics-port", str(self.metrics_port), "--loglevel", os.environ.get("FLEETWISE_TEST_LOGLEVEL", "warning")],
+             "--metrics-port", str(self.metrics_port), "--checkpoint-interval", "1",
+             "--loglevel", os.environ.get("FLEETWISE_TEST_LOGLEVEL", "warning")],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         return self
@@ -270,7 +271,8 @@ def differences(got: set[str], want: set[str], limit: int = 5) -> str:
         for d in g[k]:
             if not close(d, w[k]):
                 gv, wv = d.get("values", d), w[k].get("values", w[k])
-                lines.append(f"{k}: {({n: (gv.get(n), v) for n, v in wv.items() if not close(gv.get(n), v)})}")
+                bad = {n: (gv.get(n), v) for n, v in wv.items() if not close(gv.get(n), v)}
+                lines.append(f"{k}: {bad}")
         if len(lines) > limit + 3:
             break
     return "\n".join(lines)
@@ -368,7 +370,7 @@ async def test_worker_killed_and_restarted_resumes_with_its_window_state(
     while first.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) < len(part_a):
         assert time.monotonic() < deadline, first.log_tail()
         time.sleep(0.2)
-    time.sleep(2.5)
+    time.sleep(3.5)  # > checkpoint interval (1 s) + commit interval (1 s)
     first.stop(signal.SIGKILL)
 
     second = new_worker().start()

@@ -21,6 +21,7 @@ at-least-once, state application is exactly-once per key.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -111,7 +112,7 @@ class StreamProcessor:
         self._offsets: dict[str, dict[str, int]] = {}  # inner key -> {"topic:partition": offset}
         self._saved_json: dict[str, str] = {}  # inner key -> JSON of the state last saved
         self._restored_from: dict[str, Any] = {}  # inner key -> offsets of the entry restored
-        self.state_bytes = 0
+        self._dirty: set[str] = set()  # keys changed since the last checkpoint
 
     # -- decoding --------------------------------------------------------------------------
     def decode(self, topic: str, raw: bytes | None, source: str) -> list[Record]:
@@ -205,7 +206,7 @@ class StreamProcessor:
         routed = self.control.handle(topic, records) if records else []
         for inner, (tp, offset) in tp_of_inner.items():
             self._offsets.setdefault(inner, {})[tp] = offset
-        snapshot = self._snapshot(touched)
+        self._dirty |= touched
 
         # 1. outputs, acknowledged by the broker before any state or offset moves on
         headers = [(INPUT_PRODUCED_AT_HEADER, repr(first_produced or 0.0).encode())]
@@ -218,7 +219,21 @@ class StreamProcessor:
             M.DECISIONS_OUT.labels(kind, label).inc()
         for fut in futures:
             await fut
-        # 2. state of the touched keys, to the changelog partition of the key's input partition
+        # 3. metrics (wall clock is measurement only; processing above is event time)
+        now = time.time()
+        for event in events:
+            M.PROCESSING_LATENCY.labels(topic).observe(max(0.0, now - produced_at(event.message)))
+        M.BATCH_SIZE.labels(topic).observe(len(events))
+        log.debug("batch %s: %d messages, %d records, %d dead, %d out, %.1f ms", topic, len(events),
+                  len(records), dead, len(routed), 1000 * (time.perf_counter() - t0))
+        return routed
+
+    def checkpoint(self) -> int:
+        """Write the state of every key changed since the last checkpoint to the table (and
+        its changelog). Call it only when the outputs of all processed batches have been
+        acknowledged, and ack the input events only after it. Returns the keys written."""
+        snapshot = self._snapshot(self._dirty)
+        self._dirty = set()
         for inner, item in snapshot.items():
             partition = self._partition_of.get(inner)
             if partition is None:
@@ -229,17 +244,9 @@ class StreamProcessor:
             self.table.send_changelog(partition, inner, entry)
             self._saved_json[inner] = item["text"]
             self._restored_from[inner] = offsets
-            self.state_bytes += len(item["text"])
-        # 3. metrics (wall clock is measurement only; processing above is event time)
-        now = time.time()
-        for event in events:
-            M.PROCESSING_LATENCY.labels(topic).observe(max(0.0, now - produced_at(event.message)))
-        M.BATCH_SIZE.labels(topic).observe(len(events))
         M.WINDOW_STATE_KEYS.set(len(self._saved_json))
         M.WINDOW_STATE_BYTES.set(sum(len(t) for t in self._saved_json.values()))
-        log.debug("batch %s: %d messages, %d records, %d dead, %d out, %.1f ms", topic, len(events),
-                  len(records), dead, len(routed), 1000 * (time.perf_counter() - t0))
-        return routed
+        return len(snapshot)
 
 
 def make_app(
@@ -255,6 +262,7 @@ def make_app(
     state_partitions: int = T.TELEMETRY_GPU.partitions,
     session_timeout_s: float = 10.0,
     commit_interval_s: float = 1.0,
+    checkpoint_interval_s: float = 5.0,
     **settings: Any,
 ) -> faust.App:
     """The faust app: topics from the registry, the telemetry / steps / context agents and
@@ -308,17 +316,44 @@ def make_app(
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
+    # Input events stay un-acked (so their offsets are not committed) until a checkpoint has
+    # written the state they changed: take_events acks each event once, and the extra
+    # reference taken here holds the commit back until `checkpoint_now` releases it.
+    lock = asyncio.Lock()
+    held: list[tuple[faust.StreamT, Any]] = []
+    last_checkpoint = [time.monotonic()]
+
+    async def checkpoint_now() -> None:
+        processor.checkpoint()
+        for stream, event in held:
+            await stream.ack(event)
+        held.clear()
+        last_checkpoint[0] = time.monotonic()
+
+    async def consume(stream: faust.StreamT, topic: str) -> None:
+        async for events in stream.take_events(take_max, within=take_within_s):
+            async with lock:
+                for event in events:
+                    event.message.incref()
+                await processor.process_events(topic, events)
+                held.extend((stream, event) for event in events)
+                if time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
+                    await checkpoint_now()
+            _update_lag(app, events)
+
     @app.agent(telemetry_topic, name="fleetwise.telemetry")
     async def telemetry(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(take_max, within=take_within_s):
-            await processor.process_events(T.TELEMETRY_GPU.name, events)
-            _update_lag(app, events)
+        await consume(stream, T.TELEMETRY_GPU.name)
 
     @app.agent(steps_topic, name="fleetwise.steps")
     async def steps(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(take_max, within=take_within_s):
-            await processor.process_events(T.TELEMETRY_STEPS.name, events)
-            _update_lag(app, events)
+        await consume(stream, T.TELEMETRY_STEPS.name)
+
+    @app.timer(interval=checkpoint_interval_s)
+    async def checkpoint_when_idle() -> None:
+        async with lock:
+            if held and time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
+                await checkpoint_now()
 
     @app.agent(context_topic, name="fleetwise.context")
     async def context(stream: faust.StreamT) -> None:

@@ -1,0 +1,224 @@
+"""Kafka throughput: GPU samples/s through the real broker and one `fleetwise worker`.
+
+A producer publishes node batches (8 GPUs per message, as agents do) at a target rate for a
+duration; one worker (subprocess, memory store) consumes them through the ControlPlane. The
+script prints, per phase: samples/s offered and consumed, the worker's RSS at start and end,
+and p50/p99 latency from the producer's send to the worker's acknowledged output (the
+worker's `fleetwise_processing_latency_seconds` histogram) and to the first feature record
+(measured here, from the `fleetwise-input-produced-at` header).
+
+    python bench/kafka_throughput.py --bootstrap HOST:PORT [--rate 50000] [--seconds 300]
+        [--half-rate-seconds 60]
+
+faust's own claim, for comparison: "tens of thousands of events per second per core"
+(faust-streaming README). One node batch is one faust event here, so samples/s is 8x events/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fleetwise.schemas import topics as T  # noqa: E402
+from fleetwise.streams.kafka_io import (  # noqa: E402
+    PRODUCED_AT_HEADER,
+    ensure_topics,
+    start_producer,
+    topic_name,
+)
+
+GPUS_PER_NODE = 8
+START_TS = 1_764_489_600.0
+SAMPLE_INTERVAL_S = 10.0  # event time between a node's batches
+
+
+TS_MARK = b"1111111111.5"  # placeholder replaced by each message's event time
+
+
+def make_payloads(nodes: int, ticks: int, seed: int) -> list[list[tuple[bytes, bytes]]]:
+    """Pre-encoded (key, node batch) templates per tick; the event time is filled in at send
+    time (bytes.replace), so time moves forward without paying JSON encoding per message."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(ticks):
+        ts = float(TS_MARK)
+        tick = []
+        for n in range(nodes):
+            samples = [{
+                "ts": ts, "node": f"node-{n:04d}", "gpu": g, "model": "NVIDIA H100 80GB HBM3",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": float(rng.integers(55, 80)),
+                            "DCGM_FI_DEV_POWER_USAGE": float(rng.integers(300, 700)),
+                            "DCGM_FI_DEV_SM_CLOCK": 1980.0, "DCGM_FI_DEV_GPU_UTIL": 95.0,
+                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(t // 50)},
+            } for g in range(GPUS_PER_NODE)]
+            raw = json.dumps({"ts": ts, "node": f"node-{n:04d}", "samples": samples}).encode()
+            tick.append((f"node-{n:04d}".encode(), raw))
+        out.append(tick)
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("fleetwise_") and " " in line:
+            head, _, value = line.rpartition(" ")
+            out[head] = out.get(head, 0.0) + float(value)
+    return out
+
+
+def histogram_quantile(metrics: dict[str, float], name: str, q: float, before: dict[str, float]) -> float:
+    """Quantile from Prometheus cumulative buckets (difference of two scrapes = one phase)."""
+    buckets = []
+    for head, value in metrics.items():
+        if head.startswith(name + "_bucket"):
+            le = head.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), value - before.get(head, 0.0)))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return float("nan")
+    for le, count in buckets:
+        if count >= q * total:
+            return le
+    return float("inf")
+
+
+async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds: float, tick0: int,
+                    worker_pid: int, metrics_port: int) -> dict:
+    """Produce at `rate` samples/s for `seconds`; then wait for the worker to drain."""
+    topic = topic_name(T.TELEMETRY_GPU, prefix)
+    msgs_per_s = rate / GPUS_PER_NODE
+    before = scrape(metrics_port)
+    rss0 = rss_mb(worker_pid)
+    start = time.monotonic()
+    sent = 0
+    tick = tick0
+    futures = []
+    while time.monotonic() - start < seconds:
+        ts = repr(START_TS + tick * SAMPLE_INTERVAL_S).encode()
+        for node, template in payloads[tick % len(payloads)]:
+            raw = template.replace(TS_MARK, ts)
+            futures.append(await producer.send(topic, raw, key=node,
+                                               headers=[(PRODUCED_AT_HEADER, repr(time.time()).encode())]))
+            sent += 1
+            if len(futures) > 5000:
+                await asyncio.gather(*futures)
+                futures.clear()
+            lag = sent / msgs_per_s - (time.monotonic() - start)
+            if lag > 0.02:
+                await asyncio.sleep(lag)
+        tick += 1
+    await asyncio.gather(*futures)
+    produce_s = time.monotonic() - start
+    key = f'fleetwise_messages_in_total{{component="worker",topic="{T.TELEMETRY_GPU.name}"}}'
+    target = before.get(key, 0.0) + sent
+    deadline = time.monotonic() + 120
+    while scrape(metrics_port).get(key, 0.0) < target and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    drained_s = time.monotonic() - start
+    after = scrape(metrics_port)
+    done = after.get(key, 0.0) - before.get(key, 0.0)
+    lat = "fleetwise_processing_latency_seconds"
+    return {
+        "offered_samples_s": sent * GPUS_PER_NODE / produce_s,
+        "processed_samples_s": done * GPUS_PER_NODE / drained_s,
+        "messages": int(done), "produce_s": produce_s, "drain_s": drained_s - produce_s,
+        "rss_start_mb": rss0, "rss_end_mb": rss_mb(worker_pid),
+        "p50_latency_s": histogram_quantile(after, lat, 0.5, before),
+        "p99_latency_s": histogram_quantile(after, lat, 0.99, before),
+        "next_tick": tick,
+    }
+
+
+async def main_async(args) -> None:
+    prefix = f"bench{uuid.uuid4().hex[:6]}."
+    await ensure_topics(args.bootstrap, prefix=prefix)
+    nodes = max(1, int(args.nodes))
+    payloads = make_payloads(nodes, ticks=args.ticks, seed=args.seed)
+    port = args.metrics_port
+    log = open(args.worker_log, "wb")  # noqa: SIM115 - lives as long as the worker
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "fleetwise.cli", "worker", "--bootstrap", args.bootstrap,
+         "--app-id", f"bench-{prefix}", "--topic-prefix", prefix, "--metrics-port", str(port),
+         "--take-max", str(args.take_max)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+    )
+    producer = await start_producer(args.bootstrap, idempotent=True, linger_ms=10)
+    rows = []
+    try:
+        for _ in range(300):
+            try:
+                scrape(port)
+                break
+            except OSError:
+                await asyncio.sleep(0.2)
+        # warm-up: joins the group, recovers, compiles caches
+        r = await run_phase(args, producer, prefix, payloads, 2000, 5, 0, worker.pid, port)
+        tick = r["next_tick"]
+        phases = [("half rate (latency)", args.rate / 2, args.half_rate_seconds),
+                  ("full rate (sustained)", args.rate, args.seconds)]
+        for name, rate, seconds in phases:
+            r = await run_phase(args, producer, prefix, payloads, rate, seconds, tick, worker.pid, port)
+            tick = r["next_tick"]
+            rows.append((name, rate, seconds, r))
+    finally:
+        await producer.stop()
+        worker.terminate()
+        worker.wait(timeout=30)
+        log.close()
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"python {platform.python_version()}; broker {args.bootstrap}; {nodes} nodes x "
+          f"{GPUS_PER_NODE} GPUs, node batch = 1 message, take_max={args.take_max}")
+    print("| phase | target samples/s | s | offered samples/s | processed samples/s | "
+          "p50 latency ms | p99 latency ms | worker RSS start -> end MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, rate, seconds, r in rows:
+        print(f"| {name} | {rate:,.0f} | {seconds:.0f} | {r['offered_samples_s']:,.0f} | "
+              f"{r['processed_samples_s']:,.0f} | {1000 * r['p50_latency_s']:.0f} | "
+              f"{1000 * r['p99_latency_s']:.0f} | {r['rss_start_mb']:.0f} -> {r['rss_end_mb']:.0f} |")
+    print("latency = worker histogram bucket upper bound (producer send -> outputs acknowledged); "
+          "faust README: 'tens of thousands of events per second per core' "
+          f"(here one event = {GPUS_PER_NODE} samples)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--rate", type=float, default=50_000, help="target GPU samples/s")
+    parser.add_argument("--seconds", type=float, default=300, help="full-rate phase length")
+    parser.add_argument("--half-rate-seconds", type=float, default=60)
+    parser.add_argument("--nodes", type=int, default=1000, help="distinct nodes (x8 GPUs)")
+    parser.add_argument("--ticks", type=int, default=30, help="distinct pre-encoded ticks")
+    parser.add_argument("--take-max", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=9464)
+    parser.add_argument("--worker-log", default="/tmp/fleetwise-bench-worker.log")
+    args = parser.parse_args()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
