@@ -92,6 +92,10 @@ class Event:
     data: dict = field(default_factory=dict)
 
 
+def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
+    return float(median * math.exp(sigma * rng.standard_normal()))
+
+
 def _lognormal_h(rng: np.random.Generator, median_h: float, sigma: float, lo_h: float, hi_h: float) -> float:
     return float(np.clip(median_h * math.exp(sigma * rng.standard_normal()), lo_h, hi_h)) * HOUR
 
@@ -208,12 +212,15 @@ class Schedule:
             # Single-bit rates climb for a day or more before most HBM failures; ~15% are a
             # double-bit error out of the blue. Final XID: 94/95 contained/uncontained (Ampere+),
             # 48 double-bit ECC on Volta.
-            final = int(rng.choice([94, 95], p=[0.6, 0.4])) if remap else 48
+            final = int(rng.choice([94, 95, 48], p=[0.45, 0.3, 0.25])) if remap else 48
             if rng.random() < 0.15:
                 return Failure(gpu, ts, cls, None, True, 0.0, final)
             lead = _lognormal_h(rng, 30.0, 0.6, 2.0, 120.0)
             variant = "remap_failure" if rng.random() < 0.3 else ""
-            return Failure(gpu, ts, cls, ts - lead, False, 0.0, final, variant)
+            # The shape varies per failure (start rate and growth), so a model must learn the
+            # trend, not one curve: SBE/h = base x e^(growth x), x = share of the precursor.
+            shape = {"base": _lognormal(rng, 0.2, 0.5), "growth": float(rng.uniform(5.5, 7.5))}
+            return Failure(gpu, ts, cls, ts - lead, False, 0.0, final, variant, params=shape)
         if cls == "thermal_interface":
             # Degraded TIM / cold plate: resistance creeps over days; the GPU throttles (a
             # straggler) in the last hours, then shuts down.
@@ -228,19 +235,25 @@ class Schedule:
                 False,
                 0.0,
                 final,
-                params={"throttle_s": throttle, "factor": float(rng.uniform(0.65, 0.85))},
+                params={
+                    "throttle_s": throttle,
+                    "factor": float(rng.uniform(0.65, 0.85)),
+                    "power": float(rng.uniform(1.5, 3.0)),  # resistance creeps as x^power
+                },
             )
         if cls == "nvlink":
             final = 74
             if rng.random() < 0.2:
                 return Failure(gpu, ts, cls, None, True, 0.0, final)
             lead = _lognormal_h(rng, 1.5, 1.0, 1.0 / 6.0, 18.0)
-            return Failure(gpu, ts, cls, ts - lead, False, 0.0, final)
+            shape = {"base": _lognormal(rng, 3.0, 0.5), "growth": float(rng.uniform(4.0, 6.0))}
+            return Failure(gpu, ts, cls, ts - lead, False, 0.0, final, params=shape)
         if cls == "off_bus":
             if rng.random() < 0.75:  # mostly abrupt
                 return Failure(gpu, ts, cls, None, True, 0.0, 79)
             lead = _lognormal_h(rng, 1.0, 1.0, 1.0 / 6.0, 8.0)
-            return Failure(gpu, ts, cls, ts - lead, False, 0.0, 79, "pcie_first")
+            shape = {"base": _lognormal(rng, 2.0, 0.5), "growth": float(rng.uniform(4.0, 6.0))}
+            return Failure(gpu, ts, cls, ts - lead, False, 0.0, 79, "pcie_first", params=shape)
         if cls == "gsp":
             final = int(rng.choice([119, 120], p=[0.6, 0.4]))
             if rng.random() < 0.7:

@@ -170,7 +170,10 @@ class FleetSimulator:
         for f in self.schedule.failures:
             if f.abrupt or f.precursor_start is None:
                 continue
-            data: dict = {"variant": f.variant}
+            data: dict = {
+                "variant": f.variant,
+                **{k: f.params[k] for k in ("base", "growth", "power") if k in f.params},
+            }
             if f.cls == "thermal_interface":
                 # Resistance creeps as r(x) = 1 + (m_end - 1) x^2; chosen so that at full load on an
                 # average afternoon the die reaches the thermal target when throttling starts.
@@ -179,7 +182,7 @@ class FleetSimulator:
                 hot_inlet = fleet.static_inlet[g] + DIURNAL_AMPLITUDE_C
                 p_nom = 0.92 * fleet.tdp_w[g]
                 m_thr = max(1.08, (SW_THERMAL_C - 1.0 - hot_inlet) / (p_nom * fleet.r_base[g]))
-                data["m_end"] = 1.0 + (m_thr - 1.0) / max(x_thr, 0.3) ** 2
+                data["m_end"] = 1.0 + (m_thr - 1.0) / max(x_thr, 0.3) ** f.params["power"]
             extra.append(Window(f.precursor_start, f.ts, "pre_" + f.cls, gpu=f.gpu, data=data))
         self.schedule.windows.extend(extra)
         self.schedule.windows.sort(key=lambda w: (w.t0, w.kind, w.gpu, w.job))
@@ -606,8 +609,10 @@ class FleetSimulator:
                 continue
             g, lead_h = f.gpu, (f.ts - f.precursor_start) / HOUR
             x0 = (cfg.start_ts - f.precursor_start) / (f.ts - f.precursor_start)
+            base, growth = f.params.get("base", 0.0), f.params.get("growth", 1.0)
+            grown = base * lead_h * (math.exp(growth * x0) - 1.0) / growth  # integral of the rate
             if f.cls == "hbm_ecc":
-                n = int(rng.poisson(0.2 * lead_h * (math.exp(6.5 * x0) - 1.0) / 6.5))
+                n = int(rng.poisson(grown))
                 ctr["sbe_vol"][g] += n
                 ctr["sbe_agg"][g] += n
                 done = int(rng.poisson(0.05 * lead_h * (math.exp(4.0 * x0) - 1.0) / 4.0))
@@ -615,12 +620,12 @@ class FleetSimulator:
                     ctr["remap_corr" if fleet.has_remap[g] else "ret_sbe"][g] += done
                     ctr["remap_pending" if fleet.has_remap[g] else "ret_pending"][g] = 1
             elif f.cls == "nvlink":
-                n = int(rng.poisson(3.0 * lead_h * (math.exp(5.0 * x0) - 1.0) / 5.0))
+                n = int(rng.poisson(grown))
                 ctr["nvl_flit"][g] += n
                 ctr["nvl_data"][g] += int(0.3 * n)
                 ctr["nvl_replay"][g] += int(0.5 * n)
             elif f.cls == "off_bus":
-                ctr["pcie"][g] += int(rng.poisson(2.0 * lead_h * (math.exp(5.0 * x0) - 1.0) / 5.0))
+                ctr["pcie"][g] += int(rng.poisson(6.0 * grown))
         # Average draw since boot ~ half of TDP.
         return fleet.tdp_w * rng.uniform(0.35, 0.65, g_n) * uptime_d * DAY * 1000.0
 
@@ -639,8 +644,8 @@ class FleetSimulator:
         fleet = self.fleet
         cls = w.kind[4:]
         if cls == "hbm_ecc":
-            # Single-bit rate climbs ~e^6.5 over the precursor (0.2/h -> ~130/h).
-            sbe_h = 0.2 * math.exp(6.5 * x)
+            # Single-bit rate climbs exponentially over the precursor (median 0.2/h -> ~130/h).
+            sbe_h = w.data["base"] * math.exp(w.data["growth"] * x)
             n = int(rng.poisson(sbe_h * dt / HOUR))
             ctr["sbe_vol"][g] += n
             ctr["sbe_agg"][g] += n
@@ -660,19 +665,22 @@ class FleetSimulator:
                     ctr["remap_fail"][g] = 1
                     xid[g] = 64
         elif cls == "nvlink":
-            flit_h = 3.0 * math.exp(5.0 * x)
+            flit_h = w.data["base"] * math.exp(w.data["growth"] * x)
             n = int(rng.poisson(flit_h * dt / HOUR))
             ctr["nvl_flit"][g] += n
             ctr["nvl_data"][g] += int(rng.poisson(0.3 * flit_h * dt / HOUR))
             ctr["nvl_replay"][g] += int(rng.poisson(0.5 * flit_h * dt / HOUR))
             ctr["nvl_recovery"][g] += int(rng.poisson(0.02 * flit_h * dt / HOUR))
         elif cls == "off_bus":
-            ctr["pcie"][g] += int(rng.poisson(2.0 * math.exp(5.0 * x) * dt / HOUR))
+            # A degrading link retries in bursts: each event adds several replays.
+            events = int(rng.poisson(w.data["base"] * math.exp(w.data["growth"] * x) * dt / HOUR))
+            if events:
+                ctr["pcie"][g] += int(rng.geometric(1.0 / 6.0, events).sum())
         elif cls == "gsp":
             if rng.random() < 2.0 * dt / (w.t1 - w.t0):
                 xid[g] = 119  # GSP RPC timeout
         elif cls == "thermal_interface":
-            r_mult[g] *= 1.0 + (w.data["m_end"] - 1.0) * x * x
+            r_mult[g] *= 1.0 + (w.data["m_end"] - 1.0) * x ** w.data["power"]
 
     def _key_groups(self) -> list[tuple[np.ndarray, tuple[str, ...]]]:
         """Runs of consecutive GPUs reporting the same DCGM fields (ints first, then FLOAT_KEYS).
