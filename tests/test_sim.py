@@ -356,8 +356,8 @@ def test_failed_gpu_goes_silent_until_replaced_with_a_new_uuid(mixed: Trace) -> 
         dead = [s for s in after if s["ts"] < r["repair_ts"]]
         # At most the terminal sample (with its final XID) after the failure, before the repair.
         assert len(dead) <= 1
-        if dead:
-            assert dead[0]["metrics"][P + "XID_ERRORS"] == (r["final_xid"] or 0)
+        if dead and r["final_xid"]:
+            assert dead[0]["metrics"][P + "XID_ERRORS"] == r["final_xid"]
         back = [s for s in after if s["ts"] >= r["repair_ts"]]
         if back:
             assert back[0]["uuid"] != r["uuid"]
@@ -478,6 +478,28 @@ def test_application_xids_outnumber_hardware_failures(mixed: Trace) -> None:
         xids = mixed.series(r["node"], r["gpu"], P + "XID_ERRORS", r["ts"], r["ts"] + 61)
         seen += r["xid"] in set(xids)
     assert seen >= 0.8 * min(50, len(app))
+
+
+@pytest.mark.parametrize("mode", ["last", "interval"])
+def test_xid_field_is_last_seen_or_per_interval(mode: str) -> None:
+    trace = Trace(small(days=0.5, app_xid_rate_per_1000_gpu_days=3000.0, xid_field=mode))
+    resets = defaultdict(list)
+    for r in trace.of("trap", type="counter_reset"):
+        resets[r["node"]].append(r["ts"])
+    checked = 0
+    for r in trace.of("trap", type="app_xid")[:40]:
+        series = [s for s in trace.samples[(r["node"], r["gpu"])] if s["ts"] >= r["ts"]][:3]
+        if len(series) < 3 or series[0]["metrics"][P + "XID_ERRORS"] != r["xid"]:
+            continue
+        later = series[2]["metrics"][P + "XID_ERRORS"]
+        if mode == "interval":
+            assert later in (0, 45) or later in {
+                x["xid"] for x in trace.of("trap", node=r["node"], gpu=r["gpu"])
+            }
+        elif not any(series[0]["ts"] < t <= series[2]["ts"] for t in resets[r["node"]]):
+            assert later != 0  # sticky until the next XID or a reboot
+        checked += 1
+    assert checked >= 10
 
 
 def test_benign_sbe_bursts_end_in_one_remap_and_no_failure(mixed: Trace) -> None:

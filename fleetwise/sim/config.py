@@ -68,6 +68,10 @@ class SimConfig:
     scrape_gap_rate_per_node_day: float = 2.0  # windows of a few minutes with no samples
     missing_key_prob: float = 0.002  # a sample lacks some metrics
     repair_hours: tuple[float, float] = (4.0, 24.0)  # silent time before a replacement GPU
+    # DCGM_FI_DEV_XID_ERRORS semantics: "last" = the last XID seen since boot, as DCGM's field
+    # cache and dcgm-exporter report it (sticky; 0 = none yet); "interval" = the XID logged since
+    # the previous sample, else 0. Generate both to check a predictor does not depend on one.
+    xid_field: str = "last"
     class_mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CLASS_MIX))
 
     def validate(self) -> None:
@@ -103,6 +107,8 @@ class SimConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise SimConfigError(f"{name} must be within [0, 1], got {value}")
+        if self.xid_field not in ("last", "interval"):
+            raise SimConfigError(f"xid_field must be 'last' or 'interval', got {self.xid_field!r}")
         unknown = set(self.class_mix) - set(FAILURE_CLASSES)
         if unknown:
             raise SimConfigError(f"unknown failure classes {sorted(unknown)}; known: {list(FAILURE_CLASSES)}")

@@ -204,6 +204,8 @@ class FleetSimulator:
         bg = {k: np.where(lemon, hi, lo) * dt / DAY for k, (lo, hi) in BG_PER_DAY.items()}
         bg["nvl_flit"] = bg["nvl_flit"] * fleet.has_nvlink
         energy = self._initial_state(rng, ctr)
+        last_xid = np.zeros(g_n, dtype=np.int64)
+        sticky_xid = cfg.xid_field == "last"
         hbm_offset = 6.0  # HBM runs a few degrees above the die under load (our calibration)
         site_phase = fleet.site_phase_h[fleet.gpu_site]
         node_gpus = [np.array(n.gpus, dtype=np.int64) for n in fleet.nodes]
@@ -287,12 +289,14 @@ class FleetSimulator:
                     uuids[g] = ev.data["uuid"]
                     for key in VOLATILE + PERSISTENT:
                         ctr[key][g] = 0
+                    last_xid[g] = 0
                     energy[g] = 0.0
                     temp[g] = fleet.static_inlet[g]
                 elif ev.kind == "reboot":
                     gs = node_gpus[ev.node]
                     for key in VOLATILE:
                         ctr[key][gs] = 0
+                    last_xid[gs] = 0  # the exporter's field cache starts empty after a reboot
                     energy[gs] = 0.0
                     ctr["remap_pending"][gs] = 0  # a pending remap is applied at GPU reset
                     ctr["ret_pending"][gs] = 0
@@ -488,6 +492,7 @@ class FleetSimulator:
                     )
             activity[gpu_job < 0] = 1.0
             # ---- samples ----
+            last_xid = np.where(xid > 0, xid, last_xid)
             report = alive & ~silent_node[fleet.gpu_node] & ~gpu_down
             cols = {
                 P + "GPU_TEMP": np.rint(temp),
@@ -499,7 +504,7 @@ class FleetSimulator:
                 P + "MEM_COPY_UTIL": np.where(busy, np.clip(np.rint(mem_copy + 2.0 * noise[5]), 0, 100), 0),
                 P + "FB_USED": np.rint(fb_frac * fleet.memory_mib),
                 P + "FB_FREE": np.rint(fleet.memory_mib * (1.0 - fb_frac - 0.0065)),
-                P + "XID_ERRORS": xid,
+                P + "XID_ERRORS": last_xid if sticky_xid else xid,
                 P + "TOTAL_ENERGY_CONSUMPTION": energy,
                 P + "POWER_VIOLATION": ctr["pviol"],
                 P + "THERMAL_VIOLATION": ctr["tviol"],
