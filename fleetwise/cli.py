@@ -442,6 +442,7 @@ def demo(
     from fleetwise.planner.render import plan_summary, plot_plan
     from fleetwise.predictors.backtest import metrics_rows, score_all
     from fleetwise.schemas import NodeInventory
+    from fleetwise.schemas import topics as T
     from fleetwise.sim import FleetSimulator, summarize_labels, write_labels, write_trace
     from fleetwise.sim.bundled import demo_config
     from fleetwise.streams.embedded import replay as run_replay
@@ -503,18 +504,29 @@ def demo(
         f"{summary.samples} GPU samples and {summary.steps} step records processed, "
         f"{len(summary.bad_lines)} bad lines; outputs per topic: {dict(summary.outputs)}"
     )
-    alerts = Table("time (UTC)", "type", "node/gpu", "job/rank", "p / factor", "top signals", title="Alerts")
+    alerts = Table("raised (UTC)", "type", "node/gpu", "job/rank", "p / factor", "top signals",
+                   title="Alerts (when raised; each stays up until cleared)")
     from datetime import UTC, datetime
 
     def when(ts: float) -> str:
         return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M")
 
+    raised: set[tuple] = set()
     for d in decisions:
-        if d.kind == "prediction" and d.alert:
-            value = f"{d.factor:.2f}" if d.type == "straggler" and d.factor else f"{d.probability:.2f}"
-            sig = ", ".join(f"{s.name}={s.value}" for s in d.signals[:2])
-            who = f"{d.job}/{d.rank}" if d.job else "-"
-            alerts.add_row(when(d.ts), d.type, f"{d.node}/{d.gpu}", who, value, sig[:60])
+        if d.kind != "prediction":
+            continue
+        who = (d.type, d.node, d.gpu, d.job, d.rank)
+        if not d.alert:
+            raised.discard(who)
+            continue
+        if who in raised:
+            continue
+        raised.add(who)
+        value = f"{d.factor:.2f}" if d.type == "straggler" and d.factor else f"{d.probability:.2f}"
+        sig = ", ".join(f"{s.name}={s.value}" for s in d.signals[:2])
+        job = f"{d.job}/{d.rank}" if d.job else "-"
+        where = f"{d.node}/{d.gpu if d.gpu is not None else '*'}"
+        alerts.add_row(when(d.ts), d.type, where, job, value, sig[:60])
     console.print(alerts)
     commands = Table("time (UTC)", "command", "target", "reason", title="Commands (signed, idempotent)")
     for d in decisions:
@@ -525,11 +537,16 @@ def demo(
     # 5. How the decisions compare with what was injected.
     console.rule("[bold]5. Backtest against the injected ground truth")
     n_gpus = sum(len(inv.gpus) for inv in inventories)
-    jobs = {(d.get("job")) for d in labels if d.get("kind") == "straggler"}
+    job_span: dict[str, list[float]] = {}
+    for fv in runtime.bus.records(T.FEATURES.name):
+        if fv.scope == "rank" and fv.job:  # type: ignore[attr-defined]
+            span = job_span.setdefault(fv.job, [fv.ts, fv.ts])  # type: ignore[attr-defined]
+            span[1] = fv.ts
+    failure = runtime.control.failure
     metrics = score_all(
-        decisions, labels, gpu_days=n_gpus * config.days, horizon_h=runtime.control.failure.horizon_h
-        if runtime.control.failure is not None else 24.0,
-        job_hours=max(len(jobs), 1) * config.days * 24,
+        decisions, labels, gpu_days=n_gpus * config.days,
+        horizon_h=failure.model.horizon_h if failure is not None else 24.0,
+        job_hours=sum(b - a for a, b in job_span.values()) / 3600.0,
     )
     scorecard = Table("metric", "value", "target (issue)")
     for row in metrics_rows(metrics):
@@ -559,20 +576,22 @@ app.add_typer(predictor_app, name="predictor")
 TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32"
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _iter_jsonl(path: Path):  # noqa: ANN202 - Iterator[dict]
     import gzip
 
     opener = gzip.open if path.name.endswith(".gz") else open
-    out = []
     with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                yield json.loads(line)
             except json.JSONDecodeError as exc:
                 fail(f"{path}:{lineno}: not valid JSON ({exc.msg})")
-    return out
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return list(_iter_jsonl(path))
 
 
 def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: float):  # noqa: ANN202
@@ -632,7 +651,7 @@ def predictor_train(
         hours.append(lab.hours_to_failure[m])
         groups.append(g[m])
         n_fail += sum(1 for x in labels if x["kind"] == "failure")
-        console.print(f"seed {seed} [{mix}]: {table.samples:,} samples, {len(table):,} GPU-hops, "
+        console.print(f"seed {seed} ({mix}): {table.samples:,} samples, {len(table):,} GPU-hops, "
                       f"{int(lab.y[m].sum())} positive hops used")
     import sklearn
 
@@ -672,20 +691,21 @@ def backtest_cmd(
         predictor = FailurePredictor.load(model_dir)
     except (FileNotFoundError, FeatureSchemaError) as exc:
         fail(str(exc))
-    records = _read_jsonl(trace)
     label_list = _read_jsonl(labels)
-    samples: list[dict] = []
     steps: list[dict] = []
-    for r in records:
-        if "metrics" in r:
-            samples.append(r)
-        elif "samples" in r and isinstance(r["samples"], list):
-            samples.extend(r["samples"])
-        elif "step_time_s" in r:
-            steps.append(r)
-    if not samples:
+
+    def gpu_samples():  # noqa: ANN202 - streams the trace; step records are kept aside
+        for r in _iter_jsonl(trace):
+            if "metrics" in r:
+                yield r
+            elif "samples" in r and isinstance(r["samples"], list):
+                yield from r["samples"]
+            elif "step_time_s" in r:
+                steps.append(r)
+
+    table = compute_features(gpu_samples())
+    if len(table) == 0:
         fail(f"{trace}: no GPU samples")
-    table = compute_features(samples)
     lab = label_rows(table, label_list, predictor.model.horizon_h)
     predictions, probs = predictor.process_arrays(table.keys, table.ts, table.features)
     strag_preds: list[Prediction] = []
@@ -741,6 +761,9 @@ def worker(
     topic_prefix: str = typer.Option("", "--topic-prefix", help="Prefix for every topic name (tests)."),
     web_port: int | None = typer.Option(None, "--web-port", help="faust's web UI port (off by default)."),
     take_max: int = typer.Option(500, "--take-max", help="Max messages per processed batch."),
+    checkpoint_interval: float = typer.Option(
+        5.0, "--checkpoint-interval", help="Seconds between state checkpoints (and offset commits)."
+    ),
     loglevel: str = typer.Option("warning", "--loglevel", help="faust log level."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka."""
@@ -758,12 +781,15 @@ def worker(
              "use --store memory:// (state is rebuilt from the changelog at start)")
     if take_max < 1:
         fail(f"--take-max must be at least 1, got {take_max}")
+    if not 0.1 <= checkpoint_interval <= 3600:
+        fail(f"--checkpoint-interval must be 0.1..3600 seconds, got {checkpoint_interval}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         fail(f"--metrics-port must be 0..65535, got {metrics_port}")
     from fleetwise.streams.app import run_worker
 
     run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
-               topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max)
+               topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
+               checkpoint_interval_s=checkpoint_interval)
 
 
 @app.command("agent")
@@ -837,8 +863,7 @@ def agent(
         collector.start()
     except (agent_config.AgentConfigError, CollectorError) as exc:
         fail(str(exc))
-    name = config.node or ("sim" if source == "sim" and sim_nodes > 1 else None)
-    name = name or getattr(collector, "node", None) or os.uname().nodename
+    name = config.node or getattr(collector, "node", None) or os.uname().nodename
     if metrics_port is not None:
         from fleetwise.agent.metrics import start_metrics_server
 

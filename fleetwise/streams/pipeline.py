@@ -171,7 +171,8 @@ class ControlPlane:
         out: list[Record] = []
         for i, item in enumerate(samples):
             if not isinstance(item, dict):
-                out.append(self.dead_letter(f"{source}#samples.{i}", "sample is not an object", json.dumps(item)))
+                bad = json.dumps(item)
+                out.append(self.dead_letter(f"{source}#samples.{i}", "sample is not an object", bad))
                 continue
             try:
                 sample = GpuSample.model_validate(item)
@@ -242,7 +243,9 @@ class ControlPlane:
                 key = r.job if r.scope == "rank" and r.job else f"{r.node}/{r.gpu}"
                 routed.append(Routed(T.FEATURES.name, key, r))
             elif isinstance(r, Prediction):
-                routed.append(Routed(T.PREDICTIONS.name, f"{r.node}/{r.gpu}", r))
+                # Job-wide predictions (no GPU) are keyed by job, like the job's other records.
+                key = f"{r.node}/{r.gpu}" if r.gpu is not None else (r.job or r.node)
+                routed.append(Routed(T.PREDICTIONS.name, key, r))
                 predictions.append(r)
             elif isinstance(r, Command):
                 routed.extend(_route_command(r))
