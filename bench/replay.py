@@ -66,12 +66,8 @@ def sim_lines(gpus: int, hours: float, interval_s: float, seed: int) -> list[byt
     cfg = SimConfig(gpus=f"h100-sxm:{per},a100-sxm-80gb:{per},b200:{gpus - 2 * per}", days=hours / 24,
                     seed=seed, sample_interval_s=interval_s)
     out = []
-    for rec in FleetSimulator(cfg).ticks():
-        obj = rec if isinstance(rec, dict) else rec.model_dump(exclude_none=True)
-        if "metrics" in obj:
-            out.append(json.dumps(obj).encode() + b"\n")
-        elif "samples" in obj:
-            out.extend(json.dumps(s).encode() + b"\n" for s in obj["samples"])
+    for tick in FleetSimulator(cfg).ticks():
+        out.extend(json.dumps(s).encode() + b"\n" for s in tick.samples)
     return out
 
 
@@ -110,6 +106,18 @@ def main() -> None:
         elapsed, n, outputs = run(lines, pred)
         rate = n / elapsed if elapsed else float("inf")
         print(f"| {label:<44} | {n:>10,} | {elapsed:>7.2f} | {rate:>10,.0f} | 100,000 |")
+    # The feature stage alone, on already-parsed dicts (what the pipeline pays after validation).
+    from fleetwise.predictors.features import GpuFeatureWindows
+
+    dicts = [json.loads(line) for line in lines]
+    for label, chunk in (("features only (parsed dicts, 4,096 per call)", 4096),):
+        windows = GpuFeatureWindows()
+        start = time.process_time()
+        for k in range(0, len(dicts), chunk):
+            windows.process_dicts(dicts[k:k + chunk])
+        windows.flush()
+        elapsed = time.process_time() - start
+        print(f"| {label:<44} | {len(dicts):>10,} | {elapsed:>7.2f} | {len(dicts) / elapsed:>10,.0f} | |")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"# outputs (last run): {outputs}; peak RSS {rss:.0f} MiB")
 
