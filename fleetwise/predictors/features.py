@@ -185,10 +185,9 @@ def resolve_model(model: str) -> tuple[str, float]:
 
 def sample_row(metrics: dict[str, Any]) -> list[Any]:
     """The input fields of one sample's metrics, in INPUT_FIELDS order (None = missing)."""
-    get = metrics.get
-    row = [get(f) for f in INPUT_FIELDS]
-    if row[COL_REASONS] is None:
-        row[COL_REASONS] = get(F_REASONS_OLD)
+    row = list(map(metrics.get, INPUT_FIELDS))
+    if row[COL_REASONS] is None and F_REASONS_OLD in metrics:
+        row[COL_REASONS] = metrics[F_REASONS_OLD]
     return row
 
 
@@ -246,6 +245,7 @@ class GpuFeatureWindows:
         """Feed samples (or node batches) in event-time order; return features of closed hops."""
         slots, ts, rows = [], [], []
         slot_of, slot_map = self._slot_of, self._slot
+        fields, old_reasons = INPUT_FIELDS, F_REASONS_OLD
         for rec in records:
             samples = rec.samples if isinstance(rec, NodeBatch) else (rec,)
             for s in samples:
@@ -254,7 +254,11 @@ class GpuFeatureWindows:
                     slot = slot_of(s.node, s.gpu, s.model, s.rack, s.site)
                 slots.append(slot)
                 ts.append(s.ts)
-                rows.append(sample_row(s.metrics))
+                m = s.metrics
+                row = list(map(m.get, fields))
+                if row[COL_REASONS] is None and old_reasons in m:
+                    row[COL_REASONS] = m[old_reasons]
+                rows.append(row)
         return self.to_records(*self.ingest(slots, ts, rows))
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
@@ -602,9 +606,15 @@ class GpuFeatureWindows:
         )
         out = []
         names = FEATURE_NAMES
+        rows = feats.tolist()
+        nan_rows = np.isnan(feats).any(axis=1).tolist()
         for i in order:
             m = meta[slots[i]]
-            vals = {n: (None if math.isnan(v) else v) for n, v in zip(names, feats[i].tolist(), strict=True)}
+            vals = dict(zip(names, rows[i], strict=True))
+            if nan_rows[i]:
+                for name, v in zip(names, rows[i], strict=True):
+                    if math.isnan(v):
+                        vals[name] = None
             # model_construct: our own, already-consistent output; skips re-validation per hop
             out.append(FeatureVector.model_construct(
                 scope="gpu", ts=float(ts[i]), window_s=self.hop_s, node=m["node"], gpu=m["gpu"],
