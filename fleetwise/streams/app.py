@@ -8,15 +8,15 @@ batch messages with `stream.take_events` so Python overhead is per batch, run
 
 State. Processor state lives in one faust Table, ``fleetwise-state``, changelogged to Kafka.
 One entry per processor key ("node/gpu" or "job"): ``{"state": {processor: state},
-"offsets": {"topic:partition": offset}}``. After a batch, the worker first waits for the
-broker to acknowledge the batch's outputs, then writes the entries of the keys the batch
-touched (to the changelog partition of the input partition, so a key's state moves with its
-partition), and only then lets faust commit the input offsets. A restarted worker recovers
-the table from the changelog and, on first sight of a key, restores the processors from it.
-Because the entry records the last input offset applied to the key, messages re-delivered
-after a crash (faust commits every few seconds) are skipped for keys whose state already
-contains them, so a restart neither double-counts a sample nor loses a window: outputs are
-at-least-once, state application is exactly-once per key.
+"offsets": {"topic:partition": offset}}``. Every `checkpoint_interval_s` the worker writes
+the entries of the keys changed since the last checkpoint (each key always to the changelog
+partition of its input partition, so the latest write wins on recovery and state moves with
+its partition), and only then acks the input events, so faust's offset commits never run
+ahead of the saved state; outputs are acknowledged by the broker before the batch is done.
+A restarted worker recovers the table from the changelog and, on first sight of a key,
+restores the processors from it. Because an entry records the last input offset applied to
+the key, messages re-delivered after a crash are skipped for keys whose state already holds
+them: outputs are at-least-once, state application is exactly-once per key.
 """
 
 from __future__ import annotations
@@ -398,11 +398,14 @@ def run_worker(
     **kwargs: Any,
 ) -> None:
     """Create the topics, serve metrics, and run a faust worker until it is stopped."""
-    import asyncio
+    from aiokafka.errors import KafkaError
 
     from fleetwise.streams.kafka_io import ensure_topics
 
-    asyncio.run(ensure_topics(bootstrap, prefix=topic_prefix))
+    try:
+        asyncio.run(ensure_topics(bootstrap, prefix=topic_prefix))
+    except (KafkaError, OSError, TimeoutError) as exc:
+        raise ConnectionError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
     if metrics_port is not None:
         M.start_metrics_server(metrics_port)
     app = make_app(bootstrap, app_id=app_id, store=store, web_port=web_port, topic_prefix=topic_prefix,
