@@ -133,6 +133,19 @@ def test_same_seed_same_bytes_and_different_seed_differs(tmp_path: Path) -> None
     assert _sha(lab[0]) == _sha(lab[1])
 
 
+def test_iterating_twice_gives_the_same_records() -> None:
+    sim = FleetSimulator(small(days=0.3, failure_rate_per_1000_gpu_days=300.0, class_mix={"hbm_ecc": 1.0}))
+    first = [(t.ts, t.samples, t.steps) for t in sim.ticks()]
+    again = [(t.ts, t.samples, t.steps) for t in sim.ticks()]
+    assert first == again
+    assert (
+        sim.labels()
+        == FleetSimulator(
+            small(days=0.3, failure_rate_per_1000_gpu_days=300.0, class_mix={"hbm_ecc": 1.0})
+        ).labels()
+    )
+
+
 def test_trace_file_is_json_lines_in_ts_order(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     counts = write_trace(FleetSimulator(small(days=0.05)), path)

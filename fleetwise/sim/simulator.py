@@ -250,6 +250,9 @@ class FleetSimulator:
         step_iv = cfg.step_record_interval_s
         start = cfg.start_ts
         remap_clear_at: dict[int, float] = {}
+        # One-shot effects that already happened in this iteration (windows stay immutable, so
+        # iterating ticks() again gives the same records).
+        fired: set[int] = set()
 
         for k in range(self.n_ticks):
             ts = start + k * dt
@@ -337,9 +340,9 @@ class FleetSimulator:
                     n = int(rng.poisson(w.data["total"] * dt / (w.t1 - w.t0)))
                     ctr["sbe_vol"][g] += n
                     ctr["sbe_agg"][g] += n
-                    if ts + dt >= w.t1 and not w.data.get("done"):
+                    if ts + dt >= w.t1 and id(w) not in fired:
                         # The burst ends in one correctable remap (or one retired page) that works.
-                        w.data["done"] = True
+                        fired.add(id(w))
                         if fleet.has_remap[g]:
                             ctr["remap_corr"][g] += 1
                             ctr["remap_pending"][g] = 1
@@ -350,7 +353,7 @@ class FleetSimulator:
                         xid[g] = max(xid[g], 63)
                 elif kind.startswith("pre_"):
                     x = (ts - w.t0) / (w.t1 - w.t0)
-                    self._precursor_tick(rng, w, x, dt, ctr, xid, r_mult)
+                    self._precursor_tick(rng, w, x, dt, ctr, xid, r_mult, fired)
             for g, t_clear in list(remap_clear_at.items()):
                 if ts >= t_clear:
                     ctr["remap_pending"][g] = 0  # operator reset applied the remap: it succeeded
@@ -647,6 +650,7 @@ class FleetSimulator:
         ctr: dict,
         xid: np.ndarray,
         r_mult: np.ndarray,
+        fired: set[int],
     ) -> None:
         """Advance one failing GPU's precursor by one tick (x = share of the precursor elapsed)."""
         g = w.gpu
@@ -668,8 +672,8 @@ class FleetSimulator:
                 xid[g] = 63
             if sbe_h > 20.0 and rng.random() < dt / (2.0 * HOUR):
                 xid[g] = 92  # "high single-bit ECC error rate"
-            if w.data.get("variant") == "remap_failure" and x > 0.9 and not w.data.get("remap_failed"):
-                w.data["remap_failed"] = True
+            if w.data.get("variant") == "remap_failure" and x > 0.9 and id(w) not in fired:
+                fired.add(id(w))
                 if fleet.has_remap[g]:
                     ctr["remap_fail"][g] = 1
                     xid[g] = 64
