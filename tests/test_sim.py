@@ -543,6 +543,48 @@ def test_lemons_are_labelled_and_carry_failure_share() -> None:
     assert lemon_share > 0.2  # 3% of GPUs carry a large share of failures (Titan)
 
 
+def test_hotter_locations_fail_more() -> None:
+    sim = FleetSimulator(
+        SimConfig(gpus="h100-sxm:1024", days=30.0, failure_rate_per_1000_gpu_days=20.0, seed=4)
+    )
+    fleet = sim.fleet
+    hot = np.isin(fleet.gpu_rack, fleet.hot_racks) & ~fleet.lemon
+    cool = ~np.isin(fleet.gpu_rack, fleet.hot_racks) & ~fleet.lemon & ~fleet.hot_healthy
+    index = {(n.name, i): g for n in fleet.nodes for i, g in enumerate(n.gpus)}
+    failed = np.zeros(fleet.n_gpus)
+    for r in sim.labels():
+        if r["kind"] == "failure":
+            failed[index[(r["node"], r["gpu"])]] += 1
+    assert hot.sum() >= 32 and failed.sum() > 400
+    # Hot-spot racks run 3-6 C warmer at the inlet: x2 per 10 C -> ~1.2-1.5x the failure rate.
+    assert failed[hot].mean() > 1.1 * failed[cool].mean()
+
+
+def test_precursor_lead_times_follow_the_documented_mix() -> None:
+    sim = FleetSimulator(
+        SimConfig(gpus="h100-sxm:1024", days=30.0, failure_rate_per_1000_gpu_days=30.0, seed=6)
+    )
+    fails = [r for r in sim.labels() if r["kind"] == "failure"]
+    lead_h = {
+        cls: np.array(
+            [
+                (r["ts"] - r["precursor_start_ts"]) / HOUR
+                for r in fails
+                if r["class"] == cls and not r["abrupt"]
+            ]
+        )
+        for cls in ("hbm_ecc", "thermal_interface", "nvlink", "off_bus", "gsp")
+    }
+    assert (lead_h["hbm_ecc"] >= 18).mean() > 0.65
+    assert (lead_h["thermal_interface"] >= 18).all()
+    assert np.median(lead_h["nvlink"]) < 6 and np.median(lead_h["off_bus"]) < 6
+    assert (lead_h["gsp"] <= 0.5).all()
+    abrupt = {
+        c: np.mean([r["abrupt"] for r in fails if r["class"] == c]) for c in ("off_bus", "silent", "hbm_ecc")
+    }
+    assert abrupt["off_bus"] > 0.6 and abrupt["silent"] == 1.0 and abrupt["hbm_ecc"] < 0.3
+
+
 # --- steps and stragglers ---------------------------------------------------------------------------------
 def _ratio_in_window(trace: Trace, r: dict) -> tuple[float, float]:
     """Straggler rank's compute_s over the median of ranks of the same model, inside / outside its window."""
