@@ -75,6 +75,15 @@ def test_nan_literal_in_json_is_rejected_naming_metric():
 def test_dcgm_blank_sentinels_become_missing():
     s = GpuSample.model_validate({**SAMPLE, "metrics": {"A": 9223372036854775794, "B": 2147483632, "C": 5}})
     assert s.metrics == {"A": None, "B": None, "C": 5.0}
+    fp64 = GpuSample.model_validate({**SAMPLE, "metrics": {"X": 140737488355328.0}})
+    assert fp64.metrics == {"X": None}
+
+
+def test_large_counters_are_not_blanks():
+    # Energy in mJ and violation time in ns pass 2**31 and 2**47 on long-running GPUs.
+    big = {"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 2147483650, "DCGM_FI_DEV_POWER_VIOLATION": 2.0e14}
+    s = GpuSample.model_validate({**SAMPLE, "metrics": big})
+    assert s.metrics == {k: float(v) for k, v in big.items()}
 
 
 def test_batch_rejects_foreign_node():

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
+from fleetwise.schemas._base import DCGM_FP64_BLANK, DCGM_INT32_BLANK
 
 # ---- input fields ---------------------------------------------------------------------------
 # DCGM field names (REFERENCE.md "Telemetry"; ../shared/data/dcgm/default-counters.csv).
@@ -201,6 +202,8 @@ class GpuFeatureWindows:
         self._tdp_lookup = tdp_lookup or resolve_model
         self._slot: dict[str, int] = {}
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
+        self._job: list[str | None] = []  # the GPU's current job and rank (latest sample)
+        self._rank: list[int | None] = []
         self._cap = 0
         self._grow(capacity)
         self.dropped_late = 0
@@ -237,15 +240,32 @@ class GpuFeatureWindows:
             model_id, tdp = self._tdp_lookup(model)
             self._slot[key] = slot
             self._meta.append({"node": node, "gpu": gpu, "model": model_id, "rack": rack, "site": site})
+            self._job.append(None)
+            self._rank.append(None)
             self.tdp[slot] = tdp
         return slot
+
+    def register(self, node: str, gpu: int, model: str, rack: str | None = None, site: str | None = None) -> int:
+        """Slot index of a GPU (created on first sight); for callers that ingest arrays."""
+        return self._slot_of(node, gpu, model, rack, site)
+
+    def job_ranks(self, slots: Iterable[int]) -> list[tuple[str | None, int | None]]:
+        """(job, rank) the GPUs in `slots` were last seen running (None when idle/unknown)."""
+        return [(self._job[i], self._rank[i]) for i in slots]
 
     # ---- public processor contract ----
     def process(self, records: Sequence[NodeBatch | GpuSample]) -> list[FeatureVector]:
         """Feed samples (or node batches) in event-time order; return features of closed hops."""
+        return self.to_records(*self.ingest_records(records))
+
+    def ingest_records(
+        self, records: Sequence[NodeBatch | GpuSample]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Like `process` but returns the closed hops as arrays (slots, hop ends, features)."""
         slots, ts, rows = [], [], []
         slot_of, slot_map = self._slot_of, self._slot
         fields, old_reasons = INPUT_FIELDS, F_REASONS_OLD
+        job, rank = self._job, self._rank
         for rec in records:
             samples = rec.samples if isinstance(rec, NodeBatch) else (rec,)
             for s in samples:
@@ -254,12 +274,14 @@ class GpuFeatureWindows:
                     slot = slot_of(s.node, s.gpu, s.model, s.rack, s.site)
                 slots.append(slot)
                 ts.append(s.ts)
+                job[slot] = s.job
+                rank[slot] = s.rank
                 m = s.metrics
                 row = list(map(m.get, fields))
                 if row[COL_REASONS] is None and old_reasons in m:
                     row[COL_REASONS] = m[old_reasons]
                 rows.append(row)
-        return self.to_records(*self.ingest(slots, ts, rows))
+        return self.ingest(slots, ts, rows)
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
@@ -269,12 +291,15 @@ class GpuFeatureWindows:
         """Like `process_dicts` but returns the closed hops as arrays (slots, hop ends, features)."""
         slots, ts, rows = [], [], []
         slot_of, slot_map = self._slot_of, self._slot
+        job, rank = self._job, self._rank
         for s in samples:
             slot = slot_map.get(f"{s['node']}/{s['gpu']}")
             if slot is None:
                 slot = slot_of(s["node"], s["gpu"], s["model"], s.get("rack"), s.get("site"))
             slots.append(slot)
             ts.append(s["ts"])
+            job[slot] = s.get("job")
+            rank[slot] = s.get("rank")
             rows.append(sample_row(s["metrics"]))
         return self.ingest(slots, ts, rows)
 
@@ -295,7 +320,8 @@ class GpuFeatureWindows:
     def state(self, key: str) -> dict:
         slot = self._slot[key]
         arrays = {name: getattr(self, name)[slot] for name in _STATE_ARRAYS}
-        return {"meta": dict(self._meta[slot]), **{k: _to_json(v) for k, v in arrays.items()}}
+        return {"meta": dict(self._meta[slot]), "job": self._job[slot], "rank": self._rank[slot],
+                **{k: _to_json(v) for k, v in arrays.items()}}
 
     def restore(self, key: str, state: dict) -> None:
         meta = state["meta"]
@@ -306,8 +332,11 @@ class GpuFeatureWindows:
                 self._grow(self._cap * 2)
             self._slot[key] = slot
             self._meta.append(dict(meta))
+            self._job.append(None)
+            self._rank.append(None)
         else:
             self._meta[slot] = dict(meta)
+        self._job[slot], self._rank[slot] = state.get("job"), state.get("rank")
         for name in _STATE_ARRAYS:
             getattr(self, name)[slot] = _from_json(state[name])
 
@@ -320,19 +349,30 @@ class GpuFeatureWindows:
 
     # ---- core: vectorised ingest ----
     def ingest(
-        self, slots: Sequence[int], ts: Sequence[float], rows: Sequence[Sequence[Any]]
+        self, slots: Sequence[int], ts: Sequence[float], rows: Sequence[Sequence[Any]],
+        job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ingest samples given as slot indices, timestamps and INPUT_FIELDS rows.
 
+        `job_ranks` (optional, one (job, rank) per sample, in event-time order) updates each
+        GPU's current job and rank (`job_ranks()`, and the records' job/rank).
         Returns (slots, hop end ts, feature matrix) for every hop this closed."""
         n = len(slots)
         empty = (np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES))))
         if n == 0:
             return empty
+        if job_ranks is not None:
+            for slot, (job, rank) in zip(slots, job_ranks, strict=True):
+                self._job[slot] = job
+                self._rank[slot] = rank
         self.samples_in += n
         s = np.asarray(slots, dtype=np.int64)
         t = np.asarray(ts, dtype=np.float64)
         x = np.array(rows, dtype=np.float64)
+        # DCGM blank sentinels ("no value") are missing readings, not huge ones.
+        blank = (x >= DCGM_FP64_BLANK) | ((x >= DCGM_INT32_BLANK) & (x < 2.0**31))
+        if blank.any():
+            x[blank] = np.nan
         order = np.lexsort((t, s))
         s, t, x = s[order], t[order], x[order]
         hop = np.floor(t / self.hop_s)
@@ -619,7 +659,7 @@ class GpuFeatureWindows:
             out.append(FeatureVector.model_construct(
                 scope="gpu", ts=float(ts[i]), window_s=self.hop_s, node=m["node"], gpu=m["gpu"],
                 model=m["model"], rack=m["rack"], site=m["site"], values=vals, kind="features",
-                job=None, rank=None,
+                job=self._job[slots[i]], rank=self._rank[slots[i]],
             ))
         return out
 

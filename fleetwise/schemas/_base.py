@@ -8,19 +8,25 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
-# DCGM reports "no value" with sentinels near the top of each integer width
-# (dcgm_structs.h: DCGM_INT32_BLANK 0x7ffffff0, DCGM_INT64_BLANK 0x7ffffffffffffff0,
-# DCGM_FP64_BLANK 140737488355328.0); anything at or above them is blank, not a reading.
+# DCGM reports "no value" with sentinels at the top of each type's range (dcgm_structs.h:
+# DCGM_INT32_BLANK 0x7ffffff0, DCGM_INT64_BLANK 0x7ffffffffffffff0, DCGM_FP64_BLANK 2**47,
+# each followed by NOT_FOUND, NOT_SUPPORTED, NOT_PERMISSIONED, ... up to +15). JSON loses the
+# field's type, so blanks are matched exactly: a large legitimate counter (energy in mJ,
+# violation time in ns) is never mistaken for one.
 DCGM_INT32_BLANK = 0x7FFFFFF0
 DCGM_INT64_BLANK = 0x7FFFFFFFFFFFFFF0
 DCGM_FP64_BLANK = 140737488355328.0
+DCGM_BLANKS: frozenset[float] = frozenset(
+    [float(DCGM_INT32_BLANK + i) for i in range(16)]
+    + [DCGM_FP64_BLANK + i for i in range(16)]
+    + [float(DCGM_INT64_BLANK + i) for i in range(16)]  # all round to 2**63 as floats
+)
 
 
 def is_dcgm_blank(value: float) -> bool:
     """True when a DCGM value is one of the blank sentinels ("no value")."""
-    if DCGM_INT32_BLANK <= value < 0x80000000:
-        return True
-    return value >= DCGM_FP64_BLANK
+    as_float = float(value)  # an int64 blank parsed as a Python int becomes 2**63 here
+    return as_float in DCGM_BLANKS or as_float >= float(DCGM_INT64_BLANK)
 
 
 def _parse_ts(value: Any) -> Any:

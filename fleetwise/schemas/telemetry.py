@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from fleetwise.schemas._base import DCGM_INT32_BLANK, Record, Timestamp, is_dcgm_blank
+from fleetwise.schemas._base import DCGM_BLANKS, Record, Timestamp, is_dcgm_blank
 
 # Finite floats only: NaN/inf in a reading is a broken exporter, not a value.
 MetricValue = Annotated[float, Field(allow_inf_nan=False)]
@@ -29,10 +29,12 @@ class GpuSample(Record):
     @field_validator("metrics")
     @classmethod
     def _blank_to_missing(cls, metrics: dict[str, float | None]) -> dict[str, float | None]:
-        # DCGM blanks mean "no value": store as missing, never as a huge reading.
-        for key, num in metrics.items():
-            if num is not None and num >= DCGM_INT32_BLANK and is_dcgm_blank(num):
-                metrics[key] = None
+        # DCGM blanks mean "no value": store as missing, never as a huge reading. The set check
+        # runs in C, so the common case (no blank) costs no Python loop per metric.
+        if not DCGM_BLANKS.isdisjoint(metrics.values()):
+            for key, num in metrics.items():
+                if num is not None and is_dcgm_blank(num):
+                    metrics[key] = None
         return metrics
 
 

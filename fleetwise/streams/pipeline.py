@@ -47,6 +47,9 @@ class ControlPlaneConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     failure_predictor: bool = True
     straggler_detector: bool = True
+    # Publish per-GPU feature vectors on fleetwise.features (off: predictors still run on the
+    # feature arrays, which saves building a record per GPU-hop).
+    publish_features: bool = True
 
 
 def _original(raw: bytes) -> tuple[str, str]:
@@ -208,7 +211,7 @@ class ControlPlane:
                 else:
                     samples.append(r)  # type: ignore[arg-type]
             self.counts["samples_in"] += len(samples)
-            out.extend(self._after_features(self.features.process(samples)))
+            out.extend(self._gpu_outputs(*self.features.ingest_records(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
             self.counts["steps_in"] += len(good)
             if self.stragglers is not None:
@@ -223,16 +226,25 @@ class ControlPlane:
 
     def flush(self) -> list[Routed]:
         """End of input (replay): close open windows and route what they produce."""
-        out = self._after_features(self.features.flush())
+        out = self._gpu_outputs(*self.features.flush_arrays())
         if self.stragglers is not None:
             out.extend(self._route_outputs(self.stragglers.flush()))
         return out
 
-    def _after_features(self, outputs: Sequence[Record]) -> list[Routed]:
-        routed = self._route_outputs(outputs)
+    def _gpu_outputs(self, slots: Any, ts: Any, feats: Any) -> list[Routed]:
+        """Route closed GPU hops: feature records (optional) and the failure predictions on them.
+
+        The predictor scores the feature arrays directly: no record round trip per GPU-hop."""
+        routed: list[Routed] = []
+        if len(slots) == 0:
+            return routed
+        if self.config.publish_features:
+            routed.extend(self._route_outputs(self.features.to_records(slots, ts, feats)))
         if self.failure is not None:
-            vectors = [r for r in outputs if isinstance(r, FeatureVector)]
-            routed.extend(self._route_outputs(self.failure.process(vectors)))
+            meta = self.features.slot_meta
+            keys = [(m["node"], m["gpu"]) for m in map(meta, slots)]
+            predictions, _ = self.failure.process_arrays(keys, ts, feats)
+            routed.extend(self._route_outputs(predictions))
         return routed
 
     def _route_outputs(self, outputs: Sequence[Record]) -> list[Routed]:
