@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -31,6 +31,15 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def print_json(data: object) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _save_figure(fig: Any, path: Path) -> None:
+    """Write a matplotlib figure as PNG (the core builds figures; adapters write them)."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---- catalog ---------------------------------------------------------------------------------
@@ -230,7 +239,7 @@ def plan_cmd(
         microbatch_map,
         ray_scaling_config,
     )
-    from fleetwise.planner.render import plan_summary, plan_table, plot_plan
+    from fleetwise.planner.render import plan_figure, plan_summary, plan_table
 
     fmt = output_format.strip().lower()
     if fmt not in PLAN_FORMATS:
@@ -281,7 +290,7 @@ def plan_cmd(
         _write_output(microbatch_map_file, text, "micro-batch map")
     if plot is not None:
         try:
-            plot_plan(plan, plan_timeline(plan, request, cluster), plot)
+            _save_figure(plan_figure(plan, plan_timeline(plan, request, cluster)), plot)
         except OSError as exc:
             fail(f"--plot: cannot write {str(plot)!r}: {exc.strerror or exc}")
         sys.stdout.flush()
@@ -308,6 +317,9 @@ def sim_cmd(
     inventory: Path | None = typer.Option(
         None, "--inventory", help="Also write node inventories (.jsonl)."
     ),
+    xid_field: str = typer.Option(
+        "last", "--xid-field", help="XID_ERRORS semantics: 'last' (sticky, as DCGM) or 'interval'."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Write a synthetic fleet trace (DCGM samples + step records) and its ground-truth labels."""
@@ -331,7 +343,9 @@ def sim_cmd(
     for path in (out, labels, inventory):
         if path is not None and not path.parent.exists():
             fail(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
-    config = SimConfig(gpus=gpus, days=days, seed=seed, sample_interval_s=interval)
+    if xid_field not in ("last", "interval"):
+        fail(f"--xid-field must be 'last' or 'interval', got {xid_field!r}")
+    config = SimConfig(gpus=gpus, days=days, seed=seed, sample_interval_s=interval, xid_field=xid_field)
     if failure_rate is not None:
         config.failure_rate_per_1000_gpu_days = failure_rate
     if straggler_rate is not None:
@@ -439,7 +453,7 @@ def demo(
     from rich.table import Table
 
     from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
-    from fleetwise.planner.render import plan_summary, plot_plan
+    from fleetwise.planner.render import plan_figure, plan_summary
     from fleetwise.predictors.backtest import metrics_rows, score_all
     from fleetwise.schemas import NodeInventory
     from fleetwise.schemas import topics as T
@@ -481,7 +495,7 @@ def demo(
     plan_png = out_dir / "plan.png"
     from fleetwise.planner import plan_timeline
 
-    plot_plan(plan, plan_timeline(plan, request, cluster), plan_png)
+    _save_figure(plan_figure(plan, plan_timeline(plan, request, cluster)), plan_png)
 
     # 3. Telemetry: the bundled trace (generated from the seed, so it is the same every run).
     console.rule("[bold]3. Telemetry trace")
@@ -787,9 +801,12 @@ def worker(
         fail(f"--metrics-port must be 0..65535, got {metrics_port}")
     from fleetwise.streams.app import run_worker
 
-    run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
-               topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
-               checkpoint_interval_s=checkpoint_interval)
+    try:
+        run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
+                   topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
+                   checkpoint_interval_s=checkpoint_interval)
+    except ConnectionError as exc:
+        fail(str(exc))
 
 
 @app.command("agent")

@@ -34,7 +34,7 @@ from fleetwise.planner.exports import (
     ray_scaling_config,
     stage_layer_counts,
 )
-from fleetwise.planner.render import plan_summary, plan_table, plot_plan, rank_ranges, simulate_1f1b
+from fleetwise.planner.render import plan_figure, plan_summary, plan_table, rank_ranges, simulate_1f1b
 from fleetwise.schemas import ModelShape, Plan, RankPlan
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -721,15 +721,20 @@ def test_simulate_1f1b_bubble_matches_closed_form():
             assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
 
 
-def test_plot_plan_writes_png(tmp_path):
+def _png(fig, path):
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def test_plan_figure_renders_png(tmp_path):
     plan = uneven_first_last_plan()
     timeline = [
         {"dp_rank": d, "stage": s, "compute_s": 1.0 + 0.1 * s, "comm_s": 0.1, "sync_s": 0.2}
         for d in range(plan.dp)
         for s in range(plan.pp)
     ]
-    out = plot_plan(plan, timeline, tmp_path / "plan.png")
+    out = _png(plan_figure(plan, timeline), tmp_path / "plan.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     big = build_plan([("b200", 4, 5)] * 8 + [("h100-sxm", 4, 3)] * 8, [8, 8, 8, 8], tp=2)
-    assert plot_plan(big, None, tmp_path / "big.png").stat().st_size > 10_000
+    assert _png(plan_figure(big, None), tmp_path / "big.png").stat().st_size > 10_000

@@ -2,7 +2,7 @@
 
 `plan_table` shows one row per GPU, or for plans over `GROUP_ABOVE_RANKS` ranks one row per
 group of identical GPUs (same GPU model, stage, layers and micro-batch) with a count, so the
-terminal stays readable at 1,000 GPUs. `plot_plan` draws the per-GPU work and the pipeline
+terminal stays readable at 1,000 GPUs. `plan_figure` draws the per-GPU work and the pipeline
 schedule (1F1B) of the plan with matplotlib's Agg backend.
 """
 
@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.table import Table
 
 from fleetwise.schemas import Plan, RankPlan
 
-__all__ = ["GROUP_ABOVE_RANKS", "plan_summary", "plan_table", "plot_plan", "rank_ranges", "simulate_1f1b"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["GROUP_ABOVE_RANKS", "plan_summary", "plan_table", "plan_figure", "rank_ranges", "simulate_1f1b"]
 
 GROUP_ABOVE_RANKS = 64
 
@@ -212,10 +214,9 @@ def _work(r: RankPlan) -> float:
     return r.samples * layers / r.capability_tflops if r.capability_tflops > 0 else 0.0
 
 
-def plot_plan(
-    plan: Plan, timeline: list[dict[str, Any]] | None, path: str | Path, max_replicas: int = 4
-) -> Path:
-    """Write a PNG: per-GPU work bars (top) and the pipeline schedule per replica (bottom).
+def plan_figure(plan: Plan, timeline: list[dict[str, Any]] | None, max_replicas: int = 4) -> Figure:
+    """The plan as a figure: per-GPU work bars (top) and the pipeline schedule per replica
+    (bottom). Callers save it (`fig.savefig(path)`); this module does no I/O.
 
     Work = samples x layers / capability: equal bars mean a balanced plan. The schedule is
     a 1F1B Gantt per shown data-parallel replica (the slowest and fastest when there are
@@ -228,7 +229,6 @@ def plot_plan(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    path = Path(path)
     ranks = sorted(plan.ranks, key=lambda r: r.rank)
     models = sorted({r.model for r in ranks})
     palette = plt.get_cmap("tab10")
@@ -321,7 +321,4 @@ def plot_plan(
         fontsize=10,
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
