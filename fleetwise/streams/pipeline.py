@@ -131,6 +131,15 @@ class ControlPlane:
 
     def decode(self, topic: str, raw: bytes, *, source: str) -> list[Record]:
         """Parse one message or replay line. Bad input becomes a DeadLetter, never an exception."""
+        if topic == T.TELEMETRY_GPU.name and b'"samples"' in raw:
+            # Common case: a whole valid node batch, validated in one call (Rust); any problem
+            # falls through to the per-sample path, which names the bad sample and keeps the rest.
+            try:
+                batch = NodeBatch.model_validate_json(raw)
+            except ValidationError:
+                batch = None
+            if batch is not None and all(self.model_id(s.model) is not None for s in batch.samples):
+                return list(batch.samples)
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
