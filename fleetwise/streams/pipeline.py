@@ -284,7 +284,7 @@ class ControlPlane:
         return procs
 
     def keys(self) -> list[str]:
-        return sorted({f"{name}:{k}" for name, p in self._processors().items() for k in p.keys()})  # noqa: SIM118
+        return sorted({f"{name}:{k}" for name, p in self._processors().items() for k in p.keys()})
 
     def state(self, key: str) -> dict:
         name, _, inner = key.partition(":")
