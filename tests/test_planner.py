@@ -97,6 +97,66 @@ def test_zero_stages_shrink_state():
     assert cost.state_bytes_per_param(3, 16) == pytest.approx(1.0)
 
 
+def test_gemm_curve_fit_reproduces_the_published_a100_points():
+    """The fitted f(n) times the fitted plateau stays close to NVIDIA's A100 cuBLAS BF16 points."""
+    sizes = np.array([n for n, _ in cost.GEMM_CURVE_A100_BF16], dtype=float)
+    published = np.array([t for _, t in cost.GEMM_CURVE_A100_BF16])
+    fitted = np.array([cost.GEMM_CURVE_T_INF_TFLOPS * cost.gemm_efficiency(n, n, n) for n in sizes])
+    assert float(np.sqrt(np.mean((fitted - published) ** 2))) < 12.0
+    # the fit must follow the curve's rise, not just its average: small sizes far below large
+    assert fitted[sizes == 1024][0] < 0.5 * fitted[sizes == 8192][0]
+
+
+def test_gemm_efficiency_saturates_and_is_symmetric():
+    sizes = [256, 512, 1024, 2048, 4096, 8192, 16384]
+    effs = [cost.gemm_efficiency(n, n, n) for n in sizes]
+    assert all(a < b for a, b in zip(effs, effs[1:], strict=False))
+    assert effs[0] < 0.1 and effs[-1] > 0.99
+    # forward and backward GEMMs (dimensions permuted) get the same efficiency
+    assert cost.gemm_efficiency(2048, 768, 6144) == pytest.approx(cost.gemm_efficiency(6144, 2048, 768))
+    # a batched kernel counts its whole work
+    assert cost.gemm_efficiency(2048, 2048, 128, batch=16) > cost.gemm_efficiency(2048, 2048, 128)
+
+
+def test_layer_efficiency_falls_with_tp_and_rises_with_micro_batch():
+    m = MODEL_PRESETS["gpt-18b"]
+    by_tp = [cost.layer_gemm_efficiency(m, 2048, 1, t) for t in (1, 2, 4, 8)]
+    assert all(a > b for a, b in zip(by_tp, by_tp[1:], strict=False))
+    by_b = [cost.layer_gemm_efficiency(m, 2048, b, 8) for b in (1, 2, 4)]
+    assert all(a < b for a, b in zip(by_b, by_b[1:], strict=False))
+    assert 0.0 < by_tp[-1] < by_tp[0] <= 1.0
+
+
+def test_mfu_conversion_reproduces_the_reference_run():
+    """Planned with its own configuration, the catalog's reference run (1T GPT, 3,072 A100s,
+    Narayanan et al. 2021) comes out near the catalog MFU: the conversion is self-consistent."""
+    model = MODEL_PRESETS["gpt-1t"]
+    cluster = parse_gpu_spec("a100-sxm-80gb:3072", network_gbs=200.0)
+    request = PlanRequest(model=model, global_batch=3072, strategy=(8, 64, 6), recompute="full",
+                          zero_stages=(0,), micro_batch=1)
+    plan = plan_job(request, cluster)
+    achieved = 3072 * cost.model_flops_per_sample(model, model.seq_len, "full") / plan.predicted_step_s / 3072
+    ampere = lookup("a100-sxm-80gb")
+    assert achieved / (ampere.peak("bf16") * 1e12) == pytest.approx(ampere.efficiency, rel=0.08)
+    assert cost.MFU_TO_COMPUTE > 1.0  # the MFU contains the bubble and TP time the model adds back
+
+
+def test_rank_capability_includes_gemm_size():
+    """A rank's assumed capability is the large-GEMM rate times its GEMM-size efficiency, so
+    the same GPU is assumed slower with more tensor parallelism (smaller per-rank GEMMs)."""
+    cluster = parse_gpu_spec("h100-sxm:8")
+    model = MODEL_PRESETS["gpt-1.3b"]
+    caps = {}
+    for tp in (1, 8):
+        plan = plan_job(PlanRequest(model=model, global_batch=64, strategy=(tp, 1, 8 // tp), micro_batch=1),
+                        cluster)
+        caps[tp] = plan.ranks[0].capability_tflops
+        large = lookup("h100-sxm").capability_tflops("bf16") * cost.MFU_TO_COMPUTE
+        expected = large * cost.layer_gemm_efficiency(model, model.seq_len, 1, tp)
+        assert caps[tp] == pytest.approx(expected, rel=1e-3)
+    assert caps[8] < caps[1]
+
+
 # ---- solvers ------------------------------------------------------------------------------
 
 

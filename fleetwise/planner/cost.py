@@ -181,3 +181,116 @@ def tp_collectives_per_layer(recompute: str) -> int:
     recompute repeats the forward's 2.
     """
     return 6 if recompute == "full" else 4
+
+
+# ---- compute efficiency as a function of GEMM size -----------------------------------------
+#
+# Achieved compute rate of a GPU = dense peak x COMPUTE efficiency of its family x
+# gemm_efficiency(size). See docs/planner.md, "Compute efficiency".
+
+# Saturating GEMM-size curve f(n) = n^p / (n^p + n_half^p), the shape of NVIDIA's published
+# cuBLAS BF16 throughput of square (m = n = k) GEMMs on A100 vs size: NVIDIA developer blog
+# "CUDA 11 Features Revealed" (2020), Figure 6 "Mixed-precision matrix multiply on A100 with
+# cuBLAS" (reproduced in github.com/stas00/ml-engineering, compute/accelerator/README.md).
+# The 32 points n = 256..8192 (step 256) read off that figure are GEMM_CURVE_A100_BF16; a
+# least-squares fit of T_inf f(n) gives T_inf = 285 TFLOP/s (91% of the 312 peak), n_half
+# = 1342, p = 2.18 (RMS error 9.9 TFLOP/s; the sawtooth of wave quantization is smoothed
+# out). f is normalised to 1 for large GEMMs, so the family factor below is the efficiency
+# of large GEMMs. Only the shape of this one A100 curve is used, for every GPU (assumption:
+# newer GPUs have more SMs and would saturate at somewhat larger sizes).
+GEMM_HALF_SIZE = 1342.0
+GEMM_SIZE_EXPONENT = 2.18
+GEMM_CURVE_A100_BF16: tuple[tuple[int, float], ...] = tuple(zip(
+    range(256, 8193, 256),
+    (5, 28, 65, 88, 152, 150, 202, 195, 245, 230, 238, 235, 248, 242, 260, 260, 245, 275, 265,
+     260, 258, 282, 278, 276, 276, 276, 279, 280, 283, 285, 288, 290),
+    strict=True,
+))
+GEMM_CURVE_T_INF_TFLOPS = 285.3
+
+
+def gemm_efficiency(m: float, n: float, k: float, batch: float = 1.0) -> float:
+    """Share of the large-GEMM rate an (m x k) @ (k x n) GEMM (``batch`` of them in one kernel)
+    reaches: f of the square GEMM with the same work, size ``(batch m n k)^(1/3)``.
+
+    Small GEMMs are slow because they have too few output tiles to fill every SM (wave and
+    tile quantization, NVIDIA "Matrix Multiplication Background" guide, Sec. 3) and too short
+    a k-loop to hide each tile's prologue/epilogue: both are about the work per kernel. The
+    equal-work size is symmetric in m, n, k, so the two backward GEMMs (dgrad, wgrad: the same
+    dimensions permuted) get the forward GEMM's efficiency.
+    """
+    size = (batch * m * n * k) ** (1.0 / 3.0)
+    if size <= 0:
+        return 0.0
+    ratio = (GEMM_HALF_SIZE / size) ** GEMM_SIZE_EXPONENT
+    return 1.0 / (1.0 + ratio)
+
+
+def layer_gemm_efficiency(model: ModelShape, seq_len: int, micro_batch: int, tp: int) -> float:
+    """FLOP-weighted efficiency of one layer's matmuls on one TP rank (time-additive:
+    ``sum(flops) / sum(flops_i / f_i)``).
+
+    Per rank with Megatron TP (Shoeybi et al. 2019, Sec. 3) the GEMMs have m = b s tokens
+    (the whole sequence after the SP all-gather): QKV (k = h, n = (h + 2 h_kv)/t), attention
+    output (k = h/t, n = h), MLP in (k = h, n = k_mlp f / t, gate and up fused), MLP out
+    (k = f/t, n = h); attention scores (s x d x s) and the weighted sum of values (s x s x d)
+    are batched over b a / t heads (d = h/a).
+    """
+    s, b, h, t = seq_len, micro_batch, model.hidden, tp
+    tokens = float(s * b)
+    kv, f, k_mlp = kv_hidden(model), model.ffn, mlp_matrices(model)
+    head_dim = h / model.heads
+    heads = b * model.heads / t
+    gemms = (  # (m, n, k, batch)
+        (tokens, (h + 2 * kv) / t, h, 1.0),
+        (tokens, h, h / t, 1.0),
+        (tokens, (k_mlp - 1) * f / t, h, 1.0),
+        (tokens, h, f / t, 1.0),
+        (s, s, head_dim, heads),
+        (s, head_dim, s, heads),
+    )
+    flops = [2.0 * m * n * k * bat for m, n, k, bat in gemms]
+    time = sum(fl / gemm_efficiency(m, n, k, bat) for fl, (m, n, k, bat) in zip(flops, gemms, strict=True))
+    return sum(flops) / time
+
+
+def logits_gemm_efficiency(model: ModelShape, seq_len: int, micro_batch: int, tp: int) -> float:
+    """Efficiency of the output layer's GEMM (m = b s, k = h, n = V / t)."""
+    return gemm_efficiency(seq_len * micro_batch, model.vocab / tp, model.hidden)
+
+
+# The catalog's family efficiency is an end-to-end MFU; the ampere figure (0.52) is the 1T GPT
+# run of Narayanan et al. 2021 (arXiv 2104.04473): 163 TFLOP/s per A100 with t = 8, p = 64,
+# 3,072 GPUs (d = 6), global batch 3,072, b = 1 (m = 512 micro-batches per pipeline), full
+# recompute, h = 25,600, 160 heads, 128 layers, s = 2,048. That MFU already contains what
+# this cost model adds explicitly (the 1F1B bubble, TP collectives) and the GEMM size of that
+# run. MFU_TO_COMPUTE converts it into the large-GEMM compute efficiency the cost model
+# needs, by solving the cost model's own step time for that run:
+#   MFU x peak x (m + p - 1) (F / (E f peak) + T_tp) = m F
+# with F the per-layer, per-micro-batch FLOPs of one TP rank, f = layer_gemm_efficiency and
+# T_tp the TP collectives (A100 NVLink3 600 GB/s both directions, NVIDIA A100 datasheet).
+# The same factor is applied to every family (assumption: the families' reference MFUs come
+# from runs of similar shape), so ratios between families stay the catalog's.
+_REFERENCE_RUN = {
+    "hidden": 25600, "heads": 160, "layers": 128, "seq_len": 2048, "vocab": 51200,
+    "tp": 8, "pp": 64, "micro_batches": 512, "micro_batch": 1, "nvlink_gbs": 600.0, "mfu": 0.52,
+    "peak_tflops": 312.0,
+}
+
+
+def _mfu_to_compute_factor() -> float:
+    r = _REFERENCE_RUN
+    model = ModelShape(name="gpt-1t-reference", layers=r["layers"], hidden=r["hidden"], heads=r["heads"],
+                       seq_len=r["seq_len"], vocab=r["vocab"])
+    s, b, t, p, m = r["seq_len"], r["micro_batch"], r["tp"], r["pp"], r["micro_batches"]
+    peak = r["peak_tflops"] * 1e12
+    flops = layer_forward_flops(model, s) * b * recompute_flops_factor(model, s, "full") / t
+    bw = r["nvlink_gbs"] / 2.0 * COLLECTIVE_EFFICIENCY
+    t_tp = tp_collectives_per_layer("full") * ring_allreduce_s(b * s * model.hidden * 2.0, t, bw)
+    f = layer_gemm_efficiency(model, s, b, t)
+    compute_s = m * flops / ((m + p - 1) * r["mfu"] * peak) - t_tp
+    efficiency = flops / (f * peak * compute_s)
+    return efficiency / r["mfu"]
+
+
+MFU_TO_COMPUTE = _mfu_to_compute_factor()

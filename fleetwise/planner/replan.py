@@ -118,6 +118,7 @@ def plan_timeline(plan: Plan, request: PlanRequest, cluster: Cluster) -> list[di
     m = request.model
     flops_layer = ev.layer_fwd * fixed.b * cost.recompute_flops_factor(m, ev.s, plan.recompute) / tp
     logits = 3.0 * ev.logits_fwd * fixed.b / tp
+    f_layer, f_logits = ev.gemm_eff(tp, fixed.b)
     sync = float(res.dp_comm_s + res.optimizer_s)
     step = float(res.step_s)
     out = []
@@ -129,7 +130,9 @@ def plan_timeline(plan: Plan, request: PlanRequest, cluster: Cluster) -> list[di
             kind = int(cls.kinds[c, stage])
             cap = float(K.cap_tflops[kind]) * 1e12
             n_layers = fixed.layers[stage]
-            compute_mb = n_layers * flops_layer / cap + (logits / cap if stage == pp - 1 else 0.0)
+            compute_mb = n_layers * flops_layer / (cap * f_layer) + (
+                logits / (cap * f_logits) if stage == pp - 1 else 0.0
+            )
             total_mb = float(fs[c, stage] + n_layers * ps[c, stage])
             compute = n_mb * compute_mb
             comm = n_mb * max(0.0, total_mb - compute_mb)

@@ -69,7 +69,7 @@ class Kinds:
     """Distinct GPU kinds of a cluster, as parallel numpy arrays (index = kind id)."""
 
     ids: list[str]
-    cap_tflops: np.ndarray  # achieved TFLOPS (catalog capability x speed)
+    cap_tflops: np.ndarray  # TFLOPS on large GEMMs (catalog capability x MFU_TO_COMPUTE x speed)
     peak_tflops: np.ndarray  # dense peak x speed (for MFU)
     usable_bytes: np.ndarray
     capacity_gb: np.ndarray
@@ -130,7 +130,9 @@ class _Fleet:
                 rows.append(key)
             self.slot_kind[slot.key] = key_of[key]
         specs = {s.spec.id: s.spec for s in usable}
-        cap = np.array([specs[r[0]].capability_tflops(dtype) * r[1] for r in rows])
+        # the catalog's end-to-end MFU becomes a large-GEMM compute efficiency (cost.py,
+        # MFU_TO_COMPUTE); the GEMM-size factor is applied per candidate (tp, micro-batch)
+        cap = np.array([specs[r[0]].capability_tflops(dtype) * cost.MFU_TO_COMPUTE * r[1] for r in rows])
         mem = np.array([specs[r[0]].memory_gb for r in rows])
         # layout order: most memory first (early stages hold more micro-batches in flight),
         # then fastest, then name and speed so that the order is deterministic
@@ -256,6 +258,17 @@ class _Evaluator:
         self.logits_fwd = cost.logits_forward_flops(m, s)
         self.hidden = m.hidden
         self.lazy_needs = False  # the search fills ``needs`` only for the candidate it reports
+        self._gemm_eff: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def gemm_eff(self, tp: int, b: int) -> tuple[float, float]:
+        """GEMM-size efficiency (layers, logit layer) of one TP rank at micro-batch ``b``."""
+        key = (tp, b)
+        if key not in self._gemm_eff:
+            m = self.req.model
+            self._gemm_eff[key] = (
+                cost.layer_gemm_efficiency(m, self.s, b, tp), cost.logits_gemm_efficiency(m, self.s, b, tp),
+            )
+        return self._gemm_eff[key]
 
     # -- per class and stage costs --
     def stage_arrays(
@@ -271,13 +284,14 @@ class _Evaluator:
         cap = K.cap_tflops[kinds_mat] * 1e12  # (C, pp)
         sp = tp > 1
         layer_flops = self.layer_fwd * b * cost.recompute_flops_factor(m, self.s, rc) / tp
-        per_layer_s = layer_flops / cap
+        f_layer, f_logits = self.gemm_eff(tp, b)
+        per_layer_s = layer_flops / (cap * f_layer)
         if tp > 1:
             msg = b * self.s * self.hidden * self.act_bytes
             tp_s = cost.tp_collectives_per_layer(rc) * cost.ring_allreduce_s(msg, tp, 1.0)
             per_layer_s = per_layer_s + tp_s / K.nvlink_bw[kinds_mat]
         fixed_s = np.zeros((C, pp))
-        fixed_s[:, -1] += 3.0 * self.logits_fwd * b / tp / cap[:, -1]
+        fixed_s[:, -1] += 3.0 * self.logits_fwd * b / tp / (cap[:, -1] * f_logits)
         if pp > 1:
             # activations forward and their gradients backward, scatter/gather over the TP ranks
             p2p_bytes = 2.0 * b * self.s * self.hidden * self.act_bytes / tp
@@ -535,7 +549,10 @@ def _expand(per_class: list[tuple[int, int]], inverse: np.ndarray, counts: np.nd
 # Pipeline depths tried by the heuristic search besides the divisors of the layer and group
 # counts (Megatron-style configurations use these).
 _PP_LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
-_MICRO_BATCH_LADDER = (1, 2, 4, 8)
+# Micro-batch sizes: every divisor of the global batch up to this. Larger micro-batches give
+# larger, more efficient GEMMs (cost.gemm_efficiency) but more activation memory and fewer
+# micro-batches to fill the pipeline; the search stops at the first one that does not fit.
+_MAX_MICRO_BATCH = 64
 
 
 def _divisors(n: int) -> list[int]:
@@ -620,14 +637,16 @@ class _Search:
         node_ends = np.flatnonzero(np.diff(groups.node)) + 1
         ends += [int(node_ends[k - 1]) for k in (2**i for i in range(20)) if k <= len(node_ends)]
         opts = {top} | {min(top, int(e) // pp) for e in ends if int(e) // pp >= 1}
+        # the most replicas that split the batch evenly (every replica the same micro-batches)
+        opts.add(max(d for d in _divisors(self.req.global_batch) if d <= top))
         return sorted(opts, reverse=True)
 
     def micro_options(self, dp: int) -> list[int]:
         G = self.req.global_batch
         if self.req.micro_batch is not None:
             return [self.req.micro_batch] if G // self.req.micro_batch >= dp else []
-        pool = _divisors(G) if self.req.exhaustive else _MICRO_BATCH_LADDER
-        return [b for b in pool if G % b == 0 and G // b >= dp]
+        pool = _divisors(G) if self.req.exhaustive else [b for b in _divisors(G) if b <= _MAX_MICRO_BATCH]
+        return [b for b in pool if G // b >= dp]
 
     def zero_options(self) -> list[int]:
         allowed = sorted(set(self.req.zero_stages))
@@ -641,11 +660,15 @@ class _Search:
 
     def layer_sample_s(self, tp: int) -> np.ndarray:
         """Per kind: seconds for one TP group of ``tp`` to run one layer for one sample,
-        forward and backward, TP collectives included (no recomputation)."""
+        forward and backward, TP collectives included (no recomputation), at the GEMM-size
+        efficiency of the largest micro-batch the search may try (efficiency grows with the
+        micro-batch, so this stays a lower bound for every micro-batch size)."""
         if tp not in self._layer_sample_s:
             K = self.fleet.kinds
             ev = self.ev
-            secs = ev.layer_fwd * 3.0 / tp / (K.cap_tflops * 1e12)
+            b_top = max(self.micro_options(1), default=1)
+            f_layer, _ = ev.gemm_eff(tp, b_top)
+            secs = ev.layer_fwd * 3.0 / tp / (K.cap_tflops * 1e12 * f_layer)
             if tp > 1:
                 msg = self.req.seq * ev.hidden * ev.act_bytes
                 ring = cost.ring_allreduce_s(msg, tp, 1.0)
@@ -820,6 +843,7 @@ def _materialise(search: _Search, cand: Candidate, groups: TpGroups, cls: _Class
     act = cost.activation_bytes_per_layer(m, ev.s, b, tp, rc, tp > 1, ev.act_bytes)
     bpp = cost.state_bytes_per_param(z, dp)
     _, _, _, fixed_b = ev.stage_arrays(cls.kinds[:1], cls.same_node[:1], tp, b, z, rc, dp)
+    f_layer, _ = ev.gemm_eff(tp, b)  # the capability a rank is planned with, at its GEMM sizes
     ranks: list[RankPlan] = []
     for stage in range(pp):
         first, last = int(starts[stage]), int(starts[stage + 1]) - 1
@@ -835,7 +859,7 @@ def _materialise(search: _Search, cand: Candidate, groups: TpGroups, cls: _Class
             for t_rank, slot in enumerate(group):
                 ranks.append(RankPlan(
                     rank=t_rank + tp * (r + dp * stage), node=slot.node, gpu=slot.gpu, model=slot.spec.id,
-                    capability_tflops=round(float(K.cap_tflops[kind]), 3), micro_batch=b,
+                    capability_tflops=round(float(K.cap_tflops[kind]) * f_layer, 3), micro_batch=b,
                     num_micro_batches=int(micro[r]), stage=stage, layers=(first, last), dp_rank=r,
                     tp_rank=t_rank, memory_gb=round(mem / 1e9, 3),
                     memory_capacity_gb=float(K.capacity_gb[kind]),
