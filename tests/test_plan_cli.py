@@ -13,7 +13,7 @@ from fleetwise.cli import app
 from fleetwise.planner.exports import check_megatron_rules
 
 H8 = ["--model", "gpt-1.3b", "--gpus", "h100-sxm:8"]
-SMALL = ["--model", "gpt-1.3b", "--gpus", "h100-sxm:4,b200:4", "--global-batch", "64"]
+SMALL = ["--model", "gpt-1.3b", "--gpus", "h100-sxm:4,b200:4", "--global-batch", "128"]
 
 
 def run(*args: str):
@@ -62,7 +62,7 @@ def test_json_has_the_documented_keys(small_json):
     assert plan["speedup"] == pytest.approx(plan["uniform_step_s"] / plan["predicted_step_s"])
     # Every replica's samples add up to the global batch.
     per_replica = {r["dp_rank"]: r["micro_batch"] * r["num_micro_batches"] for r in plan["ranks"]}
-    assert sum(per_replica.values()) == plan["global_batch"] == 64
+    assert sum(per_replica.values()) == plan["global_batch"] == 128
 
 
 def test_megatron_format_matches_the_json_plan(small_json):
@@ -70,7 +70,7 @@ def test_megatron_format_matches_the_json_plan(small_json):
     value = {flag: args[i + 1] for i, flag in enumerate(args[:-1]) if not args[i + 1].startswith("--")}
     assert int(value["--tensor-model-parallel-size"]) == small_json["tp"]
     assert int(value["--pipeline-model-parallel-size"]) == small_json["pp"]
-    assert int(value["--global-batch-size"]) == 64
+    assert int(value["--global-batch-size"]) == 128
     assert int(value["--num-layers"]) == 24 and int(value["--hidden-size"]) == 2048
     rules = {
         "world_size": 8,
@@ -82,8 +82,8 @@ def test_megatron_format_matches_the_json_plan(small_json):
 
 def test_deepspeed_ray_kai_formats(small_json):
     ds = json.loads(ok(*SMALL, "--format", "deepspeed").stdout)
-    assert ds["train_batch_size"] == 64
-    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * small_json["dp"] == 64
+    assert ds["train_batch_size"] == 128
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * small_json["dp"] == 128
     ray = json.loads(ok(*SMALL, "--format", "ray").stdout)
     assert ray["num_workers"] == 8
     assert {g["accelerator_type"] for g in ray["worker_groups"]} == {"H100", "B200"}
