@@ -874,7 +874,12 @@ def _materialise(search: _Search, cand: Candidate, groups: TpGroups, cls: _Class
     notes = list(fleet.notes)
     idle = len(fleet.usable) - used_gpus
     if idle:
-        notes.append(f"{idle} of {len(fleet.usable)} usable GPUs left idle (do not form whole TP/PP groups)")
+        # Either they do not form whole TP/PP groups, or adding them costs more in gradient sync
+        # than their compute saves: the search compared both.
+        notes.append(
+            f"{idle} of {len(fleet.usable)} usable GPUs left idle: no faster plan uses them "
+            "(whole TP/PP groups, or sync cost above their compute)"
+        )
     notes.append(
         f"{layout.arrangement} layout; step = pipeline {res.pipeline_s:.4f} s + gradient sync "
         f"{res.dp_comm_s:.4f} s + optimizer {res.optimizer_s:.4f} s"
