@@ -2,13 +2,18 @@
 
 A producer publishes node batches (8 GPUs per message, as agents do) at a target rate for a
 duration; one worker (subprocess, memory store) consumes them through the ControlPlane. The
-script prints, per phase: samples/s offered and consumed, the worker's RSS at start and end,
-and p50/p99 latency from the producer's send to the worker's acknowledged output (the
-worker's `fleetwise_processing_latency_seconds` histogram) and to the first feature record
-(measured here, from the `fleetwise-input-produced-at` header).
+script prints, per phase: samples/s offered and processed, the worker's RSS at start and
+end, p50/p99 latency from the producer's send to the worker's acknowledged outputs (the
+worker's `fleetwise_processing_latency_seconds` histogram), the worker's CPU seconds per
+sample (so what one dedicated core would sustain: 1 / that) and the machine's load average.
 
     python bench/kafka_throughput.py --bootstrap HOST:PORT [--rate 50000] [--seconds 300]
-        [--half-rate-seconds 60]
+        [--half-rate-seconds 60] [--no-failure-predictor] [--profile-worker FILE]
+        [--producer-only]
+
+`--producer-only` measures the load generator alone (no worker): whether it can offer the
+rate at all on this machine. `--no-failure-predictor` runs the worker without the packaged
+failure model (validation, feature windows, stragglers and policy only).
 
 faust's own claim, for comparison: "tens of thousands of events per second per core"
 (faust-streaming README). One node batch is one faust event here, so samples/s is 8x events/s.
@@ -46,6 +51,28 @@ START_TS = 1_764_489_600.0
 SAMPLE_INTERVAL_S = 10.0  # event time between a node's batches
 
 
+# The worker as `fleetwise worker` runs it (run_worker), with two bench-only switches: the
+# failure predictor can be left out, and the process can be profiled (cProfile, written at exit).
+WORKER_SCRIPT = """
+import sys
+from fleetwise.streams.app import run_worker
+from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+boot, app_id, prefix, port, take_max, interval, failure, profile = sys.argv[1:9]
+def main():
+    control = ControlPlane(ControlPlaneConfig(failure_predictor=failure == "1"))
+    run_worker(boot, app_id=app_id, topic_prefix=prefix, metrics_port=int(port), control=control,
+               take_max=int(take_max), checkpoint_interval_s=float(interval))
+if profile:
+    import cProfile
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(main)
+    finally:
+        prof.dump_stats(profile)
+else:
+    main()
+"""
+
 TS_MARK = b"1111111111.5"  # placeholder replaced by each message's event time
 
 
@@ -69,6 +96,13 @@ def make_payloads(nodes: int, ticks: int, seed: int) -> list[list[tuple[bytes, b
             tick.append((f"node-{n:04d}".encode(), raw))
         out.append(tick)
     return out
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:
@@ -111,8 +145,10 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
     """Produce at `rate` samples/s for `seconds`; then wait for the worker to drain."""
     topic = topic_name(T.TELEMETRY_GPU, prefix)
     msgs_per_s = rate / GPUS_PER_NODE
-    before = scrape(metrics_port)
-    rss0 = rss_mb(worker_pid)
+    before = scrape(metrics_port) if metrics_port else {}
+    rss0 = rss_mb(worker_pid) if worker_pid else float("nan")
+    cpu0 = cpu_s(worker_pid) if worker_pid else 0.0
+    own0 = time.process_time()
     start = time.monotonic()
     sent = 0
     tick = tick0
@@ -133,6 +169,12 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
         tick += 1
     await asyncio.gather(*futures)
     produce_s = time.monotonic() - start
+    producer_cpu_s = time.process_time() - own0
+    load = os.getloadavg()[0]
+    if not worker_pid:
+        return {"offered_samples_s": sent * GPUS_PER_NODE / produce_s, "produce_s": produce_s,
+                "producer_cpu_us_per_sample": 1e6 * producer_cpu_s / max(1, sent * GPUS_PER_NODE),
+                "load": load, "next_tick": tick}
     key = f'fleetwise_messages_in_total{{component="worker",topic="{T.TELEMETRY_GPU.name}"}}'
     target = before.get(key, 0.0) + sent
     deadline = time.monotonic() + 120
@@ -141,8 +183,12 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
     drained_s = time.monotonic() - start
     after = scrape(metrics_port)
     done = after.get(key, 0.0) - before.get(key, 0.0)
+    worker_cpu = cpu_s(worker_pid) - cpu0
     lat = "fleetwise_processing_latency_seconds"
     return {
+        "worker_cpu_us_per_sample": 1e6 * worker_cpu / max(1.0, done * GPUS_PER_NODE),
+        "producer_cpu_us_per_sample": 1e6 * producer_cpu_s / max(1, sent * GPUS_PER_NODE),
+        "load": max(load, os.getloadavg()[0]),
         "offered_samples_s": sent * GPUS_PER_NODE / produce_s,
         "processed_samples_s": done * GPUS_PER_NODE / drained_s,
         "messages": int(done), "produce_s": produce_s, "drain_s": drained_s - produce_s,
@@ -159,14 +205,23 @@ async def main_async(args) -> None:
     nodes = max(1, int(args.nodes))
     payloads = make_payloads(nodes, ticks=args.ticks, seed=args.seed)
     port = args.metrics_port
+    producer = await start_producer(args.bootstrap, idempotent=True, linger_ms=10)
+    if args.producer_only:
+        try:
+            r = await run_phase(args, producer, prefix, payloads, args.rate, args.seconds, 0, 0, 0)
+        finally:
+            await producer.stop()
+        print(f"producer only: target {args.rate:,.0f} samples/s, offered "
+              f"{r['offered_samples_s']:,.0f} samples/s over {r['produce_s']:.0f} s, "
+              f"{r['producer_cpu_us_per_sample']:.1f} us producer CPU per sample, load {r['load']:.1f}")
+        return
     log = open(args.worker_log, "wb")  # noqa: SIM115 - lives as long as the worker
     worker = subprocess.Popen(
-        [sys.executable, "-m", "fleetwise.cli", "worker", "--bootstrap", args.bootstrap,
-         "--app-id", f"bench-{prefix}", "--topic-prefix", prefix, "--metrics-port", str(port),
-         "--take-max", str(args.take_max)],
+        [sys.executable, "-c", WORKER_SCRIPT, args.bootstrap, f"bench-{prefix}", prefix, str(port),
+         str(args.take_max), str(args.checkpoint_interval), "0" if args.no_failure_predictor else "1",
+         args.profile_worker or ""],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
     )
-    producer = await start_producer(args.bootstrap, idempotent=True, linger_ms=10)
     rows = []
     try:
         for _ in range(300):
@@ -191,14 +246,19 @@ async def main_async(args) -> None:
         log.close()
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}; broker {args.bootstrap}; {nodes} nodes x "
-          f"{GPUS_PER_NODE} GPUs, node batch = 1 message, take_max={args.take_max}")
+          f"{GPUS_PER_NODE} GPUs, node batch = 1 message, take_max={args.take_max}, checkpoint every "
+          f"{args.checkpoint_interval:g} s, failure predictor {'off' if args.no_failure_predictor else 'on'}")
     print("| phase | target samples/s | s | offered samples/s | processed samples/s | "
-          "p50 latency ms | p99 latency ms | worker RSS start -> end MB |")
-    print("|---|---|---|---|---|---|---|---|")
+          "p50 latency ms | p99 latency ms | worker RSS start -> end MB | worker CPU us/sample "
+          "(= samples/s per core) | producer CPU us/sample | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, rate, seconds, r in rows:
+        per_core = 1e6 / r["worker_cpu_us_per_sample"] if r["worker_cpu_us_per_sample"] else float("nan")
         print(f"| {name} | {rate:,.0f} | {seconds:.0f} | {r['offered_samples_s']:,.0f} | "
               f"{r['processed_samples_s']:,.0f} | {1000 * r['p50_latency_s']:.0f} | "
-              f"{1000 * r['p99_latency_s']:.0f} | {r['rss_start_mb']:.0f} -> {r['rss_end_mb']:.0f} |")
+              f"{1000 * r['p99_latency_s']:.0f} | {r['rss_start_mb']:.0f} -> {r['rss_end_mb']:.0f} | "
+              f"{r['worker_cpu_us_per_sample']:.1f} (= {per_core:,.0f}) | "
+              f"{r['producer_cpu_us_per_sample']:.1f} | {r['load']:.1f} |")
     print("latency = worker histogram bucket upper bound (producer send -> outputs acknowledged); "
           "faust README: 'tens of thousands of events per second per core' "
           f"(here one event = {GPUS_PER_NODE} samples)")
@@ -213,6 +273,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000, help="distinct nodes (x8 GPUs)")
     parser.add_argument("--ticks", type=int, default=30, help="distinct pre-encoded ticks")
     parser.add_argument("--take-max", type=int, default=500)
+    parser.add_argument("--checkpoint-interval", type=float, default=5.0, help="worker state checkpoints (s)")
+    parser.add_argument("--no-failure-predictor", action="store_true",
+                        help="run the worker without the packaged failure model")
+    parser.add_argument("--profile-worker", default=None, help="write a cProfile of the worker here")
+    parser.add_argument("--producer-only", action="store_true",
+                        help="measure the load generator alone (no worker) at --rate for --seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-port", type=int, default=9464)
     parser.add_argument("--worker-log", default="/tmp/fleetwise-bench-worker.log")

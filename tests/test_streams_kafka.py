@@ -4,6 +4,11 @@ Every test uses its own topic prefix and app id, so tests never share topics, co
 or changelogs. The expected outputs are never written down here: they come from the embedded
 runtime (`EmbeddedRuntime`, no Kafka) fed the same bytes, so the tests show that the Kafka
 path and the embedded path agree, including on bad input.
+
+The first tests (no broker) drive the worker's `StreamProcessor` directly with stand-in
+events and table, to check its state checkpoints: a worker restored from them, and fed the
+re-delivered messages a crash leaves behind, ends in the same state with the same outputs as
+one that never stopped.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import pytest
 
 from fleetwise.schemas import topics as T
+from fleetwise.streams.app import STATE_BUCKETS, StreamProcessor, decode_entry, state_partition
 from fleetwise.streams.embedded import EmbeddedRuntime
 from fleetwise.streams.kafka_io import (
     Consumed,
@@ -32,8 +38,6 @@ from fleetwise.streams.kafka_io import (
     produce_records,
     topic_name,
 )
-
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "NVIDIA H100 80GB HBM3"
@@ -300,7 +304,140 @@ def on(topic: T.Topic, prefix: str, messages: list[Consumed]) -> list[Consumed]:
     return [m for m in messages if m.topic == topic_name(topic, prefix)]
 
 
-# --------------------------------------------------------------------------- tests
+# --------------------------------------------------------------------------- checkpoints (no broker)
+class StandInTable:
+    """What the StreamProcessor uses of a faust Table: `.data` and `send_changelog`."""
+
+    def __init__(self, data: dict | None = None) -> None:
+        self.data: dict = dict(data or {})
+        self.changelog: list[tuple[int, str, bytes]] = []
+
+    def send_changelog(self, partition: int, key: str, value: bytes) -> None:
+        self.changelog.append((partition, key, value))
+
+
+class StandInMessage:
+    def __init__(self, partition: int, offset: int, value: bytes) -> None:
+        self.topic, self.partition, self.offset, self.value = T.TELEMETRY_GPU.name, partition, offset, value
+        self.headers, self.timestamp = None, 0.0
+
+
+class StandInEvent:
+    def __init__(self, message: StandInMessage) -> None:
+        self.message, self.value = message, message.value
+
+
+def telemetry_events(batches: list[dict]) -> list[StandInEvent]:
+    """One event per node batch, partitioned as the default partitioner would (murmur2 of
+    the node), with consecutive offsets per partition."""
+    next_offset: dict[int, int] = {}
+    out = []
+    for batch in batches:
+        p = state_partition(batch["node"], T.TELEMETRY_GPU.partitions)
+        out.append(StandInEvent(StandInMessage(p, next_offset.get(p, 0), encode(batch))))
+        next_offset[p] = next_offset.get(p, 0) + 1
+    return out
+
+
+class Recorder:
+    """A StreamProcessor over a stand-in table; keeps what it sends, as canonical JSON."""
+
+    def __init__(self, table: StandInTable) -> None:
+        import asyncio
+
+        from fleetwise.streams.pipeline import ControlPlane
+
+        self.sent: list[tuple[str, bytes]] = []
+
+        async def send(topic: str, key: bytes, value: bytes, headers: list) -> asyncio.Future:
+            self.sent.append((topic, value))
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+        self.processor = StreamProcessor(ControlPlane(), table, send)
+
+    async def feed(self, events: list[StandInEvent], batch: int = 37) -> None:
+        for i in range(0, len(events), batch):
+            await self.processor.process_events(T.TELEMETRY_GPU.name, events[i:i + batch])
+
+    def features(self) -> set[str]:
+        return {canonical_text(v) for t, v in self.sent if t == T.FEATURES.name}
+
+    def states(self) -> dict[str, object]:
+        control = self.processor.control
+        return {k: json.loads(json.dumps(control.state(k))) for k in control.keys()}  # noqa: SIM118
+
+
+def same_states(a: dict[str, object], b: dict[str, object]) -> str:
+    """'' when both hold the same keys with equal state (floats within `close`)."""
+    if a.keys() != b.keys():
+        return f"keys differ: {sorted(set(a) ^ set(b))[:5]}"
+    bad = [k for k in a if not close(a[k], b[k])]
+    return f"{len(bad)} keys differ, e.g. {bad[:3]}" if bad else ""
+
+
+async def test_restored_worker_skips_redelivered_messages_and_matches_an_uninterrupted_one() -> None:
+    events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=130, seed=5))
+    cut = 6 * 70  # mid-way through the second hop
+    # Batches start at the same messages in every run: the feature windows' dedup ring keeps
+    # different (equally valid) recent timestamps for different batchings.
+    straight = Recorder(StandInTable())
+    await straight.feed(events[:cut])
+    await straight.feed(events[cut:])
+
+    first_table = StandInTable()
+    first = Recorder(first_table)
+    await first.feed(events[:cut])
+    written = await first.processor.checkpoint()
+    partitions = {e.message.partition for e in events[:cut]}
+    assert written == len(partitions) * STATE_BUCKETS
+    assert {p for p, _, _ in first_table.changelog} == partitions
+    header, _ = decode_entry(next(iter(first_table.data.values())))
+    assert set(header["offsets"]) <= {f"{T.TELEMETRY_GPU.name}:{p}" for p in partitions}
+
+    # A crash after the checkpoint but before the commit: the restarted worker gets the last
+    # 60 messages before the cut again; its restored state already holds them.
+    second = Recorder(StandInTable(first_table.data))
+    await second.feed(events[cut - 60:cut])
+    await second.feed(events[cut:])
+    assert not same_states(second.states(), straight.states()), \
+        same_states(second.states(), straight.states())
+    got, want = first.features() | second.features(), straight.features()
+    assert not differences(got, want), differences(got, want)
+    assert second.features(), "the restarted worker closed hops after the cut"
+
+
+async def test_crash_in_the_middle_of_a_checkpoint_applies_each_message_once_per_bucket() -> None:
+    events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=100, seed=9))
+    early, late = 6 * 50, 6 * 80
+    straight = Recorder(StandInTable())
+    for part in (events[:early], events[early:late], events[late:]):
+        await straight.feed(part)
+
+    table = StandInTable()
+    first = Recorder(table)
+    await first.feed(events[:early])
+    await first.processor.checkpoint()
+    at_early = dict(table.data)
+    await first.feed(events[early:late])
+    await first.processor.checkpoint()
+    # Only the even buckets of the second checkpoint reached the changelog.
+    mixed = {k: (v if int(k.split(".")[1]) % 2 == 0 else at_early[k]) for k, v in table.data.items()}
+    assert mixed != at_early and mixed != table.data
+
+    second = Recorder(StandInTable(mixed))
+    await second.feed(events[early:late])  # redelivered from the commit of the first checkpoint
+    await second.feed(events[late:])
+    assert not same_states(second.states(), straight.states()), \
+        same_states(second.states(), straight.states())
+    got, want = first.features() | second.features(), straight.features()
+    assert not differences(got, want), differences(got, want)
+
+
+# --------------------------------------------------------------------------- tests (broker)
+@pytest.mark.kafka
+@pytest.mark.slow
 async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_lettered(
     kafka_bootstrap: str, namespace
 ) -> None:
@@ -348,6 +485,8 @@ async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_l
     assert worker.metric("fleetwise_decisions_out_total", kind="features") == n_features
 
 
+@pytest.mark.kafka
+@pytest.mark.slow
 async def test_worker_killed_and_restarted_resumes_with_its_window_state(
     kafka_bootstrap: str, namespace
 ) -> None:
@@ -389,6 +528,8 @@ async def test_worker_killed_and_restarted_resumes_with_its_window_state(
     assert len(part_b) <= consumed_again < len(messages), consumed_again
 
 
+@pytest.mark.kafka
+@pytest.mark.slow
 async def test_simulated_fleet_gives_the_same_features_and_decisions_on_kafka_as_embedded(
     kafka_bootstrap: str, namespace
 ) -> None:

@@ -6,17 +6,21 @@ Per input message the worker does only adapter work: hand the raw bytes to
 batch messages with `stream.take_events` so Python overhead is per batch, run
 `ControlPlane.handle` in event time, and publish what it routes to the registry's topics.
 
-State. Processor state lives in one faust Table, ``fleetwise-state``, changelogged to Kafka.
-One entry per processor key ("node/gpu" or "job"): ``{"state": {processor: state},
-"offsets": {"topic:partition": offset}}``. Every `checkpoint_interval_s` the worker writes
-the entries of the keys changed since the last checkpoint (each key always to the changelog
-partition of its input partition, so the latest write wins on recovery and state moves with
-its partition), and only then acks the input events, so faust's offset commits never run
-ahead of the saved state; outputs are acknowledged by the broker before the batch is done.
-A restarted worker recovers the table from the changelog and, on first sight of a key,
-restores the processors from it. Because an entry records the last input offset applied to
-the key, messages re-delivered after a crash are skipped for keys whose state already holds
-them: outputs are at-least-once, state application is exactly-once per key.
+State. Processor state lives in one faust Table, ``fleetwise-state``, changelogged to Kafka
+and co-partitioned with the telemetry and steps topics. A processor key ("node/gpu" or "job")
+belongs to the partition its input messages use (Kafka's default murmur2 partitioner on the
+node or job) and, inside it, to one of `state_buckets` buckets (crc32 of the key). One table
+entry per (partition, bucket) holds the state of all its keys, in a compact binary form for
+the feature windows (`FeatureStateCodec`), plus the last input offset applied per input
+topic-partition. Every `checkpoint_interval_s` the worker waits for the broker to acknowledge
+the outputs sent so far, writes every bucket of each partition that changed, and only then
+acks the input events, so faust's offset commits never run ahead of the saved state.
+
+A restarted (or newly assigned) worker recovers the table from the changelog and, on first
+sight of a partition (or when the table holds entries this worker did not write, after a
+rebalance), restores the processors from that partition's buckets. Messages re-delivered
+after a crash are skipped for the buckets whose state already holds them: outputs are
+at-least-once, state application is exactly-once per key.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import struct
 import time
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import faust
+import numpy as np
 
 from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, Record, TrainingStep
 from fleetwise.schemas import topics as T
@@ -42,9 +49,14 @@ STATE_TABLE = "fleetwise-state"
 # Header on every output: the earliest producer send time among the input messages of the
 # batch that produced it (a conservative start point for produce -> output latency).
 INPUT_PRODUCED_AT_HEADER = "fleetwise-input-produced-at"
-# Processors with at most this many keys are checked in full after every batch (cheap, and
+# Buckets per partition: one table entry (one changelog message) each. More buckets make
+# entries smaller (Kafka's default max.message.bytes is 1 MiB; a GPU's window state is ~1-2 KB,
+# so 16 buckets hold ~8,000 GPUs per partition) at a fixed cost per checkpointed partition.
+STATE_BUCKETS = 16
+# Processors with at most this many keys are compared in full at every checkpoint (cheap, and
 # catches job-level state such as the action policy's that a GPU sample can change).
 SMALL_PROCESSOR_KEYS = 256
+ENTRY_MAGIC = b"FWS1"  # table entry: magic, u32 header length, JSON header, binary arrays
 
 
 def _header(headers: Any, name: str) -> bytes | None:
@@ -68,15 +80,27 @@ def produced_at(message: Any) -> float:
     return float(message.timestamp or 0.0)
 
 
+def message_key(inner: str) -> str:
+    """The input message key a processor key comes from: the node for "node/gpu" (feature
+    windows, failure predictor) and "node:NODE" (action policy, GPUs without a job), else
+    the job (stragglers, policy)."""
+    if inner.startswith("node:"):
+        return inner[5:]
+    return inner.split("/", 1)[0]
+
+
 def state_partition(inner: str, partitions: int) -> int:
-    """Changelog partition for a key's state: the partition Kafka's default partitioner
-    (murmur2, as the Java and aiokafka producers use) gives the input message of that key
-    (telemetry by node, steps by job). Every write of a key then lands in one changelog
-    partition (so the latest write wins on recovery) and moves with its input partition."""
+    """Partition of a key's state: the one Kafka's default partitioner (murmur2, as the Java
+    and aiokafka producers use) gives the input message of that key (telemetry by node, steps
+    by job), so a key's state is saved with, and moves with, its input partition."""
     from aiokafka.partitioner import murmur2
 
-    message_key = inner.split("/", 1)[0]
-    return (murmur2(message_key.encode()) & 0x7FFFFFFF) % partitions
+    return (murmur2(message_key(inner).encode()) & 0x7FFFFFFF) % partitions
+
+
+def state_bucket(inner: str, buckets: int) -> int:
+    """Bucket of a key inside its partition (stable across processes and Python runs)."""
+    return zlib.crc32(inner.encode()) % buckets
 
 
 def record_keys(record: Record) -> tuple[str, ...]:
@@ -88,6 +112,87 @@ def record_keys(record: Record) -> tuple[str, ...]:
     if isinstance(record, TrainingStep):
         return (record.job, f"{record.node}/{record.gpu}")
     return ()
+
+
+# --------------------------------------------------------------------------- entry encoding
+def encode_entry(header: dict, blob: bytes = b"") -> bytes:
+    """A table entry: magic, header length, JSON header, binary payload."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join((ENTRY_MAGIC, struct.pack("<I", len(text)), text, blob))
+
+
+def decode_entry(value: Any) -> tuple[dict, memoryview]:
+    """(header, binary payload) of a table entry; ValueError when it is not one."""
+    raw = value if isinstance(value, bytes | bytearray | memoryview) else str(value).encode()
+    view = memoryview(raw)
+    if bytes(view[:4]) != ENTRY_MAGIC or len(view) < 8:
+        raise ValueError("not a fleetwise state entry")
+    (n,) = struct.unpack("<I", view[4:8])
+    return json.loads(bytes(view[8:8 + n])), view[8 + n:]
+
+
+class FeatureStateCodec:
+    """The feature windows' state of many keys at once, as float64 arrays.
+
+    `GpuFeatureWindows.state(key)` builds JSON lists per key (~0.1-0.35 ms each); a checkpoint
+    of thousands of GPUs then costs seconds. This gathers the rows of the windows' state arrays
+    for all keys of a bucket in one numpy indexing per array. It reads the arrays named in
+    `fleetwise.predictors.features._STATE_ARRAYS` (no public bulk API yet) and restores
+    through the public `restore(key, state)`, so a restored key is exactly what `state()`
+    would have given. Shapes travel in the header: an entry written by a different state
+    layout fails loudly at restore instead of restoring garbage.
+    """
+
+    def __init__(self, windows: Any) -> None:
+        from fleetwise.predictors import features as F
+
+        self.windows = windows
+        self.arrays: tuple[str, ...] = tuple(getattr(F, "_STATE_ARRAYS", ()))
+        self._slot: dict[str, int] = {}
+
+    def supported(self) -> bool:
+        w = self.windows
+        return bool(self.arrays) and all(hasattr(w, a) for a in (*self.arrays, "slot_keys", "slot_meta",
+                                                                  "job_ranks", "restore"))
+
+    def _slots(self, keys: Sequence[str]) -> np.ndarray:
+        if any(k not in self._slot for k in keys):
+            self._slot = {k: i for i, k in enumerate(self.windows.slot_keys())}
+        return np.fromiter((self._slot[k] for k in keys), dtype=np.int64, count=len(keys))
+
+    def encode(self, keys: Sequence[str]) -> tuple[dict, bytes]:
+        """(header, binary rows) for `keys` (all known to the windows)."""
+        w = self.windows
+        slots = self._slots(keys)
+        job_ranks = w.job_ranks(slots.tolist())
+        shapes, parts = [], []
+        for name in self.arrays:
+            rows = np.ascontiguousarray(getattr(w, name)[slots], dtype="<f8")
+            shapes.append([name, list(rows.shape[1:])])
+            parts.append(rows.tobytes())
+        header = {"keys": list(keys), "meta": [w.slot_meta(s) for s in slots.tolist()],
+                  "job": [j for j, _ in job_ranks], "rank": [r for _, r in job_ranks], "arrays": shapes}
+        return header, b"".join(parts)
+
+    def restore(self, header: dict, blob: memoryview) -> list[str]:
+        """Restore every key of an encoded bucket; returns the keys."""
+        keys = header["keys"]
+        n = len(keys)
+        names = [name for name, _ in header["arrays"]]
+        if names != list(self.arrays):
+            raise ValueError(f"feature state arrays {names} differ from this code's {list(self.arrays)}")
+        columns, at = {}, 0
+        for name, shape in header["arrays"]:
+            count = n * int(np.prod(shape, dtype=np.int64))
+            columns[name] = np.frombuffer(blob, dtype="<f8", count=count, offset=at).reshape(n, *shape)
+            at += 8 * count
+        for i, key in enumerate(keys):
+            state = {"meta": header["meta"][i], "job": header["job"][i], "rank": header["rank"][i]}
+            for name, col in columns.items():
+                state[name] = col[i].tolist() if col.ndim > 1 else float(col[i])
+            self.windows.restore(key, state)
+        self._slot = {}
+        return keys
 
 
 class StreamProcessor:
@@ -102,17 +207,28 @@ class StreamProcessor:
         *,
         topic_prefix: str = "",
         state_partitions: int = T.TELEMETRY_GPU.partitions,
+        state_buckets: int = STATE_BUCKETS,
     ) -> None:
         self.control = control
-        self.state_partitions = state_partitions
-        self._partition_of: dict[str, int] = {}
         self.table = table  # faust Table (uses .data and .send_changelog) or a stand-in
         self.send = send  # async (topic, key, value, headers) -> awaitable delivery future
         self.prefix = topic_prefix
-        self._offsets: dict[str, dict[str, int]] = {}  # inner key -> {"topic:partition": offset}
-        self._saved_json: dict[str, str] = {}  # inner key -> JSON of the state last saved
-        self._restored_from: dict[str, Any] = {}  # inner key -> offsets of the entry restored
-        self._dirty: set[str] = set()  # keys changed since the last checkpoint
+        self.state_partitions = state_partitions
+        self.state_buckets = state_buckets
+        codec = FeatureStateCodec(control.features)
+        self.codec: FeatureStateCodec | None = codec if codec.supported() else None
+        self._place: dict[str, tuple[int, int]] = {}  # inner key -> (partition, bucket)
+        self._last_offset: dict[str, int] = {}  # "topic:partition" -> last offset applied
+        self._written: dict[str, bytes] = {}  # table key -> entry this worker wrote / restored
+        self._synced: set[int] = set()  # partitions whose state this worker holds
+        # "topic:partition" -> (lo, hi, {bucket: offset}): after a restore, messages up to lo
+        # are in every bucket's state, those in (lo, hi] in some buckets' only.
+        self._replay: dict[str, tuple[int, int, dict[int, int]]] = {}
+        self._dirty: set[int] = set()  # partitions changed since the last checkpoint
+        self._small_text: dict[str, str] = {}  # full key -> JSON last saved (small processors)
+        self._small_names: set[str] = set()  # processors compared in full at checkpoints
+        self._pending: list[asyncio.Future] = []  # output deliveries not yet awaited
+        self._state_bytes = 0
 
     # -- decoding --------------------------------------------------------------------------
     def decode(self, topic: str, raw: bytes | None, source: str) -> list[Record]:
@@ -125,91 +241,116 @@ class StreamProcessor:
                 batch = NodeBatch.model_validate_json(raw)
             except ValueError:
                 batch = None
-            if batch is not None and all(self.control.model_id(s.model) for s in batch.samples):
-                return list(batch.samples)
+            if batch is not None:
+                model_id = self.control.model_id
+                if all(model_id(s.model) for s in batch.samples):
+                    return batch.samples  # type: ignore[return-value]
         return self.control.decode(topic, raw, source=source)
 
-    # -- state -----------------------------------------------------------------------------
-    def _restore_if_newer(self, inner: str) -> None:
-        entry = self.table.data.get(inner)
-        if not entry:
+    # -- placement and state entries -------------------------------------------------------
+    def place(self, inner: str) -> tuple[int, int]:
+        """(partition, bucket) of a processor key's state."""
+        where = self._place.get(inner)
+        if where is None:
+            where = self._place[inner] = (state_partition(inner, self.state_partitions),
+                                          state_bucket(inner, self.state_buckets))
+        return where
+
+    def table_key(self, partition: int, bucket: int) -> str:
+        return f"{partition}.{bucket}"
+
+    def _sync_partition(self, partition: int) -> None:
+        """Restore a partition's state from the table on first sight, or when the table holds
+        entries this worker did not write (recovered after a rebalance or a restart)."""
+        data = self.table.data
+        foreign: list[tuple[int, Any]] = []
+        for b in range(self.state_buckets):
+            key = self.table_key(partition, b)
+            value = data.get(key)
+            mine = self._written.get(key)
+            if value is not None and value is not mine and value != mine:
+                foreign.append((b, value))
+        if partition in self._synced and not foreign:
             return
-        offsets = entry.get("offsets", {})
-        if self._restored_from.get(inner) == offsets or self._offsets.get(inner) == offsets:
-            return  # this worker wrote (or already restored) exactly that entry
-        log.info("restoring %s from the state table (offsets %s)", inner, offsets)
-        for name, state in entry.get("state", {}).items():
-            self.control.restore(f"{name}:{inner}", state)
-        self._offsets[inner] = dict(offsets)
-        self._restored_from[inner] = offsets
-        self._saved_json[inner] = json.dumps(entry.get("state", {}), sort_keys=True)
+        self._synced.add(partition)
+        if not foreign:
+            return
+        bucket_offsets: dict[str, dict[int, int]] = {}
+        restored = 0
+        for b, value in foreign:
+            header, blob = decode_entry(value)
+            if header.get("features") and self.codec is not None:
+                restored += len(self.codec.restore(header["features"], blob))
+            for full, state in header.get("other", {}).items():
+                self.control.restore(full, state)
+                self._small_text[full] = json.dumps(state, sort_keys=True)
+                restored += 1
+            for tp, offset in header.get("offsets", {}).items():
+                bucket_offsets.setdefault(tp, {})[b] = int(offset)
+            key = self.table_key(partition, b)
+            self._state_bytes += len(value) - len(self._written.get(key, b""))
+            self._written[key] = value
+        log.info("restored partition %d from %d state entries (%d keys)", partition, len(foreign), restored)
+        for tp, per_bucket in bucket_offsets.items():
+            # A bucket without an entry for tp holds nothing of it: it needs everything.
+            offsets = [per_bucket.get(b, -1) for b in range(self.state_buckets)]
+            lo, hi = min(offsets), max(offsets)
+            self._last_offset[tp] = max(self._last_offset.get(tp, -1), hi)
+            self._replay[tp] = (lo, hi, dict(enumerate(offsets)))
 
-    def _already_applied(self, inner: str, tp: str, offset: int) -> bool:
-        return self._offsets.get(inner, {}).get(tp, -1) >= offset
-
-    def _snapshot(self, touched: set[str]) -> dict[str, dict]:
-        """State entries for the touched keys (plus changed keys of small processors)."""
-        by_inner: dict[str, dict[str, dict]] = {}
-        per_processor: dict[str, list[str]] = {}
-        for full in self.control.keys():  # noqa: SIM118 - ControlPlane is not a mapping
-            name, _, inner = full.partition(":")
-            per_processor.setdefault(name, []).append(inner)
-        for name, inners in per_processor.items():
-            small = len(inners) <= SMALL_PROCESSOR_KEYS
-            for inner in inners:
-                if inner in touched or small:
-                    by_inner.setdefault(inner, {})[name] = self.control.state(f"{name}:{inner}")
-        out: dict[str, dict] = {}
-        for inner, states in by_inner.items():
-            text = json.dumps(states, sort_keys=True)
-            if inner not in touched and self._saved_json.get(inner) == text:
+    def _keep_replayed(self, records: list[Record], tp: str, offset: int) -> list[Record]:
+        """The records of a re-delivered message whose bucket's saved state lacks them."""
+        lo, hi, per_bucket = self._replay[tp]
+        if offset <= lo:
+            return []
+        kept = []
+        for record in records:
+            inners = record_keys(record)
+            if inners and per_bucket.get(self.place(inners[0])[1], -1) >= offset:
                 continue
-            out[inner] = {"state": states, "text": text}
-        return out
+            kept.append(record)
+        return kept
 
     # -- one batch -------------------------------------------------------------------------
     async def process_events(self, topic: str, events: Sequence[Any]) -> list[Routed]:
-        """Decode, deduplicate, handle and publish one batch of faust events of `topic`
-        (a registry name); save state for the keys touched. Returns what was routed."""
+        """Decode, handle and publish one batch of faust events of `topic` (a registry name).
+        Outputs are sent, not awaited: `checkpoint` waits for them. Returns what was routed."""
         t0 = time.perf_counter()
         records: list[Record] = []
-        touched: set[str] = set()
-        tp_of_inner: dict[str, tuple[str, int]] = {}
-        first_produced = None
-        dead = 0
+        produced: list[float] = []
+        last: dict[int, int] = {}
+        dead = samples = 0
+        for partition in {event.message.partition for event in events}:
+            self._sync_partition(partition)
+        replay = self._replay
         for event in events:
             msg = event.message
+            offset = msg.offset
+            produced.append(produced_at(msg))
             tp = f"{topic}:{msg.partition}"
-            source = f"{msg.topic}:{msg.partition}:{msg.offset}"
-            produced = produced_at(msg)
-            first_produced = produced if first_produced is None else min(first_produced, produced)
+            source = f"{msg.topic}:{msg.partition}:{offset}"
             decoded = self.decode(topic, event.value if event.value is not None else msg.value, source)
-            M.MESSAGES_IN.labels("worker", topic).inc()
-            M.SAMPLES_IN.labels("worker", topic).inc(len(decoded))
+            samples += len(decoded)
+            last[msg.partition] = offset
+            if replay and tp in replay:
+                if offset > replay[tp][1]:
+                    del replay[tp]
+                else:
+                    decoded = self._keep_replayed(decoded, tp, offset)
             for record in decoded:
                 if isinstance(record, DeadLetter):
-                    records.append(record)
                     dead += 1
                     M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
-                    continue
-                inners = record_keys(record)
-                if inners:
-                    primary = inners[0]
-                    self._restore_if_newer(primary)
-                    if self._already_applied(primary, tp, msg.offset):
-                        continue  # re-delivered after a restart; this key's state has it
-                    for inner in inners:
-                        touched.add(inner)
-                        tp_of_inner[inner] = (tp, msg.offset)
-                records.append(record)
+            records.extend(decoded)
+        M.MESSAGES_IN.labels("worker", topic).inc(len(events))
+        M.SAMPLES_IN.labels("worker", topic).inc(samples)
 
         routed = self.control.handle(topic, records) if records else []
-        for inner, (tp, offset) in tp_of_inner.items():
-            self._offsets.setdefault(inner, {})[tp] = offset
-        self._dirty |= touched
+        for partition, offset in last.items():
+            self._last_offset[f"{topic}:{partition}"] = offset
+        self._dirty.update(last)
 
-        # 1. outputs, acknowledged by the broker before any state or offset moves on
-        headers = [(INPUT_PRODUCED_AT_HEADER, repr(first_produced or 0.0).encode())]
+        headers = [(INPUT_PRODUCED_AT_HEADER, repr(min(produced, default=0.0)).encode())]
         futures = []
         for out_topic, key, record in routed:
             value = record.model_dump_json(exclude_none=True).encode()
@@ -217,36 +358,91 @@ class StreamProcessor:
             kind = getattr(record, "kind", "record")
             label = getattr(record, "type", None) or getattr(record, "scope", kind)
             M.DECISIONS_OUT.labels(kind, label).inc()
-        for fut in futures:
-            await fut
-        # 3. metrics (wall clock is measurement only; processing above is event time)
-        now = time.time()
-        for event in events:
-            M.PROCESSING_LATENCY.labels(topic).observe(max(0.0, now - produced_at(event.message)))
+        # Latency (wall clock, measurement only) ends when the batch's outputs are acknowledged.
+        if futures:
+            done = asyncio.gather(*futures)
+            done.add_done_callback(lambda f: f.cancelled() or f.exception() or _observe(topic, produced))
+            self._pending.append(done)
+        else:
+            _observe(topic, produced)
         M.BATCH_SIZE.labels(topic).observe(len(events))
         log.debug("batch %s: %d messages, %d records, %d dead, %d out, %.1f ms", topic, len(events),
                   len(records), dead, len(routed), 1000 * (time.perf_counter() - t0))
         return routed
 
-    def checkpoint(self) -> int:
-        """Write the state of every key changed since the last checkpoint to the table (and
-        its changelog). Call it only when the outputs of all processed batches have been
-        acknowledged, and ack the input events only after it. Returns the keys written."""
-        snapshot = self._snapshot(self._dirty)
+    async def flush_outputs(self) -> None:
+        """Wait until the broker acknowledged every output sent so far (raises if one failed)."""
+        pending, self._pending = self._pending, []
+        if pending:
+            await asyncio.gather(*pending)
+
+    def _changed_small_keys(self) -> Iterable[str]:
+        """Keys of small processors (other than the feature windows) whose state changed."""
+        per_processor: dict[str, list[str]] = {}
+        for full in self.control.keys():  # noqa: SIM118 - ControlPlane is not a mapping
+            name = full.partition(":")[0]
+            if name != "features" or self.codec is None:
+                per_processor.setdefault(name, []).append(full)
+        self._small_names = set()
+        for name, fulls in per_processor.items():
+            if len(fulls) > SMALL_PROCESSOR_KEYS:
+                continue
+            self._small_names.add(name)
+            for full in fulls:
+                if json.dumps(self.control.state(full), sort_keys=True) != self._small_text.get(full):
+                    yield full
+
+    async def checkpoint(self) -> int:
+        """Wait for the outputs sent so far, then write every bucket of each partition changed
+        since the last checkpoint to the table (and its changelog). Ack the input events only
+        after it returns. Returns the number of entries written."""
+        await self.flush_outputs()
+        dirty = set(self._dirty)
         self._dirty = set()
-        for inner, item in snapshot.items():
-            partition = self._partition_of.get(inner)
-            if partition is None:
-                partition = self._partition_of[inner] = state_partition(inner, self.state_partitions)
-            offsets = dict(self._offsets.get(inner, {}))
-            entry = {"state": item["state"], "offsets": offsets}
-            self.table.data[inner] = entry
-            self.table.send_changelog(partition, inner, entry)
-            self._saved_json[inner] = item["text"]
-            self._restored_from[inner] = offsets
-        M.WINDOW_STATE_KEYS.set(len(self._saved_json))
-        M.WINDOW_STATE_BYTES.set(sum(len(t) for t in self._saved_json.values()))
-        return len(snapshot)
+        for full in self._changed_small_keys():
+            dirty.add(self.place(full.partition(":")[2])[0])
+        if not dirty:
+            return 0
+        groups: dict[tuple[int, int], dict[str, list[str]]] = {}
+        for full in self.control.keys():  # noqa: SIM118 - ControlPlane is not a mapping
+            name, _, inner = full.partition(":")
+            where = self.place(inner)
+            if where[0] in dirty:
+                groups.setdefault(where, {}).setdefault(name, []).append(full)
+        written = 0
+        for partition in sorted(dirty):
+            offsets = {tp: off for tp, off in self._last_offset.items()
+                       if tp.rpartition(":")[2] == str(partition)}
+            for bucket in range(self.state_buckets):
+                by_name = groups.get((partition, bucket), {})
+                header: dict[str, Any] = {"offsets": offsets, "features": None, "other": {}}
+                blob = b""
+                for name, fulls in by_name.items():
+                    if name == "features" and self.codec is not None:
+                        header["features"], blob = self.codec.encode([f.partition(":")[2] for f in fulls])
+                        continue
+                    for full in fulls:
+                        state = self.control.state(full)
+                        header["other"][full] = state
+                        if name in self._small_names:
+                            self._small_text[full] = json.dumps(state, sort_keys=True)
+                value = encode_entry(header, blob)
+                key = self.table_key(partition, bucket)
+                self._state_bytes += len(value) - len(self._written.get(key, b""))
+                self.table.data[key] = value
+                self.table.send_changelog(partition, key, value)
+                self._written[key] = value
+                written += 1
+        M.WINDOW_STATE_KEYS.set(len(self._place))
+        M.WINDOW_STATE_BYTES.set(self._state_bytes)
+        return written
+
+
+def _observe(topic: str, produced: Sequence[float]) -> None:
+    now = time.time()
+    hist = M.PROCESSING_LATENCY.labels(topic)
+    for sent in produced:
+        hist.observe(max(0.0, now - sent))
 
 
 def make_app(
@@ -305,8 +501,10 @@ def make_app(
         topic_name(T.INVENTORY, topic_prefix), topic_name(T.PLANS, topic_prefix),
         key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw",
     )
+    # Entries are bytes we encode ourselves (`encode_entry`): no serializer work in faust.
     table = app.Table(STATE_TABLE, default=None, partitions=state_partitions,
-                      key_type=str)
+                      key_type=str, value_type=bytes)
+    table.value_serializer = "raw"  # read when the changelog topic is first built (lazily)
 
     async def send(topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> Any:
         return await app.producer.send(topic, key, value, partition=None, timestamp=None, headers=headers)
@@ -317,14 +515,15 @@ def make_app(
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
     # Input events stay un-acked (so their offsets are not committed) until a checkpoint has
-    # written the state they changed: take_events acks each event once, and the extra
-    # reference taken here holds the commit back until `checkpoint_now` releases it.
+    # waited for their outputs and written the state they changed: take_events acks each
+    # event once, and the extra reference taken here holds the commit back until
+    # `checkpoint_now` releases it.
     lock = asyncio.Lock()
     held: list[tuple[faust.StreamT, Any]] = []
     last_checkpoint = [time.monotonic()]
 
     async def checkpoint_now() -> None:
-        processor.checkpoint()
+        await processor.checkpoint()
         for stream, event in held:
             await stream.ack(event)
         held.clear()
