@@ -71,3 +71,17 @@ def test_auprc_from_hop_probabilities() -> None:
     assert perfect["auprc"] == pytest.approx(1.0)
     inverted = score_failures([], [], gpu_days=1.0, horizon_h=48.0, hop_labels=y, hop_probs=1.0 - y * 0.9)
     assert inverted["auprc"] < 0.5
+
+
+def test_long_precursor_bucket_uses_the_visible_part_of_the_precursor() -> None:
+    # a's 30 h precursor began 27 h before the GPU's first sample: 3 h of it are visible, so a
+    # 12 h lead is impossible and a does not count in the ">= 18 h" bucket; b's is all visible
+    labels = [failure("a", 0, 3, precursor_h=30), failure("b", 0, 40, precursor_h=30)]
+    preds = [pred("a", 0, 1, True), pred("b", 0, 20, True)]
+    first_seen = {("a", 0): T0, ("b", 0): T0}
+    m = score_failures(preds, labels, gpu_days=100.0, horizon_h=48.0, first_seen=first_seen)
+    assert m["recall_long_precursor_12h"] == {"n": 1, "caught": 1, "recall": 1.0}
+    assert m["long_precursor_not_visible"] == 1
+    assert m["recall_with_precursor_30min"]["n"] == 2  # both still count as warned failures
+    raw = score_failures(preds, labels, gpu_days=100.0, horizon_h=48.0)
+    assert raw["recall_long_precursor_12h"] == {"n": 2, "caught": 1, "recall": 0.5}

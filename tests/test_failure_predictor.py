@@ -133,3 +133,39 @@ def test_fit_learns_signal_and_save_load_checks_schema(tmp_path: Path) -> None:
 def test_missing_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="predictor train"):
         FailureModel.load(tmp_path)
+
+
+def test_predictions_carry_the_gpus_job_and_rank() -> None:
+    f = np.zeros((3, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(RISK)] = 0.9
+    ts = 1764547200.0 + 600.0 * np.arange(1, 4)
+    out, _ = FailurePredictor(stub_model()).process_arrays(
+        [("n1", 0)] * 3, ts, f, job_ranks=[("job-1", 2), ("job-1", 2), (None, None)])
+    by_ts = {p.ts: p for p in out}
+    assert (by_ts[ts[1]].job, by_ts[ts[1]].rank) == ("job-1", 2) and by_ts[ts[1]].alert
+    assert by_ts[ts[2]].job is None  # the GPU left its job: the prediction says so
+    # the record path takes job/rank from the FeatureVector
+    from fleetwise.schemas import FeatureVector
+
+    vecs = [FeatureVector(scope="gpu", ts=float(t), window_s=600, node="n1", gpu=0, job="job-9", rank=1,
+                          values={RISK: 0.9}) for t in ts]
+    recs = FailurePredictor(stub_model()).process(vecs)
+    assert recs and all((p.job, p.rank) == ("job-9", 1) for p in recs)
+
+
+def test_memory_driven_risk_needs_longer_persistence() -> None:
+    from fleetwise.predictors.failure import MEMORY_PREFIXES
+
+    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, k_raise_memory=4, m_clear=3)
+    model = stub_model(pol)
+    mem_col = MODEL_FEATURES.index("sbe_vol_1h")
+    assert MODEL_FEATURES[mem_col].startswith(MEMORY_PREFIXES)
+    link_col = MODEL_FEATURES.index("nvl_crc_flit_1h")
+    model.importance = np.zeros(len(MODEL_FEATURES))
+    model.importance[[mem_col, link_col]] = 0.5
+    probs = [0.9] * 5
+    # the same probabilities, once driven by single-bit errors, once by NVLink CRC errors
+    mem = alert_series(run(FailurePredictor(model), probs, {"sbe_vol_1h": [50.0] * 5}), 5)
+    link = alert_series(run(FailurePredictor(model), probs, {"nvl_crc_flit_1h": [50.0] * 5}), 5)
+    assert link == [False, True, True, True, True]
+    assert mem == [False, False, False, True, True]

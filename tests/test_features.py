@@ -178,3 +178,91 @@ def test_state_round_trip_resumes_identically() -> None:
         restarted.restore(k, st)
     got += restarted.process_dicts(rows[205:])
     assert [o.values for o in got] == [o.values for o in expected]
+
+
+def test_dcgm_blank_sentinel_is_a_missing_reading() -> None:
+    fw = windows()
+    mem = "DCGM_FI_DEV_MEMORY_TEMP"
+    rows = [sample(0, **{mem: 70.0}), sample(1, **{mem: 9223372036854775794}), sample(2, **{mem: 72.0})]
+    v = (fw.process_dicts(rows) + fw.flush())[0].values
+    assert v["mem_temp_mean"] == pytest.approx(71.0)  # the blank is skipped, not averaged in
+
+
+def _sbe_series(pattern: list[int], hops: int) -> list[dict]:
+    """One sample a minute for `hops` hops; pattern[h] new SBEs in hop h (spread over the hop)."""
+    out, total = [], 0
+    for i in range(hops * 10):
+        h = i // 10
+        if i % 10 == 0:
+            total += pattern[h] if h < len(pattern) else 0
+        out.append(sample(i, **{SBE: total}))
+    return out
+
+
+def test_persistent_errors_read_as_streak_and_activity_a_burst_does_not() -> None:
+    hops = 36  # 6 h
+    persistent = [1] * hops  # a new SBE every hop: a degrading part
+    burst = [0] * 30 + [40] + [0] * 5  # 40 SBEs in one hop, then quiet (a benign burst)
+    fp, fb = windows(), windows()
+    vp = (fp.process_dicts(_sbe_series(persistent, hops)) + fp.flush())[-1].values
+    vb = (fb.process_dicts(_sbe_series(burst, hops)) + fb.flush())[-1].values
+    # every hop but the first (whose first reading is the base) had new errors
+    assert vp["sbe_streak_h"] == pytest.approx(35 * 600 / 3600)
+    assert vb["sbe_streak_h"] == 0.0
+    assert vp["sbe_active_1h"] > 0.9 and vb["sbe_active_1h"] < 0.1
+    # the burst has more errors in total, yet less persistence
+    assert vb["sbe_vol_6h"] > vp["sbe_vol_6h"]
+    assert vp["sbe_active_6h"] > 3 * vb["sbe_active_6h"]
+
+
+def test_acceleration_is_relative_to_the_gpus_own_week() -> None:
+    # steady 1 SBE per hop for two days vs quiet for two days then 1 per hop for the last 6 h
+    hops = 288
+    steady = [1] * hops
+    rising = [0] * (hops - 36) + [1] * 36
+    fs, fr = windows(), windows()
+    vs = (fs.process_dicts(_sbe_series(steady, hops)) + fs.flush())[-1].values
+    vr = (fr.process_dicts(_sbe_series(rising, hops)) + fr.flush())[-1].values
+    assert vr["sbe_accel"] > vs["sbe_accel"] + 0.5
+
+
+def test_job_and_rank_of_the_latest_sample_go_into_the_features() -> None:
+    fw = windows()
+    rows = [dict(sample(i), job="job-7", rank=3) for i in range(10)] + [sample(10)]
+    out = fw.process_dicts(rows)
+    assert (out[0].job, out[0].rank) == ("job-7", 3)  # hop 0 closed; the GPU was still on job-7
+    rows = [dict(sample(i), job="job-8", rank=0) for i in range(11, 21)]
+    out = fw.process_dicts(rows)
+    assert (out[0].job, out[0].rank) == ("job-8", 0)
+    slot = fw.register("n1", 0, "h100")
+    assert fw.job_ranks([slot]) == [("job-8", 0)]
+    state = json.loads(json.dumps(fw.state("n1/0")))
+    fresh = windows()
+    fresh.restore("n1/0", state)
+    assert fresh.job_ranks([0]) == [("job-8", 0)]
+
+
+def test_ingest_arrays_take_job_ranks() -> None:
+    fw = windows()
+    slot = fw.register("n1", 0, "h100")
+    from fleetwise.predictors.features import sample_row
+
+    rows = [sample_row(sample(i)["metrics"]) for i in range(11)]
+    _, _, feats = fw.ingest([slot] * 11, [T0 + 60.0 * i for i in range(11)], rows,
+                            job_ranks=[("job-1", 5)] * 11)
+    assert len(feats) == 1 and fw.job_ranks([slot]) == [("job-1", 5)]
+
+
+def test_a_replaced_board_starts_without_the_old_boards_history() -> None:
+    agg = "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL"
+    # old board: 10 SBEs per hop for 6 hops; then a new board (aggregate counter back to 0)
+    old = [sample(i, **{SBE: 10 * (i // 10), agg: 500 + 10 * (i // 10)}) for i in range(60)]
+    new = [sample(i, **{SBE: 0, agg: 0}) for i in range(60, 80)]
+    fw, ref = windows(), windows()
+    out = fw.process_dicts(old + new) + fw.flush()
+    last = out[-1].values
+    assert last["sbe_vol_24h"] == 0 and last["sbe_active_6h"] == 0
+    # whereas a plain reboot (volatile counter reset, aggregate kept) keeps the history
+    reboot = [sample(i, **{SBE: 0, agg: 550}) for i in range(60, 80)]
+    kept = (ref.process_dicts(old + reboot) + ref.flush())[-1].values
+    assert kept["sbe_vol_24h"] > 40

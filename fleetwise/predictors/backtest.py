@@ -12,6 +12,10 @@ Definitions (failure side):
 - precision = true episodes / all episodes; false alarms per 1,000 GPU-days.
 - precision at a realistic base rate b (failures per 1,000 GPU-days):
   b * recall / (b * recall + false alarms per 1,000 GPU-days).
+- precursor buckets use the *visible* precursor when `first_seen` is given: from the later
+  of the precursor start and the GPU's first sample to the failure (a failure 3 h into a
+  trace cannot be called 12 h ahead, whenever its precursor began); the raw precursor
+  length is kept per failure as `precursor_h_raw`.
 """
 
 from __future__ import annotations
@@ -92,8 +96,11 @@ def score_failures(
     hop_labels: np.ndarray | None = None,
     hop_probs: np.ndarray | None = None,
     base_rate: float = BASE_RATE_PER_1000_GPU_DAYS,
+    first_seen: Mapping[tuple[str, int], float] | None = None,
 ) -> dict[str, Any]:
-    """Failure-prediction metrics (see the module docstring for definitions)."""
+    """Failure-prediction metrics (see the module docstring for definitions).
+
+    first_seen: (node, gpu) -> ts of the GPU's first sample in the trace (visible precursors)."""
     episodes = alert_episodes(predictions)
     fails = [lab for lab in labels if lab.get("kind") == "failure"]
     hz = horizon_h * 3600.0
@@ -117,9 +124,13 @@ def score_failures(
                     if lead is None or this > lead:
                         lead, source = this, ep.source
         pre = f.get("precursor_start_ts")
-        precursor_h = None if (f.get("abrupt") or pre is None) else (tf - float(pre)) / 3600.0
+        precursor_raw = None if (f.get("abrupt") or pre is None) else (tf - float(pre)) / 3600.0
+        precursor_h = precursor_raw
+        if precursor_raw is not None and first_seen is not None and key in first_seen:
+            precursor_h = min(precursor_raw, max(0.0, (tf - first_seen[key]) / 3600.0))
         failure_rows.append({"class": f.get("class", "unknown"), "lead_h": lead, "precursor_h": precursor_h,
-                             "source": source, "node": f["node"], "gpu": int(f["gpu"]), "ts": tf})
+                             "precursor_h_raw": precursor_raw, "source": source, "node": f["node"],
+                             "gpu": int(f["gpu"]), "ts": tf})
     # Alerts raised in a repair window (a dead GPU's aftermath) are neither true nor false.
     repair: dict[tuple[str, int], list[float]] = {}
     for f in fails:
@@ -159,6 +170,8 @@ def score_failures(
         "precision": n_true / (n_true + n_false) if (n_true + n_false) else None,
         "false_alarms_per_1000_gpu_days": fa_rate,
         "recall_long_precursor_12h": recall(long_pre, LEAD_12H),
+        "long_precursor_not_visible": sum(
+            1 for r in with_pre if r["precursor_h_raw"] >= LONG_PRECURSOR_H > r["precursor_h"]),
         "recall_with_precursor_30min": recall(with_pre, LEAD_30MIN_H),
         "recall_abrupt_30min": recall(abrupt, LEAD_30MIN_H),
         "recall_all_30min": recall(failure_rows, LEAD_30MIN_H),
@@ -198,12 +211,13 @@ def score_all(
     steps: Iterable[Mapping[str, Any]] | None = None,
     hop_labels: np.ndarray | None = None,
     hop_probs: np.ndarray | None = None,
+    first_seen: Mapping[tuple[str, int], float] | None = None,
 ) -> dict[str, Any]:
     """Failure metrics, plus straggler metrics from the straggler detector's own scorer."""
     from fleetwise.predictors.stragglers import score_stragglers
 
     out = {"failure": score_failures(predictions, labels, gpu_days=gpu_days, horizon_h=horizon_h,
-                                     hop_labels=hop_labels, hop_probs=hop_probs)}
+                                     hop_labels=hop_labels, hop_probs=hop_probs, first_seen=first_seen)}
     strag_preds = [p for p in predictions if _get(p, "type") != "failure"]
     if job_hours > 0:
         out["straggler"] = score_stragglers(strag_preds, list(labels), job_hours, steps=steps)  # type: ignore[arg-type]

@@ -32,10 +32,23 @@ META_FILE = "failure_model.json"
 # loss against its own typical clock, throttle duty).
 # Throttle-violation counters are left out too: their unit differs between DCGM versions and
 # exporters (us vs ns), and the throttle-reason duty cycles carry the same information.
-EXCLUDED = {"samples", "temp_mean", "temp_max", "mem_temp_mean", "inlet_est_c", "rth_fast", "rth_slow"}
+# Lifetime totals (aggregate ECC, remapped rows) are left out too: they say how old and how
+# error-prone a board has been (a "lemon"), and a model trained at a raised failure rate
+# learns "lemon -> fails within days", which at the real base rate is a false alarm; the
+# recent rates and their trend against the GPU's own week carry the degradation.
+# Row remaps and page retirements enter merged (`mem_repairs_*`, `mem_repair_pending`): the
+# same sparing mechanism on Ampere+ and on Volta/Turing.
+EXCLUDED = {"samples", "temp_mean", "temp_max", "mem_temp_mean", "inlet_est_c", "rth_fast", "rth_slow",
+            "remap_pending", "retired_pending", "remap_corr_total", "remap_uncorr_total", "retired_total",
+            "sbe_agg_total", "dbe_agg_total"}
+_EXCLUDED_PREFIXES = ("remap_corr_", "remap_uncorr_", "retired_sbe_", "retired_dbe_")
 MODEL_FEATURES: list[str] = [
-    n for n in FEATURE_NAMES if n not in EXCLUDED and "_violation_us" not in n
+    n for n in FEATURE_NAMES
+    if n not in EXCLUDED and "_violation_us" not in n and not n.startswith(_EXCLUDED_PREFIXES)
 ]
+# Feature families whose contributions mark a risk as memory-driven (AlertPolicy.k_raise_memory).
+MEMORY_PREFIXES = ("sbe_", "dbe_", "mem_repair", "xid_mem_", "remap_")
+_MEMORY_MASK = np.array([n.startswith(MEMORY_PREFIXES) for n in MODEL_FEATURES])
 RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
     "remap_failure": "remap_failure",
     "xid_bus_hop": "xid79_off_bus",
@@ -56,9 +69,16 @@ class FeatureSchemaError(RuntimeError):
 class AlertPolicy:
     """Raise at p >= hi for k consecutive hops; clear at p < lo for m consecutive hops."""
 
-    hi: float = 0.75
-    lo: float = 0.375
-    k_raise: int = 8  # 80 min of sustained risk at 10-min hops (tuned on a validation trace)
+    # Tuned on the validation traces (bench/failure_eval.py --tune; docs/benchmarks.md):
+    # raise after 2 hops (20 min) at p >= 0.6, 12 hops (2 h) when memory errors drive it.
+    hi: float = 0.6
+    lo: float = 0.3
+    k_raise: int = 2
+    # Memory-driven risk (single-bit errors, remaps) must persist longer: HBM degradation
+    # unfolds over hours to days (REFERENCE.md), while a benign burst that ends in one
+    # successful remap looks alarming for its 10-60 minutes; link and bus failures unfold in
+    # minutes to hours and keep k_raise.
+    k_raise_memory: int = 12
     m_clear: int = 6
     rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
@@ -95,6 +115,12 @@ class FailureModel:
         """Cheap per-feature contribution: deviation from the healthy baseline x importance."""
         z = np.abs(x - self.baseline_median) / self.baseline_scale
         return np.nan_to_num(z, nan=0.0) * self.importance
+
+    def memory_share(self, x: np.ndarray) -> np.ndarray:
+        """Share of each row's contribution that comes from memory-error features."""
+        c = self.contributions(x)
+        total = c.sum(axis=1)
+        return np.where(total > 0, c[:, _MEMORY_MASK].sum(axis=1) / np.where(total > 0, total, 1.0), 0.0)
 
     # ---- persistence ----
     def save(self, directory: Path, extra_metadata: dict[str, Any] | None = None) -> tuple[Path, Path]:
@@ -176,13 +202,18 @@ class FailurePredictor:
             f[i] = [np.nan if (x := vals.get(n)) is None else x for n in FEATURE_NAMES]
         keys = [(v.node, v.gpu) for v in vectors]
         ts = np.array([v.ts for v in vectors])
-        return self.process_arrays(keys, ts, f)[0]
+        return self.process_arrays(keys, ts, f, job_ranks=[(v.job, v.rank) for v in vectors])[0]
 
     def process_arrays(
-        self, keys: Sequence[tuple[str, int]], ts: np.ndarray, features: np.ndarray
+        self, keys: Sequence[tuple[str, int]], ts: np.ndarray, features: np.ndarray,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
     ) -> tuple[list[Prediction], np.ndarray]:
         """Score rows of the full FEATURE_NAMES matrix (event-time order); returns the emitted
-        predictions and every row's probability (for backtests)."""
+        predictions and every row's probability (for backtests).
+
+        `job_ranks` (optional, one (job, rank) per row: the GPU's current job, e.g. from
+        `GpuFeatureWindows.job_ranks(slots)`) is copied into the predictions, so an actuator
+        can cap drains per job."""
         x = features[:, _MODEL_COLS]
         prob = self.model.predict_proba(x)
         rule_hit: list[list[str]] = [[] for _ in range(len(keys))]
@@ -190,6 +221,12 @@ class FailurePredictor:
             for i in np.flatnonzero(np.nan_to_num(features[:, col]) > 0):
                 rule_hit[i].append(name)
         pol = self.policy
+        # Which rows' risk is memory-driven (only rows at or above hi matter for raising).
+        memory_driven = np.zeros(len(keys), dtype=bool)
+        if pol.k_raise_memory != pol.k_raise:
+            high_rows = np.flatnonzero(prob >= pol.hi)
+            if len(high_rows):
+                memory_driven[high_rows] = self.model.memory_share(x[high_rows]) >= 0.5
         emit_rows: list[int] = []
         states: list[tuple[bool, str, bool]] = []
         for i, (node, gpu) in enumerate(keys):
@@ -208,7 +245,7 @@ class FailurePredictor:
             if not st.alerting:
                 if rule_hit[i]:
                     st.alerting, st.source, st.raised_ts = True, "rule:" + ",".join(rule_hit[i]), float(ts[i])
-                elif st.high >= pol.k_raise:
+                elif st.high >= (pol.k_raise_memory if memory_driven[i] else pol.k_raise):
                     st.alerting, st.source, st.raised_ts = True, "model", float(ts[i])
             elif st.rule_left == 0 and st.low >= pol.m_clear:
                 st.alerting = False
@@ -223,6 +260,7 @@ class FailurePredictor:
         out = []
         for j, i in enumerate(emit_rows):
             node, gpu = keys[i]
+            job, rank = job_ranks[i] if job_ranks is not None else (None, None)
             alert, source, was = states[j]
             top = np.argsort(-contrib[j])[:4]
             signals = [Signal(name="source", value=source)]
@@ -235,7 +273,7 @@ class FailurePredictor:
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
             out.append(Prediction(
                 id=f"failure:{node}/{gpu}:{int(ts[i])}", type="failure", ts=float(ts[i]),
-                node=node, gpu=int(gpu),
+                node=node, gpu=int(gpu), job=job, rank=rank,
                 probability=float(prob[i]), horizon_h=self.model.horizon_h, alert=alert, signals=signals,
                 lead_time_h=None if np.isnan(lead[j]) else round(float(lead[j]), 2), reason=reason,
             ))

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
-from fleetwise.schemas._base import DCGM_FP64_BLANK, DCGM_INT32_BLANK
+from fleetwise.schemas._base import DCGM_BLANKS, DCGM_INT32_BLANK, DCGM_INT64_BLANK
 
 # ---- input fields ---------------------------------------------------------------------------
 # DCGM field names (REFERENCE.md "Telemetry"; ../shared/data/dcgm/default-counters.csv).
@@ -92,7 +92,8 @@ _BIT_VALUES = np.array(list(THROTTLE_BITS.values()), dtype=np.int64)
 # XID classes (https://docs.nvidia.com/deploy/xid-errors/, REFERENCE.md "XIDs").
 XID_CLASSES = {
     "mem_fatal": (48, 64, 95, 140),  # double-bit ECC, remap failure, uncontained, ECC unrecovered
-    "mem_warn": (63, 92, 94),  # remap/retirement event (benign alone), high SBE rate, contained
+    "mem_remap": (63,),  # a row remap / page retirement was recorded: benign alone
+    "mem_warn": (92, 94),  # high single-bit error rate; contained ECC error
     "nvlink": (74,),
     "bus": (79,),  # fell off the bus
     "gsp": (119, 120),
@@ -104,11 +105,24 @@ _XID_LUT = np.full(1024, N_XID - 1, dtype=np.int64)
 for _i, _codes in enumerate(XID_CLASSES.values()):
     _XID_LUT[list(_codes)] = _i
 
+# Error groups whose persistence (share of recent hops with any new error) and acceleration
+# (recent rate against the GPU's own week) are features: a degrading part errs hop after
+# hop at a climbing rate, a benign burst or a lemon's steady background does not.
+ACTIVE_GROUPS = {
+    "sbe": ("sbe_vol", "sbe_agg"),
+    "nvl": ("nvl_crc_flit", "nvl_crc_data", "nvl_replay", "nvl_recovery"),
+    "pcie": ("pcie_replay",),
+}
+ACTIVE_TAUS = {"1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0}
+# Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
+# the same mechanism (HBM/GDDR sparing), so the model sees them merged.
+REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
+
 # Time constants of the exponentially weighted context (seconds).
 TAU_TEMP_FAST, TAU_TEMP_SLOW = 1800.0, 7200.0  # difference of EMAs -> temperature slope
 TAU_1H, TAU_6H, TAU_24H, TAU_7D = 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 24 * 3600.0
 TAU_THERMAL_FAST, TAU_THERMAL_SLOW = 6 * 3600.0, 72 * 3600.0  # thermal-resistance fits
-COUNT_TAUS = {"1h": TAU_1H, "24h": TAU_24H, "7d": TAU_7D}
+COUNT_TAUS = {"1h": TAU_1H, "6h": TAU_6H, "24h": TAU_24H, "7d": TAU_7D}
 LOAD_UTIL_PCT = 50.0  # clock under load: samples with utilisation >= this
 # Prior for the temperature-on-power fit: ~0.06 C/W is what datacenter GPUs show
 # between idle (~35 C, ~15% TDP) and full load (~75 C at TDP for 700 W H100 SXM:
@@ -133,7 +147,8 @@ A_RESET = A_DELTA + N_COUNTER
 A_LEVEL = A_RESET + 1
 A_XID = A_LEVEL + N_LEVEL
 A_NSAMPLE = A_XID + N_XID
-N_ACC = A_NSAMPLE + 1
+A_REPLACED = A_NSAMPLE + 1  # a persistent counter went down: a new board in this slot
+N_ACC = A_REPLACED + 1
 
 # EW state layout (per slot).
 E_TFAST = 0  # num, den
@@ -144,9 +159,20 @@ E_RESID = 14  # num, den (6 h)
 E_CLK_FAST = 16  # num, den (6 h)
 E_CLK_SLOW = 18  # num, den (7 d)
 E_THERMDUTY = 20  # num, den (6 h)
-E_COUNT = 22  # counters then xid classes then resets, x 3 time scales
+E_COUNT = 22  # counters then xid classes then resets, x 4 time scales
 N_EVENT = N_COUNTER + N_XID + 1
-N_EW = E_COUNT + 3 * N_EVENT
+E_ACTIVE = E_COUNT + len(COUNT_TAUS) * N_EVENT  # active-hop shares: (groups + 1 den) x 2 scales
+E_RESID24 = E_ACTIVE + 2 * (len(ACTIVE_GROUPS) + 1)  # num, den (24 h)
+E_RESID_COOL = E_RESID24 + 2  # num, den (24 h, hops without thermal throttling)
+E_STREAK = E_RESID_COOL + 2  # consecutive hops with new errors, per active group
+N_EW = E_STREAK + len(ACTIVE_GROUPS)
+
+_BLANK_VALUES = np.array(sorted(DCGM_BLANKS))
+
+
+def _is_blank(values: np.ndarray) -> np.ndarray:
+    return np.isin(values, _BLANK_VALUES) | (values >= float(DCGM_INT64_BLANK))
+
 
 DEDUP_RING = 64  # recent timestamps per GPU kept to drop redelivered samples inside a hop
 
@@ -167,12 +193,21 @@ def _feature_names() -> list[str]:
     names += ["remap_failure", "remap_pending", "retired_pending"]
     names += ["remap_corr_total", "remap_uncorr_total", "retired_total", "sbe_agg_total", "dbe_agg_total"]
     names += ["sbe_trend", "nvl_trend", "pcie_trend"]
+    names += [f"{g}_active_{scale}" for scale in ACTIVE_TAUS for g in ACTIVE_GROUPS]
+    names += [f"{g}_accel" for g in ACTIVE_GROUPS]
+    names += [f"{g}_streak_h" for g in ACTIVE_GROUPS]
+    names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
+    names += ["temp_residual_24h", "temp_residual_cool_24h"]
     return names
 
 
 FEATURE_NAMES: list[str] = _feature_names()
 _FI = {name: i for i, name in enumerate(FEATURE_NAMES)}
 _CI = {short: i for i, short in enumerate(COUNTER_FIELDS.values())}
+# Counters kept by the board across reboots (InfoROM): one going down means the board was
+# replaced, and the slot's history (baselines, error rates) belongs to the old board.
+_PERSISTENT_COLS = np.array([_CI[c] for c in ("sbe_agg", "dbe_agg", "remap_corr", "remap_uncorr",
+                                              "retired_sbe", "retired_dbe")])
 
 
 @lru_cache(maxsize=256)
@@ -202,11 +237,13 @@ class GpuFeatureWindows:
         self._tdp_lookup = tdp_lookup or resolve_model
         self._slot: dict[str, int] = {}
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
-        self._job: list[str | None] = []  # the GPU's current job and rank (latest sample)
+        self._job: list[str | None] = []  # job and rank of the GPU's last sample in its hop
         self._rank: list[int | None] = []
         self._cap = 0
         self._grow(capacity)
         self.dropped_late = 0
+        # (job, rank) per row of the last ingest/flush result, as of each hop's close
+        self.closed_job_ranks: list[tuple[str | None, int | None]] = []
         self.dropped_duplicate = 0
         self.samples_in = 0
 
@@ -245,12 +282,14 @@ class GpuFeatureWindows:
             self.tdp[slot] = tdp
         return slot
 
-    def register(self, node: str, gpu: int, model: str, rack: str | None = None, site: str | None = None) -> int:
+    def register(
+        self, node: str, gpu: int, model: str, rack: str | None = None, site: str | None = None
+    ) -> int:
         """Slot index of a GPU (created on first sight); for callers that ingest arrays."""
         return self._slot_of(node, gpu, model, rack, site)
 
     def job_ranks(self, slots: Iterable[int]) -> list[tuple[str | None, int | None]]:
-        """(job, rank) the GPUs in `slots` were last seen running (None when idle/unknown)."""
+        """(job, rank) of each slot's last sample in its last closed or open hop (None: idle)."""
         return [(self._job[i], self._rank[i]) for i in slots]
 
     # ---- public processor contract ----
@@ -265,7 +304,7 @@ class GpuFeatureWindows:
         slots, ts, rows = [], [], []
         slot_of, slot_map = self._slot_of, self._slot
         fields, old_reasons = INPUT_FIELDS, F_REASONS_OLD
-        job, rank = self._job, self._rank
+        jrs = []
         for rec in records:
             samples = rec.samples if isinstance(rec, NodeBatch) else (rec,)
             for s in samples:
@@ -274,14 +313,13 @@ class GpuFeatureWindows:
                     slot = slot_of(s.node, s.gpu, s.model, s.rack, s.site)
                 slots.append(slot)
                 ts.append(s.ts)
-                job[slot] = s.job
-                rank[slot] = s.rank
+                jrs.append((s.job, s.rank))
                 m = s.metrics
                 row = list(map(m.get, fields))
                 if row[COL_REASONS] is None and old_reasons in m:
                     row[COL_REASONS] = m[old_reasons]
                 rows.append(row)
-        return self.ingest(slots, ts, rows)
+        return self.ingest(slots, ts, rows, job_ranks=jrs)
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
@@ -291,17 +329,16 @@ class GpuFeatureWindows:
         """Like `process_dicts` but returns the closed hops as arrays (slots, hop ends, features)."""
         slots, ts, rows = [], [], []
         slot_of, slot_map = self._slot_of, self._slot
-        job, rank = self._job, self._rank
+        jrs = []
         for s in samples:
             slot = slot_map.get(f"{s['node']}/{s['gpu']}")
             if slot is None:
                 slot = slot_of(s["node"], s["gpu"], s["model"], s.get("rack"), s.get("site"))
             slots.append(slot)
             ts.append(s["ts"])
-            job[slot] = s.get("job")
-            rank[slot] = s.get("rank")
+            jrs.append((s.get("job"), s.get("rank")))
             rows.append(sample_row(s["metrics"]))
-        return self.ingest(slots, ts, rows)
+        return self.ingest(slots, ts, rows, job_ranks=jrs)
 
     def flush(self) -> list[FeatureVector]:
         """Close every open hop (end of a replay)."""
@@ -310,6 +347,7 @@ class GpuFeatureWindows:
     def flush_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(self._meta)
         open_slots = np.flatnonzero(self.open_hop[:n] >= 0)
+        self.closed_job_ranks = []
         out = self._close(open_slots)
         self.open_hop[open_slots] = -1.0
         return out
@@ -354,27 +392,34 @@ class GpuFeatureWindows:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ingest samples given as slot indices, timestamps and INPUT_FIELDS rows.
 
-        `job_ranks` (optional, one (job, rank) per sample, in event-time order) updates each
-        GPU's current job and rank (`job_ranks()`, and the records' job/rank).
-        Returns (slots, hop end ts, feature matrix) for every hop this closed."""
+        `job_ranks` (optional, one (job, rank) per sample) gives each closed hop the job and
+        rank of the GPU's last sample in that hop (`job_ranks()`, the records' job/rank), so
+        the result does not depend on how samples were batched.
+        Returns (slots, hop end ts, feature matrix) for every hop this closed; the (job, rank)
+        of those rows is in `closed_job_ranks` (for `FailurePredictor.process_arrays`)."""
         n = len(slots)
         empty = (np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES))))
+        self.closed_job_ranks = []
         if n == 0:
             return empty
-        if job_ranks is not None:
-            for slot, (job, rank) in zip(slots, job_ranks, strict=True):
-                self._job[slot] = job
-                self._rank[slot] = rank
         self.samples_in += n
         s = np.asarray(slots, dtype=np.int64)
         t = np.asarray(ts, dtype=np.float64)
         x = np.array(rows, dtype=np.float64)
-        # DCGM blank sentinels ("no value") are missing readings, not huge ones.
-        blank = (x >= DCGM_FP64_BLANK) | ((x >= DCGM_INT32_BLANK) & (x < 2.0**31))
-        if blank.any():
-            x[blank] = np.nan
+        # DCGM blank sentinels ("no value") are missing readings, not huge ones; matched
+        # exactly, like the schema does (a large legitimate counter is not a blank).
+        big = x >= DCGM_INT32_BLANK
+        if big.any():
+            idx = np.nonzero(big)
+            vals = x[idx]
+            x[idx[0][_is_blank(vals)], idx[1][_is_blank(vals)]] = np.nan
         order = np.lexsort((t, s))
         s, t, x = s[order], t[order], x[order]
+        jr: np.ndarray | None = None
+        if job_ranks is not None:
+            jr = np.empty(n, dtype=object)
+            jr[:] = list(job_ranks)
+            jr = jr[order]
         hop = np.floor(t / self.hop_s)
 
         # Exact duplicates inside the batch, and against the last accepted sample.
@@ -394,6 +439,8 @@ class GpuFeatureWindows:
         keep = ~(dup | late)
         if not keep.all():
             s, t, x, hop = s[keep], t[keep], x[keep], hop[keep]
+            if jr is not None:
+                jr = jr[keep]
         if len(s) == 0:
             return empty
         in_order = t > self.last_ts[s]  # rows that may update counters and XID state
@@ -410,10 +457,14 @@ class GpuFeatureWindows:
             cur = hop == self.open_hop[s]
             if cur.any():
                 self._accumulate(s[cur], t[cur], x[cur], in_order[cur])
+                if jr is not None:
+                    self._note_jobs(s[cur], jr[cur])
             rest = ~cur
             if not rest.any():
                 break
             s, t, x, hop, in_order = s[rest], t[rest], x[rest], hop[rest], in_order[rest]
+            if jr is not None:
+                jr = jr[rest]
             closing = np.unique(s)
             cs, cts, cf = self._close(closing)
             out_slots.append(cs)
@@ -476,6 +527,13 @@ class GpuFeatureWindows:
         pos = (acc[s, A_NSAMPLE].astype(np.int64) + rank) % DEDUP_RING
         self.ts_ring[s, pos] = t
 
+    def _note_jobs(self, s: np.ndarray, jr: np.ndarray) -> None:
+        """Job and rank of each slot's last row (rows sorted by slot, ts) in its open hop."""
+        last = np.flatnonzero(np.r_[s[1:] != s[:-1], True])
+        for slot, (job, rank) in zip(s[last].tolist(), jr[last].tolist(), strict=True):
+            self._job[slot] = job
+            self._rank[slot] = rank
+
     def _counters(self, s: np.ndarray, x: np.ndarray, starts: np.ndarray) -> None:
         n = len(s)
         us = s[starts]
@@ -497,6 +555,9 @@ class GpuFeatureWindows:
         delta[reset] = 0.0  # reset: the new reading is the base, never a negative delta
         self.acc[us, A_DELTA:A_DELTA + N_COUNTER] += np.add.reduceat(delta, starts, axis=0)
         self.acc[us, A_RESET] += np.add.reduceat(reset.any(axis=1).astype(np.float64), starts)
+        replaced = reset[:, _PERSISTENT_COLS].any(axis=1)
+        if replaced.any():
+            self.acc[us, A_REPLACED] += np.add.reduceat(replaced.astype(np.float64), starts)
         # XID: a change to a new non-zero value is one event of that XID's class
         xv, xp = v[:, -1], prev[:, -1]
         event = has_prev[:, -1] & (xv != xp) & (xv > 0)
@@ -518,11 +579,14 @@ class GpuFeatureWindows:
         k = len(slots)
         if k == 0:
             return np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES)))
+        self.closed_job_ranks += self.job_ranks(slots.tolist())
         a = self.acc[slots]
         ew = self.ew[slots]
         hop = self.open_hop[slots]
         prev = self.closed_hop[slots]
-        gap = np.where(prev >= 0, (hop - prev) * self.hop_s, np.inf)
+        new_board = a[:, A_REPLACED] > 0
+        gap = np.where((prev >= 0) & ~new_board, (hop - prev) * self.hop_s, np.inf)
+        ew[new_board] = 0.0  # a replaced board starts without history
 
         def decay(tau: float) -> np.ndarray:
             return np.exp(-gap / tau)[:, None]
@@ -628,6 +692,55 @@ class GpuFeatureWindows:
                 day = sum(f[:, _FI[f"{c}_24h"]] for c in cs)
                 week = sum(f[:, _FI[f"{c}_7d"]] for c in cs)
                 f[:, _FI[name]] = day / (week + 1.0)
+
+            # Persistence: EW share of hops with any new error in the group; acceleration:
+            # log of the recent rate (6 h for SBE, 1 h for links) over the GPU's own 7-day
+            # rate, +0.1/h so a quiet GPU reads 0.
+            deltas = a[:, A_DELTA:A_DELTA + N_COUNTER]
+            n_groups = len(ACTIVE_GROUPS)
+            for j, tau in enumerate(ACTIVE_TAUS.values()):
+                lo = E_ACTIVE + j * (n_groups + 1)
+                dj = decay(tau)[:, 0]
+                ew[:, lo + n_groups] = ew[:, lo + n_groups] * dj + 1.0
+                for i, cs in enumerate(ACTIVE_GROUPS.values()):
+                    active = (deltas[:, [_CI[c] for c in cs]] > 0).any(axis=1)
+                    ew[:, lo + i] = ew[:, lo + i] * dj + active
+            # Streak: hours of consecutive hops with new errors (a gap in the data restarts it).
+            contiguous = gap <= self.hop_s
+            for i, (g, cs) in enumerate(ACTIVE_GROUPS.items()):
+                active = (deltas[:, [_CI[c] for c in cs]] > 0).any(axis=1)
+                streak = np.where(active, np.where(contiguous, ew[:, E_STREAK + i], 0.0) + 1.0, 0.0)
+                ew[:, E_STREAK + i] = streak
+                f[:, _FI[f"{g}_streak_h"]] = streak * self.hop_s / 3600.0
+            for j, scale in enumerate(ACTIVE_TAUS):
+                lo = E_ACTIVE + j * (n_groups + 1)
+                for i, g in enumerate(ACTIVE_GROUPS):
+                    f[:, _FI[f"{g}_active_{scale}"]] = ew[:, lo + i] / ew[:, lo + n_groups]
+
+            def group_count(cs: tuple[str, ...], scale: str) -> np.ndarray:
+                vals = [f[:, _FI[f"{c}_{scale}"]] for c in cs]
+                return np.maximum.reduce(vals) if cs == ACTIVE_GROUPS["sbe"] else sum(vals)
+
+            for g, cs, recent, hours in (("sbe", ACTIVE_GROUPS["sbe"], "6h", 6.0),
+                                         ("nvl", ACTIVE_GROUPS["nvl"], "1h", 1.0),
+                                         ("pcie", ACTIVE_GROUPS["pcie"], "1h", 1.0)):
+                rate_recent = group_count(cs, recent) / hours
+                rate_week = group_count(cs, "7d") / (TAU_7D / 3600.0)
+                f[:, _FI[f"{g}_accel"]] = np.log((rate_recent + 0.1) / (rate_week + 0.1))
+            for scale in ("6h", "24h", "7d"):
+                f[:, _FI[f"mem_repairs_{scale}"]] = sum(f[:, _FI[f"{c}_{scale}"]] for c in REPAIR_COUNTERS)
+            f[:, _FI["mem_repair_pending"]] = np.fmax(levels[:, 1], levels[:, 2])
+
+            # Thermal residual over a day, and over the hops without thermal throttling (a
+            # throttled GPU is pinned at its target, which hides how hot per watt it runs).
+            d24 = decay(TAU_24H)[:, 0]
+            ew[:, E_RESID24] = ew[:, E_RESID24] * d24 + np.where(have, resid, 0.0)
+            ew[:, E_RESID24 + 1] = ew[:, E_RESID24 + 1] * d24 + have
+            f[:, _FI["temp_residual_24h"]] = ew[:, E_RESID24] / ew[:, E_RESID24 + 1]
+            cool = have & (therm == 0)
+            ew[:, E_RESID_COOL] = ew[:, E_RESID_COOL] * d24 + np.where(cool, resid, 0.0)
+            ew[:, E_RESID_COOL + 1] = ew[:, E_RESID_COOL + 1] * d24 + cool
+            f[:, _FI["temp_residual_cool_24h"]] = ew[:, E_RESID_COOL] / ew[:, E_RESID_COOL + 1]
             f[~seen, _FI["samples"]] = 0.0
 
         self.ew[slots] = ew
@@ -636,11 +749,17 @@ class GpuFeatureWindows:
         return slots.astype(np.int64), (hop + 1) * self.hop_s, f
 
     # ---- output ----
-    def to_records(self, slots: np.ndarray, ts: np.ndarray, feats: np.ndarray) -> list[FeatureVector]:
+    def to_records(
+        self, slots: np.ndarray, ts: np.ndarray, feats: np.ndarray,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
+    ) -> list[FeatureVector]:
         """FeatureVector records (missing values as None), in (ts, node, gpu) order."""
         if len(slots) == 0:
             return []
         meta = self._meta
+        if job_ranks is None:  # the rows of the last ingest/flush, else each slot's latest
+            same = len(self.closed_job_ranks) == len(slots)
+            job_ranks = self.closed_job_ranks if same else self.job_ranks(slots.tolist())
         order = sorted(
             range(len(slots)), key=lambda i: (ts[i], meta[slots[i]]["node"], meta[slots[i]]["gpu"])
         )
@@ -659,7 +778,7 @@ class GpuFeatureWindows:
             out.append(FeatureVector.model_construct(
                 scope="gpu", ts=float(ts[i]), window_s=self.hop_s, node=m["node"], gpu=m["gpu"],
                 model=m["model"], rack=m["rack"], site=m["site"], values=vals, kind="features",
-                job=self._job[slots[i]], rank=self._rank[slots[i]],
+                job=job_ranks[i][0], rank=job_ranks[i][1],
             ))
         return out
 

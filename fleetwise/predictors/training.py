@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fleetwise.predictors.failure import MODEL_FEATURES, AlertPolicy, FailureModel
-from fleetwise.predictors.features import FEATURE_NAMES, GpuFeatureWindows
+from fleetwise.predictors.features import FEATURE_NAMES, N_INPUT, GpuFeatureWindows, sample_row
 
 HORIZON_H = 48.0  # predict failures within 2 days: long enough for the 12 h lead target
 REPAIR_WINDOW_H = 24.0  # after a failure the GPU is out (or replaced); its hops are not scored
@@ -42,29 +42,90 @@ class FeatureTable:
     def __len__(self) -> int:
         return len(self.ts)
 
+    def first_seen(self, hop_s: float = 600.0) -> dict[tuple[str, int], float]:
+        """(node, gpu) -> start of the GPU's first hop in the table (for visible precursors)."""
+        out: dict[tuple[str, int], float] = {}
+        for key, t in zip(self.keys, self.ts.tolist(), strict=True):
+            if key not in out or t - hop_s < out[key]:
+                out[key] = t - hop_s
+        return out
+
+
+@dataclass
+class RawSamples:
+    """GPU samples as arrays: slot per sample (index into `meta`), ts, INPUT_FIELDS rows.
+
+    The form the feature windows ingest; lets an evaluation keep a trace in memory (or on
+    disk) and recompute features without re-parsing dicts."""
+
+    meta: list[dict[str, Any]]  # per slot: node, gpu, model, rack, site (first-seen order)
+    slots: np.ndarray
+    ts: np.ndarray
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+
+def raw_samples(samples: Iterable[dict[str, Any]], block: int = 200_000) -> RawSamples:
+    """Collect GPU-sample dicts (event-time order) into RawSamples."""
+    slot_of: dict[tuple[str, int], int] = {}
+    meta: list[dict[str, Any]] = []
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    slots: list[int] = []
+    ts: list[float] = []
+    rows: list[list[Any]] = []
+
+    def close_block() -> None:
+        if ts:
+            parts.append((np.array(slots, dtype=np.int64), np.array(ts, dtype=np.float64),
+                          np.array(rows, dtype=np.float64)))
+            slots.clear()
+            ts.clear()
+            rows.clear()
+
+    for s in samples:
+        key = (s["node"], s["gpu"])
+        slot = slot_of.get(key)
+        if slot is None:
+            slot = slot_of[key] = len(meta)
+            meta.append({"node": s["node"], "gpu": int(s["gpu"]), "model": s["model"],
+                         "rack": s.get("rack"), "site": s.get("site")})
+        slots.append(slot)
+        ts.append(s["ts"])
+        rows.append(sample_row(s["metrics"]))
+        if len(ts) >= block:
+            close_block()
+    close_block()
+    if not parts:
+        return RawSamples(meta, np.empty(0, np.int64), np.empty(0), np.empty((0, N_INPUT)))
+    return RawSamples(meta, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                      np.vstack([p[2] for p in parts]))
+
 
 def compute_features(
     samples: Iterable[dict[str, Any]], hop_s: float = 600.0, chunk: int = 20_000
 ) -> FeatureTable:
     """Run GpuFeatureWindows over GPU-sample dicts (event-time order) and collect every hop."""
+    return compute_features_raw(raw_samples(samples), hop_s=hop_s, chunk=chunk)
+
+
+def compute_features_raw(raw: RawSamples, hop_s: float = 600.0, chunk: int = 20_000) -> FeatureTable:
+    """Run GpuFeatureWindows over RawSamples in chunks of `chunk` samples; collect every hop."""
     windows = GpuFeatureWindows(hop_s=hop_s)
+    for m in raw.meta:
+        windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    buf: list[dict[str, Any]] = []
-    for s in samples:
-        buf.append(s)
-        if len(buf) >= chunk:
-            parts.append(windows.ingest_dicts(buf))
-            buf = []
-    if buf:
-        parts.append(windows.ingest_dicts(buf))
+    for k in range(0, len(raw), chunk):
+        parts.append(windows.ingest(raw.slots[k:k + chunk], raw.ts[k:k + chunk], raw.rows[k:k + chunk]))
     parts.append(windows.flush_arrays())
     slots = np.concatenate([p[0] for p in parts])
     ts = np.concatenate([p[1] for p in parts])
     feats = np.vstack([p[2] for p in parts])
     order = np.lexsort((slots, ts))
     slots, ts, feats = slots[order], ts[order], feats[order]
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
     for sl, t in zip(slots.tolist(), ts.tolist(), strict=True):
         first.setdefault(sl, t)
         last[sl] = t
@@ -160,7 +221,7 @@ def fit_failure_model(
     fit_rows = ~calib
     # Small on purpose: ~80 shallow trees keep inference near 10 us per GPU-hop (replay target).
     clf = HistGradientBoostingClassifier(
-        max_iter=80, learning_rate=0.1, max_leaf_nodes=15, min_samples_leaf=40,
+        max_iter=120, learning_rate=0.1, max_leaf_nodes=15, min_samples_leaf=40,
         l2_regularization=1.0, early_stopping=False, random_state=seed,
     )
     clf.fit(x[fit_rows], y[fit_rows], sample_weight=weight[fit_rows])
