@@ -78,3 +78,10 @@ def test_signature_detects_tampering():
     assert verify(cmd)
     assert not verify(cmd.model_copy(update={"params": {"x": 2}}))
     assert not verify(cmd, key=b"another key")
+
+
+def test_rule_alert_reason_names_the_rule_not_the_probability():
+    p = failure("n2", 1).model_copy(update={
+        "probability": 0.04, "signals": [Signal(name="source", value="rule:xid_fatal_memory")]})
+    drain = [c for c in ActionPolicy().process([p]) if c.type == "drain"][0]
+    assert "rule:xid_fatal_memory" in drain.reason and "p=0.04" not in drain.reason

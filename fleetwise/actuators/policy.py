@@ -125,11 +125,11 @@ class ActionPolicy:
         job.drained.add(target)
         self._drained_fleet.add(target)
         job.last_command_ts["drain"] = p.ts
-        signals = ", ".join(f"{s.name}={s.value}" for s in p.signals[:3])
-        reason = (
-            f"predicted {p.type} of {p.node}/gpu{p.gpu} within {p.horizon_h:g} h "
-            f"(p={p.probability:.2f}; {signals})"
-        )
+        source = next((str(s.value) for s in p.signals if s.name == "source"), "model")
+        evidence = ", ".join(f"{s.name}={s.value}" for s in p.signals if s.name != "source")
+        # A rule alert (e.g. a fatal memory XID) stands on the rule, not on the model's probability.
+        basis = source if source.startswith("rule:") else f"model p={p.probability:.2f}"
+        reason = f"predicted {p.type} of {p.node}/gpu{p.gpu} within {p.horizon_h:g} h ({basis}; {evidence})"
         checkpoint = Command(
             id=command_id("checkpoint", job_name, p.node, p.gpu, p.id), type="checkpoint", ts=p.ts,
             job=p.job, node=p.node, gpu=p.gpu, reason=f"checkpoint before drain: {reason}",

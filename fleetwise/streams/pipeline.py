@@ -252,7 +252,9 @@ class ControlPlane:
         if self.failure is not None:
             meta = self.features.slot_meta
             keys = [(m["node"], m["gpu"]) for m in map(meta, slots)]
-            predictions, _ = self.failure.process_arrays(keys, ts, feats)
+            predictions, _ = self.failure.process_arrays(
+                keys, ts, feats, job_ranks=self.features.closed_job_ranks
+            )
             routed.extend(self._route_outputs(predictions))
         return routed
 
