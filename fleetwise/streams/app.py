@@ -26,13 +26,14 @@ at-least-once, state application is exactly-once per key.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import struct
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import faust
 import numpy as np
@@ -50,9 +51,11 @@ STATE_TABLE = "fleetwise-state"
 # batch that produced it (a conservative start point for produce -> output latency).
 INPUT_PRODUCED_AT_HEADER = "fleetwise-input-produced-at"
 # Buckets per partition: one table entry (one changelog message) each. More buckets make
-# entries smaller (Kafka's default max.message.bytes is 1 MiB; a GPU's window state is ~1-2 KB,
-# so 16 buckets hold ~8,000 GPUs per partition) at a fixed cost per checkpointed partition.
-STATE_BUCKETS = 16
+# entries smaller (Kafka's default max.message.bytes is 1 MiB and a GPU's window state is
+# ~2.3 KB, so 64 buckets hold ~25,000 GPUs per partition, ~200,000 per 8-partition topic) at
+# a fixed cost per checkpointed partition. Placement depends on it: changing it needs a new
+# app id (or an empty changelog).
+STATE_BUCKETS = 64
 # Processors with at most this many keys are compared in full at every checkpoint (cheap, and
 # catches job-level state such as the action policy's that a GPU sample can change).
 SMALL_PROCESSOR_KEYS = 256
@@ -208,9 +211,13 @@ class StreamProcessor:
         topic_prefix: str = "",
         state_partitions: int = T.TELEMETRY_GPU.partitions,
         state_buckets: int = STATE_BUCKETS,
+        changelog: Callable[[int, str, bytes], Any] | None = None,
     ) -> None:
         self.control = control
         self.table = table  # faust Table (uses .data and .send_changelog) or a stand-in
+        # (partition, key, entry) -> None, or an awaitable giving a delivery future; the
+        # default is faust's send_changelog (buffered, not awaited).
+        self.changelog = changelog or table.send_changelog
         self.send = send  # async (topic, key, value, headers) -> awaitable delivery future
         self.prefix = topic_prefix
         self.state_partitions = state_partitions
@@ -314,7 +321,8 @@ class StreamProcessor:
     # -- one batch -------------------------------------------------------------------------
     async def process_events(self, topic: str, events: Sequence[Any]) -> list[Routed]:
         """Decode, handle and publish one batch of faust events of `topic` (a registry name).
-        Outputs are sent, not awaited: `checkpoint` waits for them. Returns what was routed."""
+        Outputs are sent, not awaited: the next checkpoint waits for them. Returns what was
+        routed."""
         t0 = time.perf_counter()
         records: list[Record] = []
         produced: list[float] = []
@@ -370,12 +378,6 @@ class StreamProcessor:
                   len(records), dead, len(routed), 1000 * (time.perf_counter() - t0))
         return routed
 
-    async def flush_outputs(self) -> None:
-        """Wait until the broker acknowledged every output sent so far (raises if one failed)."""
-        pending, self._pending = self._pending, []
-        if pending:
-            await asyncio.gather(*pending)
-
     def _changed_small_keys(self) -> Iterable[str]:
         """Keys of small processors (other than the feature windows) whose state changed."""
         per_processor: dict[str, list[str]] = {}
@@ -392,24 +394,24 @@ class StreamProcessor:
                 if json.dumps(self.control.state(full), sort_keys=True) != self._small_text.get(full):
                     yield full
 
-    async def checkpoint(self) -> int:
-        """Wait for the outputs sent so far, then write every bucket of each partition changed
-        since the last checkpoint to the table (and its changelog). Ack the input events only
-        after it returns. Returns the number of entries written."""
-        await self.flush_outputs()
+    def snapshot(self) -> Snapshot:
+        """Encode the state of every bucket of each partition changed since the last snapshot
+        (synchronous: CPU only) and put it in the table's local data. The outputs sent so far
+        travel with it: `write` waits for them before the entries go to the changelog."""
+        outputs, self._pending = self._pending, []
         dirty = set(self._dirty)
         self._dirty = set()
         for full in self._changed_small_keys():
             dirty.add(self.place(full.partition(":")[2])[0])
+        entries: list[tuple[int, str, bytes]] = []
         if not dirty:
-            return 0
+            return Snapshot(outputs, entries)
         groups: dict[tuple[int, int], dict[str, list[str]]] = {}
         for full in self.control.keys():  # noqa: SIM118 - ControlPlane is not a mapping
             name, _, inner = full.partition(":")
             where = self.place(inner)
             if where[0] in dirty:
                 groups.setdefault(where, {}).setdefault(name, []).append(full)
-        written = 0
         for partition in sorted(dirty):
             offsets = {tp: off for tp, off in self._last_offset.items()
                        if tp.rpartition(":")[2] == str(partition)}
@@ -430,12 +432,37 @@ class StreamProcessor:
                 key = self.table_key(partition, bucket)
                 self._state_bytes += len(value) - len(self._written.get(key, b""))
                 self.table.data[key] = value
-                self.table.send_changelog(partition, key, value)
                 self._written[key] = value
-                written += 1
+                entries.append((partition, key, value))
         M.WINDOW_STATE_KEYS.set(len(self._place))
         M.WINDOW_STATE_BYTES.set(self._state_bytes)
-        return written
+        return Snapshot(outputs, entries)
+
+    async def write(self, snapshot: Snapshot) -> int:
+        """Wait until the broker acknowledged the snapshot's outputs, then write its entries
+        to the changelog and wait for those too. Ack the inputs the snapshot covers only
+        after this returns. Returns the number of entries written."""
+        if snapshot.outputs:
+            await asyncio.gather(*snapshot.outputs)
+        deliveries = []
+        for partition, key, value in snapshot.entries:
+            sent = self.changelog(partition, key, value)
+            if inspect.isawaitable(sent):
+                deliveries.append(await sent)
+        if deliveries:
+            await asyncio.gather(*deliveries)
+        return len(snapshot.entries)
+
+    async def checkpoint(self) -> int:
+        """`snapshot` then `write`: everything processed so far is saved when it returns."""
+        return await self.write(self.snapshot())
+
+
+class Snapshot(NamedTuple):
+    """Output deliveries to wait for, then table entries (partition, key, value) to write."""
+
+    outputs: list[asyncio.Future]
+    entries: list[tuple[int, str, bytes]]
 
 
 def _observe(topic: str, produced: Sequence[float]) -> None:
@@ -459,6 +486,7 @@ def make_app(
     session_timeout_s: float = 10.0,
     commit_interval_s: float = 1.0,
     checkpoint_interval_s: float = 5.0,
+    state_buckets: int = STATE_BUCKETS,
     **settings: Any,
 ) -> faust.App:
     """The faust app: topics from the registry, the telemetry / steps / context agents and
@@ -509,25 +537,50 @@ def make_app(
     async def send(topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> Any:
         return await app.producer.send(topic, key, value, partition=None, timestamp=None, headers=headers)
 
+    async def changelog(partition: int, key: str, value: bytes) -> Any:
+        # Straight to the producer (force: not attached to the current event), not through
+        # faust's send_changelog buffer: that buffer is drained one message at a time and,
+        # while it holds more than 100 messages, faust stops delivering input to the streams.
+        return await table.changelog_topic.send(key=key, value=value, partition=partition, force=True)
+
     processor = StreamProcessor(control, table, send, topic_prefix=topic_prefix,
-                                state_partitions=state_partitions)
+                                state_partitions=state_partitions, state_buckets=state_buckets,
+                                changelog=changelog)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
     # Input events stay un-acked (so their offsets are not committed) until a checkpoint has
     # waited for their outputs and written the state they changed: take_events acks each
-    # event once, and the extra reference taken here holds the commit back until
-    # `checkpoint_now` releases it.
+    # event once, and the extra reference taken here holds the commit back until the
+    # checkpoint releases it. A checkpoint encodes the state under the lock (CPU, ~50 ms for
+    # 8,000 GPUs) and then waits for the broker in a task of its own, so consumption goes on
+    # meanwhile; checkpoints are written one after the other.
     lock = asyncio.Lock()
     held: list[tuple[faust.StreamT, Any]] = []
     last_checkpoint = [time.monotonic()]
+    writing: list[asyncio.Task] = []
+
+    async def write_and_ack(snapshot: Snapshot, events: list[tuple[faust.StreamT, Any]],
+                            previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await previous  # entries of a partition reach the changelog in snapshot order
+        await processor.write(snapshot)
+        for stream, event in events:
+            await stream.ack(event)
 
     async def checkpoint_now() -> None:
-        await processor.checkpoint()
-        for stream, event in held:
-            await stream.ack(event)
+        """Call with `lock` held."""
+        snapshot = processor.snapshot()
+        events = list(held)
         held.clear()
         last_checkpoint[0] = time.monotonic()
+        previous = writing.pop() if writing else None
+        if previous is not None and previous.done():
+            previous.result()  # a failed write fails the agent (faust logs and restarts it)
+            previous = None
+        task = asyncio.ensure_future(write_and_ack(snapshot, events, previous))
+        task.add_done_callback(_log_failed_checkpoint)
+        writing.append(task)
 
     async def consume(stream: faust.StreamT, topic: str) -> None:
         async for events in stream.take_events(take_max, within=take_within_s):
@@ -570,6 +623,12 @@ def make_app(
                     M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
 
     return app
+
+
+def _log_failed_checkpoint(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("checkpoint failed; its inputs stay un-acked (re-delivered after a restart): %r",
+                  task.exception())
 
 
 def _update_lag(app: faust.App, events: Sequence[Any]) -> None:
