@@ -182,11 +182,11 @@ def poisson_upper(k: int, conf: float = 0.95) -> float:
     return float(chi2.ppf(conf, 2 * (k + 1)) / 2)
 
 
-def explain(spec: TraceSpec, metrics: dict, table: FeatureTable, preds: list, probs: np.ndarray) -> None:
+def explain(spec: TraceSpec, metrics: dict, table: FeatureTable | None, preds: list, probs: Any) -> None:
     """Print every miss (with the highest probability it reached) and every false alarm (signals)."""
     rows_by_key: dict[tuple[str, int], np.ndarray] = {}
-    keys = np.array([f"{n}/{g}" for n, g in table.keys])
-    for f in metrics["failure_rows"]:
+    keys = np.array([f"{n}/{g}" for n, g in table.keys]) if table is not None else np.array([])
+    for f in metrics["failure_rows"] if table is not None else ():
         pre = f["precursor_h"]
         ok = f["lead_h"] is not None and f["lead_h"] >= (LEAD_12H if (pre or 0) >= 18 else LEAD_30MIN_H)
         if ok or pre is None:
@@ -269,6 +269,7 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--explain", action="store_true", help="list every miss and false alarm")
     ap.add_argument("--policy", default=None, help="override the alert policy: 'hi,k,k_memory' (lo = hi/2)")
+    ap.add_argument("--only", default=None, help="comma-separated trace names (e.g. fa-401)")
     ap.add_argument("--tune", action="store_true", help="sweep the alert policy on the val traces")
     args = ap.parse_args()
     predictor = FailurePredictor.load(args.model_dir)
@@ -293,6 +294,8 @@ def main() -> None:
                   "precision", "FA/1k GPU-d", "hot flagged", "AUPRC", "lead p10/med/p90 h", "cpu s")
         print(" | ".join(header))
         for spec in SETS[set_name]:
+            if args.only and spec.name not in args.only.split(","):
+                continue
             t0 = time.process_time()
             if set_name == "fa":
                 metrics, table, preds, probs = evaluate_stream(spec, predictor)
@@ -326,7 +329,7 @@ def main() -> None:
                   f"{f['long_precursor_not_visible']}")
             print("    by class, caught >=30 min / >=12 h of n: "
                   + ", ".join(f"{c} {by_class[c]} / {by_class12[c]}" for c in by_class))
-            if args.explain and table is not None:
+            if args.explain:
                 explain(spec, metrics, table, preds, probs)
         lp, wp, ab = (pooled[k] for k in ("recall_long_precursor_12h", "recall_with_precursor_30min",
                                           "recall_abrupt_30min"))

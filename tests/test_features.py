@@ -266,3 +266,28 @@ def test_a_replaced_board_starts_without_the_old_boards_history() -> None:
     reboot = [sample(i, **{SBE: 0, agg: 550}) for i in range(60, 80)]
     kept = (ref.process_dicts(old + reboot) + ref.flush())[-1].values
     assert kept["sbe_vol_24h"] > 40
+
+
+def _pcie_series(per_hop: list[int]) -> list[dict]:
+    out, total = [], 0
+    for i in range(len(per_hop) * 10):
+        if i % 10 == 0:
+            total += per_hop[i // 10]
+        out.append(sample(i, **{"DCGM_FI_DEV_PCIE_REPLAY_COUNTER": total}))
+    return out
+
+
+def _last(per_hop: list[int]) -> dict:
+    fw = windows()
+    return (fw.process_dicts(_pcie_series(per_hop)) + fw.flush())[-1].values
+
+
+def test_surprise_is_against_the_gpus_own_observed_baseline() -> None:
+    day = 144  # hops
+    quiet_then_burst = _last([0] * (2 * day) + [6])
+    noisy_then_one = _last([1 if h % 6 == 0 else 0 for h in range(2 * day)] + [1])  # ~1 per hour
+    new_gpu_burst = _last([0, 0, 6])  # seen for 30 min: no baseline to be surprised by
+    assert quiet_then_burst["pcie_surprise"] > 5
+    assert noisy_then_one["pcie_surprise"] < 1
+    assert new_gpu_burst["pcie_surprise"] < quiet_then_burst["pcie_surprise"] / 3
+    assert quiet_then_burst["pcie_accel"] > noisy_then_one["pcie_accel"]

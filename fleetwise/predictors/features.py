@@ -30,6 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from scipy.special import gammainc
 
 from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
 from fleetwise.schemas._base import DCGM_BLANKS, DCGM_INT32_BLANK, DCGM_INT64_BLANK
@@ -113,7 +114,9 @@ ACTIVE_GROUPS = {
     "nvl": ("nvl_crc_flit", "nvl_crc_data", "nvl_replay", "nvl_recovery"),
     "pcie": ("pcie_replay",),
 }
-ACTIVE_TAUS = {"1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0}
+ACTIVE_TAUS = {"1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0, "7d": 7 * 24 * 3600.0}
+SURPRISE_FLOOR_PER_H = 0.01  # baseline error rate assumed for a GPU with none in its week
+SURPRISE_MAX = 30.0
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
 # the same mechanism (HBM/GDDR sparing), so the model sees them merged.
 REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
@@ -161,8 +164,8 @@ E_CLK_SLOW = 18  # num, den (7 d)
 E_THERMDUTY = 20  # num, den (6 h)
 E_COUNT = 22  # counters then xid classes then resets, x 4 time scales
 N_EVENT = N_COUNTER + N_XID + 1
-E_ACTIVE = E_COUNT + len(COUNT_TAUS) * N_EVENT  # active-hop shares: (groups + 1 den) x 2 scales
-E_RESID24 = E_ACTIVE + 2 * (len(ACTIVE_GROUPS) + 1)  # num, den (24 h)
+E_ACTIVE = E_COUNT + len(COUNT_TAUS) * N_EVENT  # active-hop shares: (groups + 1 den) per scale
+E_RESID24 = E_ACTIVE + len(ACTIVE_TAUS) * (len(ACTIVE_GROUPS) + 1)  # num, den (24 h)
 E_RESID_COOL = E_RESID24 + 2  # num, den (24 h, hops without thermal throttling)
 E_STREAK = E_RESID_COOL + 2  # consecutive hops with new errors, per active group
 N_EW = E_STREAK + len(ACTIVE_GROUPS)
@@ -196,6 +199,7 @@ def _feature_names() -> list[str]:
     names += [f"{g}_active_{scale}" for scale in ACTIVE_TAUS for g in ACTIVE_GROUPS]
     names += [f"{g}_accel" for g in ACTIVE_GROUPS]
     names += [f"{g}_streak_h" for g in ACTIVE_GROUPS]
+    names += [f"{g}_surprise" for g in ACTIVE_GROUPS]
     names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
     names += ["temp_residual_24h", "temp_residual_cool_24h"]
     return names
@@ -695,7 +699,10 @@ class GpuFeatureWindows:
 
             # Persistence: EW share of hops with any new error in the group; acceleration:
             # log of the recent rate (6 h for SBE, 1 h for links) over the GPU's own 7-day
-            # rate, +0.1/h so a quiet GPU reads 0.
+            # rate, +0.1/h so a quiet GPU reads 0; surprise: -log10 of the Poisson chance of
+            # at least the recent count at the GPU's own weekly rate. Rates divide the EW
+            # sums by the EW hop count of the same time constant, i.e. by the time actually
+            # observed: a GPU seen for an hour has no week of baseline to be surprised by.
             deltas = a[:, A_DELTA:A_DELTA + N_COUNTER]
             n_groups = len(ACTIVE_GROUPS)
             for j, tau in enumerate(ACTIVE_TAUS.values()):
@@ -721,12 +728,21 @@ class GpuFeatureWindows:
                 vals = [f[:, _FI[f"{c}_{scale}"]] for c in cs]
                 return np.maximum.reduce(vals) if cs == ACTIVE_GROUPS["sbe"] else sum(vals)
 
-            for g, cs, recent, hours in (("sbe", ACTIVE_GROUPS["sbe"], "6h", 6.0),
-                                         ("nvl", ACTIVE_GROUPS["nvl"], "1h", 1.0),
-                                         ("pcie", ACTIVE_GROUPS["pcie"], "1h", 1.0)):
-                rate_recent = group_count(cs, recent) / hours
-                rate_week = group_count(cs, "7d") / (TAU_7D / 3600.0)
+            def observed_h(scale: str) -> np.ndarray:
+                j = list(ACTIVE_TAUS).index(scale)
+                return ew[:, E_ACTIVE + j * (n_groups + 1) + n_groups] * (self.hop_s / 3600.0)
+
+            for g, cs, recent in (("sbe", ACTIVE_GROUPS["sbe"], "6h"), ("nvl", ACTIVE_GROUPS["nvl"], "1h"),
+                                  ("pcie", ACTIVE_GROUPS["pcie"], "1h")):
+                n_recent = group_count(cs, recent)
+                window_h = observed_h(recent)
+                rate_recent = n_recent / window_h
+                rate_week = group_count(cs, "7d") / observed_h("7d")
                 f[:, _FI[f"{g}_accel"]] = np.log((rate_recent + 0.1) / (rate_week + 0.1))
+                lam = np.maximum(rate_week, SURPRISE_FLOOR_PER_H) * window_h
+                tail = gammainc(np.maximum(n_recent, 1e-9), lam)  # P(N >= n) for Poisson(lam)
+                surprise = np.where(n_recent > 0, -np.log10(np.maximum(tail, 1e-300)), 0.0)
+                f[:, _FI[f"{g}_surprise"]] = np.minimum(surprise, SURPRISE_MAX)
             for scale in ("6h", "24h", "7d"):
                 f[:, _FI[f"mem_repairs_{scale}"]] = sum(f[:, _FI[f"{c}_{scale}"]] for c in REPAIR_COUNTERS)
             f[:, _FI["mem_repair_pending"]] = np.fmax(levels[:, 1], levels[:, 2])

@@ -16,8 +16,8 @@ import numpy as np
 
 from fleetwise.predictors.features import FEATURE_NAMES
 
-SIGNALS_TO_PLOT = ("temp_residual_6h", "sbe_vol_24h", "remap_corr_24h", "nvl_crc_flit_24h", "pcie_replay_24h",
-                   "clock_ratio_6h", "thermal_duty_6h")
+SIGNALS_TO_PLOT = ("temp_residual_6h", "sbe_vol_24h", "sbe_active_6h", "mem_repairs_24h", "nvl_crc_flit_24h",
+                   "pcie_replay_24h", "clock_ratio_6h", "thermal_duty_6h")
 MAX_FAILURE_PLOTS = 24
 WINDOW_BEFORE_H, WINDOW_AFTER_H = 72.0, 6.0
 
