@@ -271,18 +271,24 @@ class StreamProcessor:
         entries this worker did not write (recovered after a rebalance or a restart)."""
         data = self.table.data
         foreign: list[tuple[int, Any]] = []
+        present: list[tuple[int, Any]] = []
         for b in range(self.state_buckets):
             key = self.table_key(partition, b)
             value = data.get(key)
             mine = self._written.get(key)
-            if value is not None and value is not mine and value != mine:
-                foreign.append((b, value))
+            if value is not None:
+                present.append((b, value))
+                if value is not mine and value != mine:
+                    foreign.append((b, value))
         if partition in self._synced and not foreign:
             return
         self._synced.add(partition)
         if not foreign:
             return
         bucket_offsets: dict[str, dict[int, int]] = {}
+        for b, value in present:  # this worker's own entries count with their offsets too
+            for tp, offset in decode_entry(value)[0].get("offsets", {}).items():
+                bucket_offsets.setdefault(tp, {})[b] = int(offset)
         restored = 0
         for b, value in foreign:
             header, blob = decode_entry(value)
@@ -292,8 +298,6 @@ class StreamProcessor:
                 self.control.restore(full, state)
                 self._small_text[full] = json.dumps(state, sort_keys=True)
                 restored += 1
-            for tp, offset in header.get("offsets", {}).items():
-                bucket_offsets.setdefault(tp, {})[b] = int(offset)
             key = self.table_key(partition, b)
             self._state_bytes += len(value) - len(self._written.get(key, b""))
             self._written[key] = value
