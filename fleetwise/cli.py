@@ -587,7 +587,8 @@ def _write_report(path: Path, decisions: list, labels: Path | None) -> None:
 predictor_app = typer.Typer(help="Failure predictor: reproducible training.", no_args_is_help=True)
 app.add_typer(predictor_app, name="predictor")
 
-TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32"
+# The packaged model's training set (defaults reproduce it; docs/predictors.md).
+TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32;a100-sxm-80gb:96,h200:32"
 
 
 def _iter_jsonl(path: Path):  # noqa: ANN202 - Iterator[dict]
@@ -608,28 +609,48 @@ def _read_jsonl(path: Path) -> list[dict]:
     return list(_iter_jsonl(path))
 
 
-def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: float):  # noqa: ANN202
-    from fleetwise.predictors.training import compute_features
+def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: float,  # noqa: ANN202
+               cache: Path | None = None):
+    """Features and labels of one simulator trace; with `cache`, the raw sample arrays and labels
+    are kept there (same config -> same file), so a retrain skips the simulation."""
+    import numpy as np
+
+    from fleetwise.predictors.training import RawSamples, compute_features_raw, raw_samples
     from fleetwise.sim import FleetSimulator, SimConfig, SimConfigError
 
+    name = f"{mix.replace(':', 'x').replace(',', '_')}-d{days:g}-s{seed}-r{failure_rate:g}-i{interval:g}"
+    if cache is not None and (cache / f"{name}.npz").exists() and (cache / f"{name}.labels.json").exists():
+        d = np.load(cache / f"{name}.npz")
+        raw = RawSamples(json.loads(str(d["meta"])), d["slots"], d["ts"], d["rows"])
+        return compute_features_raw(raw), json.loads((cache / f"{name}.labels.json").read_text())
     try:
         sim = FleetSimulator(SimConfig(gpus=mix, days=days, seed=seed, sample_interval_s=interval,
                                        failure_rate_per_1000_gpu_days=failure_rate))
     except (SimConfigError, ValueError) as exc:
         fail(f"--mixes {mix!r}: {exc}")
-    table = compute_features(s for tick in sim.ticks() for s in tick.samples)
-    return table, sim.labels()
+    raw = raw_samples(s for tick in sim.ticks() for s in tick.samples)
+    labels = sim.labels()
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        np.savez(cache / f"{name}.npz", meta=json.dumps(raw.meta), slots=raw.slots, ts=raw.ts, rows=raw.rows)
+        (cache / f"{name}.labels.json").write_text(json.dumps(labels))
+    return compute_features_raw(raw), labels
 
 
 @predictor_app.command("train")
 def predictor_train(
     out_dir: Path = typer.Option(Path("fleetwise/predictors/models"), "--out-dir", help="Model folder."),
-    seeds: str = typer.Option("101,102,103", help="Simulator seeds, comma-separated (one trace per seed)."),
+    seeds: str = typer.Option("101,102,103,104,105,106",
+                              help="Simulator seeds, comma-separated (one trace per seed)."),
     mixes: str = typer.Option(TRAIN_MIXES, help="Fleet mixes, ';'-separated, used round-robin over seeds."),
-    days: float = typer.Option(14.0, min=1.0, help="Days per training trace."),
+    days: float = typer.Option(10.0, min=1.0, help="Days per training trace."),
     failure_rate: float = typer.Option(40.0, help="Failures per 1,000 GPU-days in training traces."),
-    interval: float = typer.Option(120.0, help="Sample interval of training traces, s."),
+    intervals: str = typer.Option("60,120,300,120", "--interval", "--intervals",
+                                  help="Sample interval(s) of training traces, s; comma-separated, "
+                                  "round-robin."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
+    cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
+                                      "a rerun with the same settings skips the simulation)."),
 ) -> None:
     """Generate simulator traces from SEEDS, build the dataset, fit and write the model."""
     import time
@@ -651,11 +672,18 @@ def predictor_train(
     mix_list = [m.strip() for m in mixes.split(";") if m.strip()]
     if not seed_list or not mix_list:
         fail("need at least one seed and one fleet mix")
+    try:
+        interval_list = [float(v) for v in intervals.split(",") if v.strip()]
+    except ValueError:
+        fail(f"--interval must be comma-separated numbers of seconds, got {intervals!r}")
+    if not interval_list or min(interval_list) <= 0:
+        fail(f"--interval must be positive seconds, got {intervals!r}")
     xs, ys, hours, groups = [], [], [], []
     offset, started, n_fail = 0, time.time(), 0
     for i, seed in enumerate(seed_list):
         mix = mix_list[i % len(mix_list)]
-        table, labels = _sim_table(mix, days, seed, failure_rate, interval)
+        interval = interval_list[i % len(interval_list)]
+        table, labels = _sim_table(mix, days, seed, failure_rate, interval, cache)
         lab = label_rows(table, labels, HORIZON_H)
         g = gpu_groups(table.keys) + offset
         offset = int(g.max()) + 1
@@ -665,17 +693,18 @@ def predictor_train(
         hours.append(lab.hours_to_failure[m])
         groups.append(g[m])
         n_fail += sum(1 for x in labels if x["kind"] == "failure")
-        console.print(f"seed {seed} ({mix}): {table.samples:,} samples, {len(table):,} GPU-hops, "
+        console.print(f"seed {seed} ({mix}, {interval:g} s): {table.samples:,} samples, "
+                      f"{len(table):,} GPU-hops, "
                       f"{int(lab.y[m].sum())} positive hops used")
     import sklearn
 
     from fleetwise.predictors.failure import MODEL_FEATURES, feature_schema_hash
 
     command = (f"fleetwise predictor train --out-dir {out_dir} --seeds {seeds} --mixes '{mixes}' "
-               f"--days {days} --failure-rate {failure_rate} --interval {interval} --fit-seed {fit_seed}")
+               f"--days {days} --failure-rate {failure_rate} --interval {intervals} --fit-seed {fit_seed}")
     meta = {"version": f"1.0+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
             "training_command": command, "seeds": seed_list, "mixes": mix_list, "days": days,
-            "failure_rate_per_1000_gpu_days": failure_rate, "sample_interval_s": interval,
+            "failure_rate_per_1000_gpu_days": failure_rate, "sample_interval_s": interval_list,
             "fit_seed": fit_seed, "failures_in_training": n_fail, "sklearn": sklearn.__version__}
     model = fit_failure_model(np.vstack(xs), np.concatenate(ys), np.concatenate(hours),
                               np.concatenate(groups), seed=fit_seed, metadata=meta)
@@ -736,7 +765,7 @@ def backtest_cmd(
     mask = lab.score_mask
     metrics = score_all(predictions + strag_preds, label_list, gpu_days=table.gpu_days,
                         horizon_h=predictor.model.horizon_h, job_hours=job_hours, steps=steps or None,
-                        hop_labels=lab.y[mask], hop_probs=probs[mask])
+                        hop_labels=lab.y[mask], hop_probs=probs[mask], first_seen=table.first_seen())
     metrics["model"] = {k: predictor.model.metadata.get(k) for k in ("version", "training_command")}
     if report is not None:
         from fleetwise.predictors.report import write_backtest_report
