@@ -102,6 +102,13 @@ def main() -> None:
           f"Python {platform.python_version()}, CPU time of one thread")
     print(f"| {'pipeline':<44} | {'samples':>10} | {'CPU s':>7} | {'samples/s':>10} | target |")
     print(f"|{'-' * 46}|{'-' * 12}|{'-' * 9}|{'-' * 12}|--------|")
+    # The floor every JSON pipeline pays: parsing the lines, nothing else (compare as a ratio).
+    start = time.process_time()
+    for line in lines:
+        json.loads(line)
+    elapsed = time.process_time() - start
+    print(f"| {'json.loads only (parsing floor, no validation)':<44} | {len(lines):>10,} | {elapsed:>7.2f} | "
+          f"{len(lines) / elapsed:>10,.0f} | |")
     for label, pred in (("validation + features", False), ("validation + features + predictors", True)):
         elapsed, n, outputs = run(lines, pred)
         rate = n / elapsed if elapsed else float("inf")
