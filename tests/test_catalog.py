@@ -363,3 +363,14 @@ def test_catalog_table_renders() -> None:
     text = console.export_text()
     assert "h100-sxm" in text and "rubin*" in text and "mi300x" in text
     assert isinstance(catalog_table([]), Table)
+
+
+def test_parse_gpu_counts_is_the_one_spec_parser():
+    from fleetwise.catalog import CatalogError, parse_gpu_counts
+
+    parts = parse_gpu_counts("h100-sxm:16, NVIDIA B200:8")
+    assert [(g.id, n) for g, n in parts] == [("h100-sxm", 16), ("b200", 8)]
+    with pytest.raises(CatalogError, match="closest known ids"):
+        parse_gpu_counts("h100-smx:4")
+    with pytest.raises(CatalogError, match="has no count"):
+        parse_gpu_counts("h100-sxm")

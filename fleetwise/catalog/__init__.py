@@ -15,6 +15,7 @@ from fleetwise.catalog.gpus import (
     catalog_rows,
     lookup,
     normalize_dtype,
+    parse_gpu_counts,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "catalog_table",
     "lookup",
     "normalize_dtype",
+    "parse_gpu_counts",
 ]
 
 

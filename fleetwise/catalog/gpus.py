@@ -39,6 +39,7 @@ __all__ = [
     "all_gpus",
     "catalog_rows",
     "lookup",
+    "parse_gpu_counts",
     "normalize_dtype",
 ]
 
@@ -453,6 +454,40 @@ def lookup(name: str | GpuSpec) -> GpuSpec:
     if gpu_id is None:
         raise UnknownGpuError(name, _catalog().suggest(name))
     return _catalog().by_id[gpu_id]
+
+
+def parse_gpu_counts(spec: str) -> list[tuple[GpuSpec, int]]:
+    """Parse ``"h100-sxm:16,b200:16"`` (any name `lookup` resolves) into (GpuSpec, count) pairs.
+
+    The one parser of GPU specs: the planner and the simulator both use it. Raises
+    `CatalogError` (a ValueError) naming the bad entry; unknown names list the closest ids.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise CatalogError("GPU spec is empty; expected e.g. 'h100-sxm:16,b200:16'")
+    out: list[tuple[GpuSpec, int]] = []
+    for raw in spec.split(","):
+        part = raw.strip()
+        if not part:
+            raise CatalogError(f"GPU spec {spec!r} has an empty entry; expected NAME:COUNT,NAME:COUNT")
+        name, _, count_text = part.rpartition(":")
+        if not name:
+            raise CatalogError(
+                f"GPU spec entry {part!r} has no count; expected NAME:COUNT, e.g. 'h100-sxm:8'"
+            )
+        name, count_text = name.strip(), count_text.strip()
+        try:
+            count = int(count_text)
+        except ValueError:
+            raise CatalogError(
+                f"GPU spec entry {part!r}: count {count_text!r} is not a whole number"
+            ) from None
+        if count < 1:
+            raise CatalogError(f"GPU spec entry {part!r}: count must be at least 1, got {count}")
+        try:
+            out.append((lookup(name), count))
+        except UnknownGpuError as exc:
+            raise CatalogError(str(exc)) from None
+    return out
 
 
 def all_gpus() -> tuple[GpuSpec, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
+from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup, parse_gpu_counts
 from fleetwise.schemas import NodeInventory
 
 # Default NIC bandwidth per node: one 400 Gb/s port (ConnectX-7 / NDR InfiniBand) = 50 GB/s.
@@ -79,30 +79,9 @@ def parse_gpu_spec(spec: str, *, network_gbs: float = DEFAULT_NETWORK_GBS) -> Cl
     named ``<id>-n000``, ``<id>-n001``, ...; a node's GPUs share NVLink domains of the
     catalog's ``nvlink_domain`` size. Raises ``ValueError`` with a specific message.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError("GPU spec is empty; expected e.g. 'h100-sxm:16,b200:16'")
     slots: list[GpuSlot] = []
     next_node: dict[str, int] = {}
-    for raw in spec.split(","):
-        part = raw.strip()
-        if not part:
-            raise ValueError(f"GPU spec {spec!r} has an empty entry; expected NAME:COUNT,NAME:COUNT")
-        name, _, count_text = part.rpartition(":")
-        if not name:
-            raise ValueError(f"GPU spec entry {part!r} has no count; expected NAME:COUNT, e.g. 'h100-sxm:8'")
-        name, count_text = name.strip(), count_text.strip()
-        try:
-            count = int(count_text)
-        except ValueError:
-            raise ValueError(
-                f"GPU spec entry {part!r}: count {count_text!r} is not a whole number"
-            ) from None
-        if count < 1:
-            raise ValueError(f"GPU spec entry {part!r}: count must be at least 1, got {count}")
-        try:
-            gpu_spec = lookup(name)
-        except UnknownGpuError as exc:
-            raise ValueError(str(exc)) from None
+    for gpu_spec, count in parse_gpu_counts(spec):
         node_size = max(DEFAULT_NODE_GPUS, gpu_spec.nvlink_domain)
         domain = max(1, min(gpu_spec.nvlink_domain, node_size))
         made = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
+from fleetwise.catalog import CatalogError, GpuSpec, parse_gpu_counts
 
 # Classes of GPU hardware failure the simulator injects, and their share of failures.
 # Llama 3 (REFERENCE.md: 419 interruptions on 16,384 H100 over 54 days) attributes ~30% to
@@ -123,36 +123,16 @@ def nvml_name(spec: GpuSpec) -> str:
 
 
 def parse_gpu_spec(spec: str) -> list[tuple[GpuSpec, int]]:
-    """Parse "h100-sxm:32,b200:16" (any name the catalog resolves) into (GpuSpec, count) pairs.
-
-    The count may be omitted (means 1). Raises SimConfigError with the offending item.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise SimConfigError("GPU spec is empty; expected e.g. 'h100-sxm:32,b200:16'")
-    out: list[tuple[GpuSpec, int]] = []
-    for raw in spec.split(","):
-        item = raw.strip()
-        if not item:
-            continue
-        name, sep, count_text = item.rpartition(":")
-        if not sep:
-            name, count_text = item, "1"
-        try:
-            count = int(count_text)
-        except ValueError:
-            raise SimConfigError(f"GPU count in {item!r} is not an integer") from None
-        if count < 1:
-            raise SimConfigError(f"GPU count in {item!r} must be >= 1")
-        try:
-            gpu = lookup(name.strip())
-        except UnknownGpuError as exc:
-            raise SimConfigError(f"{exc} (in GPU spec item {item!r})") from None
+    """Parse "h100-sxm:32,b200:16" with the catalog's parser; NVIDIA GPUs only (the simulator
+    writes DCGM fields). Raises SimConfigError naming the offending entry."""
+    try:
+        parts = parse_gpu_counts(spec)
+    except CatalogError as exc:
+        raise SimConfigError(str(exc)) from None
+    for gpu, _ in parts:
         if gpu.vendor != "NVIDIA":
             raise SimConfigError(
                 f"GPU {gpu.id!r} is {gpu.vendor}, without DCGM telemetry; the simulator writes DCGM fields "
                 "(NVIDIA only)"
             )
-        out.append((gpu, count))
-    if not out:
-        raise SimConfigError("GPU spec lists no GPUs; expected e.g. 'h100-sxm:32,b200:16'")
-    return out
+    return parts
