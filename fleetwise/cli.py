@@ -723,11 +723,8 @@ def backtest_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
-    from fleetwise.predictors.backtest import metrics_rows, score_all
+    from fleetwise.predictors.backtest import backtest_trace, metrics_rows
     from fleetwise.predictors.failure import FailurePredictor, FeatureSchemaError
-    from fleetwise.predictors.stragglers import StragglerDetector
-    from fleetwise.predictors.training import compute_features, label_rows
-    from fleetwise.schemas import Prediction
 
     _existing([trace, labels], "file")
     try:
@@ -746,32 +743,16 @@ def backtest_cmd(
             elif "step_time_s" in r:
                 steps.append(r)
 
-    table = compute_features(gpu_samples())
-    if len(table) == 0:
-        fail(f"{trace}: no GPU samples")
-    lab = label_rows(table, label_list, predictor.model.horizon_h)
-    predictions, probs = predictor.process_arrays(table.keys, table.ts, table.features)
-    strag_preds: list[Prediction] = []
-    job_span: dict[str, list[float]] = {}
-    if steps:
-        detector = StragglerDetector()
-        for k in range(0, len(steps), 4096):
-            strag_preds += [p for p in detector.process(steps[k:k + 4096]) if isinstance(p, Prediction)]
-        strag_preds += [p for p in detector.flush() if isinstance(p, Prediction)]
-        for s in steps:
-            span = job_span.setdefault(s["job"], [s["ts"], s["ts"]])
-            span[0], span[1] = min(span[0], s["ts"]), max(span[1], s["ts"])
-    job_hours = sum(b - a for a, b in job_span.values()) / 3600.0
-    mask = lab.score_mask
-    metrics = score_all(predictions + strag_preds, label_list, gpu_days=table.gpu_days,
-                        horizon_h=predictor.model.horizon_h, job_hours=job_hours, steps=steps or None,
-                        hop_labels=lab.y[mask], hop_probs=probs[mask], first_seen=table.first_seen())
-    metrics["model"] = {k: predictor.model.metadata.get(k) for k in ("version", "training_command")}
+    try:
+        run = backtest_trace(gpu_samples(), steps, label_list, predictor)
+    except ValueError as exc:
+        fail(f"{trace}: {exc}")
+    metrics = run.metrics
     if report is not None:
         from fleetwise.predictors.report import write_backtest_report
 
-        write_backtest_report(report, metrics, label_list, table.keys, table.ts, probs, table.features,
-                              predictions)
+        write_backtest_report(report, metrics, label_list, run.table.keys, run.table.ts, run.probs,
+                              run.table.features, run.predictions)
     if as_json:
         print_json(metrics)
         return

@@ -85,3 +85,30 @@ def test_long_precursor_bucket_uses_the_visible_part_of_the_precursor() -> None:
     assert m["recall_with_precursor_30min"]["n"] == 2  # both still count as warned failures
     raw = score_failures(preds, labels, gpu_days=100.0, horizon_h=48.0)
     assert raw["recall_long_precursor_12h"] == {"n": 2, "caught": 1, "recall": 0.5}
+
+
+def test_backtest_cli_scores_a_simulated_trace(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+    from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
+
+    config = SimConfig(gpus="h100-sxm:16", days=0.5, seed=5, failure_rate_per_1000_gpu_days=300.0)
+    sim = FleetSimulator(config)
+    trace, labels = tmp_path / "t.jsonl.gz", tmp_path / "l.jsonl"
+    write_trace(sim, trace)
+    write_labels(sim, labels)
+    injected = sum(1 for r in sim.labels() if r["kind"] == "failure")
+    runner = CliRunner()
+    out = runner.invoke(app, ["backtest", "--trace", str(trace), "--labels", str(labels), "--json",
+                              "--report", str(tmp_path / "r.html")])
+    assert out.exit_code == 0, out.output
+    metrics = json.loads(out.stdout[out.stdout.index("{"):])
+    assert metrics["failure"]["failures"] == injected > 0
+    assert 0 < metrics["failure"]["gpu_days"] <= 16 * 0.5 + 1e-6
+    html = (tmp_path / "r.html").read_text()
+    assert html.startswith("<html") and "data:image/png;base64," in html  # plots embedded
+    missing = runner.invoke(app, ["backtest", "--trace", str(tmp_path / "no.jsonl"), "--labels", str(labels)])
+    assert missing.exit_code == 2 and "not found" in missing.output

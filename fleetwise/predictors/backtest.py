@@ -260,3 +260,58 @@ def metrics_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     for c, d in f["recall_by_class_30min"].items():
         rows.append((f"recall {c} (>=30 min / >=12 h)", f"{rec(d)} / {rec(f['recall_by_class_12h'][c])}", ""))
     return rows
+
+
+@dataclass
+class BacktestRun:
+    """What `backtest_trace` computed: the metrics and what a report plots."""
+
+    metrics: dict[str, Any]
+    table: Any  # training.FeatureTable: per GPU-hop keys, ts, features
+    probs: np.ndarray  # failure probability per GPU-hop
+    predictions: list[Prediction]  # failure predictions the alert policy emitted
+
+
+def job_hours(steps: Iterable[Mapping[str, Any]]) -> float:
+    """Sum over jobs of the span of their step records, in hours (the straggler exposure)."""
+    span: dict[str, list[float]] = {}
+    for s in steps:
+        first_last = span.setdefault(s["job"], [s["ts"], s["ts"]])
+        first_last[0], first_last[1] = min(first_last[0], s["ts"]), max(first_last[1], s["ts"])
+    return sum(b - a for a, b in span.values()) / 3600.0
+
+
+def backtest_trace(
+    samples: Iterable[Mapping[str, Any]],
+    steps: Sequence[Mapping[str, Any]],
+    labels: Sequence[Mapping[str, Any]],
+    predictor: Any,
+    *,
+    chunk: int = 4096,
+) -> BacktestRun:
+    """Score the failure predictor (every GPU-hop) and the straggler detector over a trace.
+
+    `samples` may be a generator that fills `steps` as it goes (one pass over a file): the
+    GPU samples are consumed first, then the steps are read.
+    """
+    from fleetwise.predictors.stragglers import StragglerDetector
+    from fleetwise.predictors.training import compute_features, label_rows
+
+    table = compute_features(samples)
+    if len(table) == 0:
+        raise ValueError("the trace has no GPU samples")
+    horizon = predictor.model.horizon_h
+    lab = label_rows(table, labels, horizon)
+    predictions, probs = predictor.process_arrays(table.keys, table.ts, table.features)
+    strag_preds: list[Prediction] = []
+    if steps:
+        detector = StragglerDetector()
+        for k in range(0, len(steps), chunk):
+            strag_preds += [p for p in detector.process(steps[k:k + chunk]) if isinstance(p, Prediction)]
+        strag_preds += [p for p in detector.flush() if isinstance(p, Prediction)]
+    mask = lab.score_mask
+    metrics = score_all(predictions + strag_preds, labels, gpu_days=table.gpu_days, horizon_h=horizon,
+                        job_hours=job_hours(steps), steps=steps or None, hop_labels=lab.y[mask],
+                        hop_probs=probs[mask], first_seen=table.first_seen())
+    metrics["model"] = {k: predictor.model.metadata.get(k) for k in ("version", "training_command")}
+    return BacktestRun(metrics=metrics, table=table, probs=probs, predictions=predictions)
