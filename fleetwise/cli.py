@@ -574,13 +574,13 @@ def demo(
 
 
 def _write_report(path: Path, decisions: list, labels: Path | None) -> None:
-    from fleetwise.predictors.report import write_report
+    from fleetwise.predictors.report import replay_report_html
 
     label_rows = []
     if labels is not None:
         _existing([labels], "labels")
         label_rows = [json.loads(line) for line in labels.read_text().splitlines() if line.strip()]
-    write_report(path, decisions, label_rows)
+    path.write_text(replay_report_html(decisions, label_rows), encoding="utf-8")
 
 
 # ---- predictor -------------------------------------------------------------------------------
@@ -749,10 +749,11 @@ def backtest_cmd(
         fail(f"{trace}: {exc}")
     metrics = run.metrics
     if report is not None:
-        from fleetwise.predictors.report import write_backtest_report
+        from fleetwise.predictors.report import backtest_report_html
 
-        write_backtest_report(report, metrics, label_list, run.table.keys, run.table.ts, run.probs,
-                              run.table.features, run.predictions)
+        html = backtest_report_html(metrics, label_list, run.table.keys, run.table.ts, run.probs,
+                                    run.table.features, run.predictions)
+        report.write_text(html, encoding="utf-8")
     if as_json:
         print_json(metrics)
         return

@@ -9,7 +9,6 @@ import base64
 import html
 import io
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,8 +86,7 @@ def failure_png(title: str, t_h: np.ndarray, prob: np.ndarray, signals: dict[str
     return _png(fig)
 
 
-def write_backtest_report(
-    path: Path,
+def backtest_report_html(
     metrics: Mapping[str, Any],
     labels: Sequence[Mapping[str, Any]],
     keys: Sequence[tuple[str, int]],
@@ -96,8 +94,8 @@ def write_backtest_report(
     probs: np.ndarray,
     features: np.ndarray,
     predictions: Sequence[Any],
-) -> Path:
-    """Backtest report: metrics table, lead-time CDF, and one panel per failure."""
+) -> str:
+    """Backtest report (HTML, plots embedded): metrics table, lead-time CDF, a panel per failure."""
     from fleetwise.predictors.backtest import metrics_rows
 
     f = metrics.get("failure", metrics)
@@ -147,13 +145,12 @@ def write_backtest_report(
     ]
     body += [f"<img title='{html.escape(t)}' src='data:image/png;base64,{png}'>" for t, png in panels]
     body.append("</body></html>")
-    path = Path(path)
-    path.write_text("\n".join(body), encoding="utf-8")
-    return path
+    return "\n".join(body)
 
 
-def write_report(path: Path, decisions: Sequence[Any], labels: Sequence[Mapping[str, Any]]) -> Path:
-    """Replay report: failure probability over time per GPU with an alert or a labelled failure."""
+def replay_report_html(decisions: Sequence[Any], labels: Sequence[Mapping[str, Any]]) -> str:
+    """Replay report (HTML, plots embedded): failure probability over time per GPU with an alert
+    or a labelled failure."""
     by_gpu: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
     for d in decisions:
         if _get(d, "kind") == "prediction" and _get(d, "type") == "failure" and _get(d, "gpu") is not None:
@@ -192,6 +189,4 @@ def write_report(path: Path, decisions: Sequence[Any], labels: Sequence[Mapping[
             "above the watch floor, and alerts, are emitted.</p>"]
     body += [f"<img src='data:image/png;base64,{p}'>" for p in panels]
     body.append("</body></html>")
-    path = Path(path)
-    path.write_text("\n".join(body), encoding="utf-8")
-    return path
+    return "\n".join(body)
