@@ -135,12 +135,25 @@ def heterogeneous_gain() -> None:
           f"{0.5 + 0.5 * r_peak:.3f}.")
 
 
+def elementwise_share(model: ModelShape, micro_batch: int, tp: int) -> float:
+    """Share of one A100-80GB layer's compute time (full recompute, SP when tp > 1) spent in the
+    memory-bound element-wise ops (``cost.layer_elementwise_step_bytes`` at HBM speed)."""
+    a100 = lookup("a100-sxm-80gb")
+    s = model.seq_len
+    gemm_rate = a100.capability_tflops("bf16") * cost.MFU_TO_COMPUTE * 1e12
+    gemm_rate *= cost.layer_gemm_efficiency(model, s, micro_batch, tp)
+    gemm_s = cost.layer_forward_flops(model, s) * micro_batch * 4.0 / tp / gemm_rate
+    mem_bytes = cost.layer_elementwise_step_bytes(model, s, micro_batch, tp, "full", tp > 1)
+    mem_s = mem_bytes / (a100.memory_bw_bytes_s * cost.HBM_EFFICIENCY)
+    return mem_s / (mem_s + gemm_s)
+
+
 def narayanan() -> None:
     print("\n### Homogeneous sanity: Narayanan et al. 2021, Table 1 (A100-80GB, full recompute)\n")
     print("| model | TP | PP | GPUs | batch | published TFLOP/s/GPU | predicted TFLOP/s/GPU | error | "
-          "micro-batch | GEMM-size eff. | predicted step s | "
+          "micro-batch | GEMM-size eff. | element-wise share | predicted step s | "
           "with micro-batch 1: TFLOP/s/GPU, error, GEMM-size eff. |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors, errors_b1 = [], []
     for name, tp, pp, gpus, batch, published in NARAYANAN_TABLE_1:
         model = resolve_model(name)
@@ -159,15 +172,17 @@ def narayanan() -> None:
         errors_b1.append(err_b1)
         eff = cost.layer_gemm_efficiency(model, model.seq_len, plan.micro_batch_size, tp)
         eff_b1 = cost.layer_gemm_efficiency(model, model.seq_len, 1, tp)
+        share = elementwise_share(model, plan.micro_batch_size, tp)
         print(f"| {name} | {tp} | {pp} | {gpus} | {batch} | {published} | {predicted:.0f} | {err:+.1%} | "
-              f"{plan.micro_batch_size} | {eff:.3f} | {plan.predicted_step_s:.2f} | "
+              f"{plan.micro_batch_size} | {eff:.3f} | {share:.1%} | {plan.predicted_step_s:.2f} | "
               f"{predicted_b1:.0f}, {err_b1:+.1%}, {eff_b1:.3f} |")
     for label, errs in (("Planner's micro-batch", errors), ("Micro-batch 1", errors_b1)):
         print(f"\n{label}: mean absolute error {statistics.mean(abs(e) for e in errs):.1%}, worst "
               f"{max(errs, key=abs):+.1%}, {sum(abs(e) <= 0.2 for e in errs)} of {len(errs)} within 20%.")
     ampere = lookup("a100-sxm-80gb").efficiency
     print(f"\nLarge-GEMM compute efficiency assumed for A100: catalog MFU {ampere} x MFU_TO_COMPUTE "
-          f"{cost.MFU_TO_COMPUTE:.3f} = {ampere * cost.MFU_TO_COMPUTE:.3f}.")
+          f"{cost.MFU_TO_COMPUTE:.3f} = {ampere * cost.MFU_TO_COMPUTE:.3f}; element-wise ops at "
+          f"HBM_EFFICIENCY {cost.HBM_EFFICIENCY} x 2.039 TB/s.")
 
 
 def main() -> None:

@@ -141,6 +141,55 @@ def test_mfu_conversion_reproduces_the_reference_run():
     assert cost.MFU_TO_COMPUTE > 1.0  # the MFU contains the bubble and TP time the model adds back
 
 
+def test_elementwise_traffic_covers_what_korthikanti_stores_and_splits_like_it():
+    """Forward element-wise traffic of a GPT layer moves at least the tensors Korthikanti et al.
+    count as stored (34 s b h + 5 a s^2 b bytes, written once each); it is linear in the
+    micro-batch, the score part is split over TP ranks, and the layer-norm/dropout part only
+    with sequence parallelism."""
+    m = MODEL_PRESETS["gpt-18b"]
+    s, h, a = 2048, m.hidden, m.heads
+    wide, scores = cost.layer_elementwise_bytes(m, s, 1, 1, False)
+    assert wide + scores >= 34 * s * h + 5 * a * s * s
+    assert scores >= 5 * a * s * s
+    two = cost.layer_elementwise_bytes(m, s, 2, 1, False)
+    assert two == pytest.approx((2 * wide, 2 * scores))
+    sp_wide, sp_scores = cost.layer_elementwise_bytes(m, s, 1, 8, True)
+    tp_wide, tp_scores = cost.layer_elementwise_bytes(m, s, 1, 8, False)
+    assert sp_wide == pytest.approx(wide / 8) and sp_scores == pytest.approx(scores / 8)
+    assert wide / 8 < tp_wide < wide
+    steps = [cost.layer_elementwise_step_bytes(m, s, 1, 8, rc, True) for rc in ("none", "selective", "full")]
+    assert steps[0] < steps[1] < steps[2]
+
+
+def test_elementwise_share_of_layer_time_grows_as_hidden_shrinks():
+    """Element-wise work is ~h per token and GEMM work ~h^2, so the memory-bound share of a
+    layer's time is larger for the 1.7B GPT (h = 2304) than for the 1T GPT (h = 25,600)."""
+    a100 = lookup("a100-sxm-80gb")
+    large = a100.capability_tflops("bf16") * cost.MFU_TO_COMPUTE * 1e12
+    hbm = a100.memory_bw_bytes_s * cost.HBM_EFFICIENCY
+    shares = []
+    for name, tp in (("gpt-1.7b", 1), ("gpt-1t", 8)):
+        m = MODEL_PRESETS[name]
+        flops = cost.layer_forward_flops(m, 2048) * 4.0 / tp
+        gemm_s = flops / (large * cost.layer_gemm_efficiency(m, 2048, 1, tp))
+        mem_s = cost.layer_elementwise_step_bytes(m, 2048, 1, tp, "full", tp > 1) / hbm
+        shares.append(mem_s / (mem_s + gemm_s))
+    assert shares[0] > shares[1] > 0.0
+
+
+def test_lower_hbm_bandwidth_lengthens_the_pipeline():
+    """A100 40GB and 80GB have the same peak and family efficiency, but 1.555 vs 2.039 TB/s of
+    HBM: with the same split, the 40GB pipeline (step minus optimizer) is slower."""
+    model = MODEL_PRESETS["gpt-1.3b"]
+    pipes = {}
+    for gpu in ("a100-sxm-40gb", "a100-sxm-80gb"):
+        request = PlanRequest(model=model, global_batch=64, strategy=(1, 1, 8), micro_batch=1,
+                              zero_stages=(1,))
+        plan = plan_job(request, parse_gpu_spec(f"{gpu}:8"))
+        pipes[gpu] = plan.pipeline_s
+    assert pipes["a100-sxm-40gb"] > pipes["a100-sxm-80gb"]
+
+
 def test_rank_capability_includes_gemm_size():
     """A rank's assumed capability is the large-GEMM rate times its GEMM-size efficiency, so
     the same GPU is assumed slower with more tensor parallelism (smaller per-rank GEMMs)."""

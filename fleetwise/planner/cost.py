@@ -183,6 +183,74 @@ def tp_collectives_per_layer(recompute: str) -> int:
     return 6 if recompute == "full" else 4
 
 
+# ---- memory-bound (element-wise) work of a layer -------------------------------------------
+#
+# Layer norms, bias + GeLU/SwiGLU, dropout, residual adds and the scale/mask/softmax/dropout of
+# the attention scores do ~1 FLOP per byte, so their time is bytes moved / HBM bandwidth, not
+# FLOPs / peak. Ivanov et al. 2021 ("Data Movement Is All You Need", arXiv 2007.00072, Table 1)
+# measure these normalisation and element-wise operators at ~0.2% of a BERT-large encoder
+# layer's FLOPs but ~39% of its runtime in PyTorch; their share grows as h shrinks (GEMM work
+# per token ~h^2, theirs ~h). Their bytes (below) are our own count, not taken from Ivanov.
+
+# Share of the datasheet HBM bandwidth a streaming kernel reaches. BabelStream / STREAM-like
+# copy and triad kernels on NVIDIA datacenter GPUs reach ~0.8-0.9 of the datasheet HBM
+# bandwidth (BabelStream, Deakin et al., University of Bristol); fused element-wise kernels of
+# real layers (with reductions, masks) sit at the low end, so we take 0.85. Assumption.
+HBM_EFFICIENCY = 0.85
+
+
+def layer_elementwise_bytes(
+    model: ModelShape, seq_len: int, micro_batch: int, tp: int, sequence_parallel: bool, act_bytes: int = 2,
+) -> tuple[float, float]:
+    """Bytes one TP rank's memory-bound ops of one layer read + write in ONE forward pass for one
+    micro-batch, as ``(hidden-wide ops, attention-score ops)`` (the second part is what selective
+    recomputation re-runs).
+
+    The tensors are those of Korthikanti et al. 2022 (arXiv 2205.05198, Sec. 4.1), whose
+    stored-activation count is 34 s b h + 5 a s^2 b bytes; here each op is charged what it reads
+    and writes (Megatron's fused kernels: one pass per op), with e = ``act_bytes``:
+      2 layer norms             read + write s b h each             4 e s b h
+      2 bias-dropout-add        read out + residual, write, 1-byte mask: (3 e + 1) s b h each
+      MLP activation            GeLU: read + write f_ffn; SwiGLU: read 2 f_ffn, write f_ffn
+      scale-mask-softmax        read + write a s^2 b                2 e a s^2 b
+      attention dropout         read + write + 1-byte mask          (2 e + 1) a s^2 b
+    Per rank: heads and f_ffn are split over t; the layer-norm and dropout-add tensors only with
+    sequence parallelism (Korthikanti Sec. 4.2.2).
+    """
+    s, b, h, a, t = seq_len, micro_batch, model.hidden, model.heads, tp
+    e = float(act_bytes)
+    sbh = float(s * b * h)
+    norm_dropout = (2 * 2 * e + 2 * (3 * e + 1)) * sbh / (t if sequence_parallel else 1)
+    mlp_act = mlp_matrices(model) * e * s * b * model.ffn / t
+    scores = (2 * e + (2 * e + 1)) * a * s * s * b / t
+    return norm_dropout + mlp_act, float(scores)
+
+
+def layer_elementwise_pass_factor(recompute: str) -> tuple[float, float]:
+    """Forward-pass equivalents of element-wise traffic per training step, as (hidden-wide ops,
+    attention-score ops): forward 1 + backward 2 (a backward element-wise op reads the upstream
+    gradient and its saved input(s) and writes the input gradient: about twice the forward's
+    traffic; assumption, the same 2x as for FLOPs, Narayanan Sec. 5.1); full recompute adds
+    one forward of everything, selective recompute one forward of the attention-score ops
+    (Korthikanti Sec. 5)."""
+    if recompute == "full":
+        return 4.0, 4.0
+    if recompute == "selective":
+        return 3.0, 4.0
+    return 3.0, 3.0
+
+
+def layer_elementwise_step_bytes(
+    model: ModelShape, seq_len: int, micro_batch: int, tp: int, recompute: str, sequence_parallel: bool,
+    act_bytes: int = 2,
+) -> float:
+    """Memory-bound bytes per layer per micro-batch on one TP rank, forward + backward
+    (+ recomputation); its time is this / (HBM bandwidth x HBM_EFFICIENCY)."""
+    wide, scores = layer_elementwise_bytes(model, seq_len, micro_batch, tp, sequence_parallel, act_bytes)
+    k_wide, k_scores = layer_elementwise_pass_factor(recompute)
+    return k_wide * wide + k_scores * scores
+
+
 # ---- compute efficiency as a function of GEMM size -----------------------------------------
 #
 # Achieved compute rate of a GPU = dense peak x COMPUTE efficiency of its family x
@@ -274,7 +342,7 @@ def logits_gemm_efficiency(model: ModelShape, seq_len: int, micro_batch: int, tp
 _REFERENCE_RUN = {
     "hidden": 25600, "heads": 160, "layers": 128, "seq_len": 2048, "vocab": 51200,
     "tp": 8, "pp": 64, "micro_batches": 512, "micro_batch": 1, "nvlink_gbs": 600.0, "mfu": 0.52,
-    "peak_tflops": 312.0,
+    "peak_tflops": 312.0, "hbm_tbs": 2.039,  # 80-GB A100s (Narayanan Sec. 5), datasheet HBM2e
 }
 
 
@@ -288,7 +356,9 @@ def _mfu_to_compute_factor() -> float:
     bw = r["nvlink_gbs"] / 2.0 * COLLECTIVE_EFFICIENCY
     t_tp = tp_collectives_per_layer("full") * ring_allreduce_s(b * s * model.hidden * 2.0, t, bw)
     f = layer_gemm_efficiency(model, s, b, t)
-    compute_s = m * flops / ((m + p - 1) * r["mfu"] * peak) - t_tp
+    hbm = r["hbm_tbs"] * 1e12 * HBM_EFFICIENCY
+    t_mem = layer_elementwise_step_bytes(model, s, b, t, "full", True) / hbm
+    compute_s = m * flops / ((m + p - 1) * r["mfu"] * peak) - t_tp - t_mem
     efficiency = flops / (f * peak * compute_s)
     return efficiency / r["mfu"]
 

@@ -286,6 +286,9 @@ class _Evaluator:
         layer_flops = self.layer_fwd * b * cost.recompute_flops_factor(m, self.s, rc) / tp
         f_layer, f_logits = self.gemm_eff(tp, b)
         per_layer_s = layer_flops / (cap * f_layer)
+        # memory-bound element-wise ops (layer norms, activations, dropout, softmax) at HBM speed
+        mem_bytes = cost.layer_elementwise_step_bytes(m, self.s, b, tp, rc, sp, self.act_bytes)
+        per_layer_s = per_layer_s + mem_bytes / (K.membw[kinds_mat] * cost.HBM_EFFICIENCY)
         if tp > 1:
             msg = b * self.s * self.hidden * self.act_bytes
             tp_s = cost.tp_collectives_per_layer(rc) * cost.ring_allreduce_s(msg, tp, 1.0)
@@ -660,15 +663,20 @@ class _Search:
 
     def layer_sample_s(self, tp: int) -> np.ndarray:
         """Per kind: seconds for one TP group of ``tp`` to run one layer for one sample,
-        forward and backward, TP collectives included (no recomputation), at the GEMM-size
-        efficiency of the largest micro-batch the search may try (efficiency grows with the
-        micro-batch, so this stays a lower bound for every micro-batch size)."""
+        forward and backward, TP collectives and element-wise memory traffic included (no
+        recomputation), at the GEMM-size efficiency of the largest micro-batch the search may
+        try (efficiency grows with the micro-batch, so this stays a lower bound for every
+        micro-batch size)."""
         if tp not in self._layer_sample_s:
             K = self.fleet.kinds
             ev = self.ev
             b_top = max(self.micro_options(1), default=1)
             f_layer, _ = ev.gemm_eff(tp, b_top)
             secs = ev.layer_fwd * 3.0 / tp / (K.cap_tflops * 1e12 * f_layer)
+            # element-wise bytes grow linearly with b, so per sample they are the b = 1 bytes
+            mem_bytes = cost.layer_elementwise_step_bytes(
+                self.req.model, self.req.seq, 1, tp, "none", tp > 1, ev.act_bytes)
+            secs = secs + mem_bytes / (K.membw * cost.HBM_EFFICIENCY)
             if tp > 1:
                 msg = self.req.seq * ev.hidden * ev.act_bytes
                 ring = cost.ring_allreduce_s(msg, tp, 1.0)
