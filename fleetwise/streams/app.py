@@ -29,10 +29,12 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 import struct
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import faust
@@ -501,6 +503,12 @@ def make_app(
     """
     if T.TELEMETRY_STEPS.partitions != state_partitions:
         raise ValueError("state table must be co-partitioned with telemetry and steps topics")
+    # faust keeps per-app table data on disk; out of the working directory, beside the other
+    # caches (FLEETWISE_CACHE, as deploy/kafka uses), unless the caller sets `datadir`.
+    cache = Path(os.environ.get("FLEETWISE_CACHE", Path.home() / ".cache" / "fleetwise"))
+    if "datadir" not in settings:
+        (cache / "faust").mkdir(parents=True, exist_ok=True)  # faust makes only the last level
+        settings["datadir"] = str(cache / "faust" / "{conf.name}-data")
     app = faust.App(
         app_id,
         broker=[f"kafka://{hp.strip()}" for hp in bootstrap.split(",")],
