@@ -450,14 +450,17 @@ async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_l
     assert n_features == 4 * 8 * 2, "the reference run closes two hops for each of 32 GPUs"
     assert len(expected[T.DEADLETTER.name]) == 3
 
+    n_predictions = len(expected.get(T.PREDICTIONS.name, ()))
     worker = new_worker().start()
     await produce(kafka_bootstrap, prefix, messages)
     topics = [topic_name(t, prefix) for t in (T.FEATURES, T.PREDICTIONS, T.DEADLETTER)]
     try:
+        # Wait for every output kind: predictions may reach the broker a little after features.
         got = await consume_until(
             kafka_bootstrap, topics, timeout_s=90,
             until=lambda ms: worker.check_alive() and len(on(T.FEATURES, prefix, ms)) >= n_features
-            and len(on(T.DEADLETTER, prefix, ms)) >= 3,
+            and len(on(T.DEADLETTER, prefix, ms)) >= 3
+            and len(on(T.PREDICTIONS, prefix, ms)) >= n_predictions,
         )
     except TimeoutError as exc:
         pytest.fail(f"{exc}\nworker log:\n{worker.log_tail()}")
