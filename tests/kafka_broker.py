@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import struct
 import subprocess
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -54,43 +52,20 @@ def unique_topic(prefix: str = "test") -> str:
 
 
 def metadata_ok(bootstrap: str, timeout_s: float = 5.0) -> bool:
-    """True when any broker in ``bootstrap`` answers a Metadata (v4) request listing >= 1 broker.
+    """True when any broker in ``bootstrap`` answers a Metadata request listing >= 1 broker.
 
-    A plain-socket wire-protocol probe, so it needs no client library and proves the broker
-    serves requests (an open port alone does not).
+    Uses ``kafka.sh probe`` (a wire-protocol Metadata request, not an open-port check), the
+    same readiness test ``kafka.sh start`` uses, so there is one implementation of it.
     """
     for hostport in bootstrap.split(","):
-        host, _, port = hostport.strip().rpartition(":")
         try:
-            client_id = b"fleetwise-probe"
-            body = (
-                struct.pack(">hhi", 3, 4, 7)  # Metadata, v4, correlation id 7
-                + struct.pack(">h", len(client_id))
-                + client_id
-                + struct.pack(">i", 0)  # no topics
-                + b"\x00"  # allow_auto_topic_creation=false
-            )
-            with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
-                s.settimeout(timeout_s)
-                s.sendall(struct.pack(">i", len(body)) + body)
-                head = _recv_exact(s, 4)
-                resp = _recv_exact(s, struct.unpack(">i", head)[0])
-            corr, _throttle, n_brokers = struct.unpack(">iii", resp[:12])
-            if corr == 7 and n_brokers >= 1:
-                return True
-        except (OSError, ValueError, struct.error, EOFError):
+            probe = subprocess.run(["bash", str(KAFKA_SH), "probe", hostport.strip()],
+                                   capture_output=True, timeout=timeout_s + 5, check=False)
+        except subprocess.TimeoutExpired:
             continue
+        if probe.returncode == 0:
+            return True
     return False
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise EOFError("connection closed")
-        buf += chunk
-    return buf
 
 
 async def create_topic(
