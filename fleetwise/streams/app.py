@@ -3,8 +3,20 @@ runtime uses.
 
 Per input message the worker does only adapter work: hand the raw bytes to
 `ControlPlane.decode` (bad input -> a DeadLetter with the reason and the original bytes),
-batch messages with `stream.take_events` so Python overhead is per batch, run
-`ControlPlane.handle` in event time, and publish what it routes to the registry's topics.
+run `ControlPlane.handle` in event time over a whole fetched batch, and publish what it
+routes to the registry's topics.
+
+Batches. faust delivers a message to an agent through ~4 asyncio tasks (the consumer's drain
+loop awaits `wait_first(callback(message), suspend_flow.wait())`, plus its stopped/crashed
+watchers), the conductor, a channel queue, the stream iterator with its sensors and the
+`take` buffer: ~160 us per message, more than all of our processing of its 8 samples. The
+telemetry and steps topics therefore bypass that path: `BatchConsumer` (faust's aiokafka
+consumer with one method overridden, installed through `app.transport`) hands every batch
+it fetched for those topics to the worker in one call. Everything else stays faust's:
+group membership and partition assignment (co-partitioned with the state table), table
+recovery (partitions stay paused until their changelog is read), flow control during
+rebalances, offset commits of acked messages, and the per-message path for every other
+topic (inventory, plans, the changelog).
 
 State. Processor state lives in one faust Table, ``fleetwise-state``, changelogged to Kafka
 and co-partitioned with the telemetry and steps topics. A processor key ("node/gpu" or "job")
@@ -33,12 +45,14 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import faust
 import numpy as np
+from faust.transport.consumer import CONSUMER_FETCHING
+from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, Record, TrainingStep
 from fleetwise.schemas import topics as T
@@ -326,42 +340,55 @@ class StreamProcessor:
 
     # -- one batch -------------------------------------------------------------------------
     async def process_events(self, topic: str, events: Sequence[Any]) -> list[Routed]:
-        """Decode, handle and publish one batch of faust events of `topic` (a registry name).
-        Outputs are sent, not awaited: the next checkpoint waits for them. Returns what was
-        routed."""
+        """`process_messages` for faust events (anything with a `.message`)."""
+        return await self.process_messages(topic, [event.message for event in events])
+
+    async def process_messages(self, topic: str, messages: Sequence[Any]) -> list[Routed]:
+        """Decode, handle and publish one batch of messages of `topic` (a registry name), in
+        offset order per partition. A message needs `.topic`, `.partition`, `.offset`,
+        `.value`, `.headers` and `.timestamp` (faust's ConsumerMessage has them). Outputs are
+        sent, not awaited: the next checkpoint waits for them. Returns what was routed."""
         t0 = time.perf_counter()
         records: list[Record] = []
         produced: list[float] = []
         last: dict[int, int] = {}
-        dead = samples = 0
-        for partition in {event.message.partition for event in events}:
+        dead = samples = skipped = 0
+        for partition in {msg.partition for msg in messages}:
             self._sync_partition(partition)
         replay = self._replay
-        for event in events:
-            msg = event.message
+        applied = self._last_offset
+        for msg in messages:
             offset = msg.offset
-            produced.append(produced_at(msg))
             tp = f"{topic}:{msg.partition}"
-            source = f"{msg.topic}:{msg.partition}:{offset}"
-            decoded = self.decode(topic, event.value if event.value is not None else msg.value, source)
-            samples += len(decoded)
-            last[msg.partition] = offset
-            if replay and tp in replay:
+            if tp in replay:
                 if offset > replay[tp][1]:
                     del replay[tp]
-                else:
-                    decoded = self._keep_replayed(decoded, tp, offset)
+            elif offset <= applied.get(tp, -1):
+                # Already applied by this process: faust seeks back to the committed offset
+                # after a rebalance that left the partition here, and the state in memory
+                # holds everything up to the last applied offset.
+                skipped += 1
+                continue
+            produced.append(produced_at(msg))
+            source = f"{msg.topic}:{msg.partition}:{offset}"
+            decoded = self.decode(topic, msg.value, source)
+            samples += len(decoded)
+            last[msg.partition] = offset
+            if tp in replay:
+                decoded = self._keep_replayed(decoded, tp, offset)
             for record in decoded:
                 if isinstance(record, DeadLetter):
                     dead += 1
                     M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
             records.extend(decoded)
-        M.MESSAGES_IN.labels("worker", topic).inc(len(events))
+        M.MESSAGES_IN.labels("worker", topic).inc(len(messages))
         M.SAMPLES_IN.labels("worker", topic).inc(samples)
+        if skipped:
+            M.REDELIVERED.labels(topic).inc(skipped)
 
         routed = self.control.handle(topic, records) if records else []
         for partition, offset in last.items():
-            self._last_offset[f"{topic}:{partition}"] = offset
+            applied[f"{topic}:{partition}"] = offset
         self._dirty.update(last)
 
         headers = [(INPUT_PRODUCED_AT_HEADER, repr(min(produced, default=0.0)).encode())]
@@ -379,8 +406,8 @@ class StreamProcessor:
             self._pending.append(done)
         else:
             _observe(topic, produced)
-        M.BATCH_SIZE.labels(topic).observe(len(events))
-        log.debug("batch %s: %d messages, %d records, %d dead, %d out, %.1f ms", topic, len(events),
+        M.BATCH_SIZE.labels(topic).observe(len(messages))
+        log.debug("batch %s: %d messages, %d records, %d dead, %d out, %.1f ms", topic, len(messages),
                   len(records), dead, len(routed), 1000 * (time.perf_counter() - t0))
         return routed
 
@@ -478,6 +505,109 @@ def _observe(topic: str, produced: Sequence[float]) -> None:
         hist.observe(max(0.0, now - sent))
 
 
+BatchHandler = Callable[[str, list[Any]], Awaitable[None]]
+
+
+class BatchConsumer(faust_aiokafka.Consumer):
+    """faust's aiokafka consumer, handing each fetched batch of some topics to one handler.
+
+    Only `_drain_messages` (faust-streaming 0.15.3, `faust/transport/consumer.py`) is
+    replaced, and only for the topics in `transport.batch_handlers`: their messages of one
+    fetch (offset order per partition) go to `handler(topic, messages)` in one call, without
+    faust's per-message tasks, conductor, channel queue and stream iterator. The rest of the
+    loop is faust's: records come from `_wait_next_records` (so paused partitions, e.g.
+    during table recovery, are not fetched), delivery stops when flow stops or the consumer
+    generation changes (rebalance), read offsets, gaps and `broker_commit_every` are kept as
+    faust keeps them, and messages of every other topic take faust's own per-message path.
+
+    The handler acks messages itself (`consumer.ack`) once their state is saved; faust then
+    commits them. Per-message sensors (`on_message_in`, stream events) are not called for
+    these topics: the worker's own Prometheus metrics count them. A batch is shielded from
+    cancellation (faust cancels the fetcher at a rebalance) so it is applied whole or not at
+    all.
+    """
+
+    async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - needs a broker
+        handlers: dict[str, BatchHandler] = self.transport.batch_handlers  # type: ignore[attr-defined]
+        callback = self.callback
+        consumer_should_stop = self._stopped.is_set
+        fetcher_should_stop = fetcher._stopped.is_set
+        read_offset = self._read_offset
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        to_message = self._to_message
+        try:
+            while not (consumer_should_stop() or fetcher_should_stop()):
+                self.diag.set_flag(CONSUMER_FETCHING)
+                records, active = await self._wait_next_records(1.0)
+                # as faust: getmany may return at once for a while without yielding the loop
+                await self.sleep(0)
+                if records is None or self.should_stop:
+                    continue
+                if not self.flow_active:
+                    # as faust's getmany: records fetched while flow stopped are dropped and
+                    # the partitions go back to their committed offsets
+                    try:
+                        await self.perform_seek()
+                    except Exception as exc:  # noqa: BLE001 - faust logs and carries on too
+                        self.log.warning("exception performing seek when flow not active %r", exc)
+                    continue
+                generation = self.app.consumer_generation_id
+                batches: dict[str, list[Any]] = {}
+                for tp, tp_records in records.items():
+                    if not self.flow_active or self.app.consumer_generation_id != generation:
+                        break
+                    if not (active is None or tp in active or tp in self._buffered_partitions):
+                        continue
+                    self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
+                    batch = batches.setdefault(tp.topic, []) if tp.topic in handlers else None
+                    for record in tp_records:
+                        offset = record.offset
+                        r_offset = read_offset[tp]
+                        if r_offset is not None and offset < r_offset:
+                            continue  # faust drops these too (already read)
+                        if r_offset and offset - r_offset > 1 and acks_enabled_for(tp.topic):
+                            await self._add_gap(tp, r_offset + 1, offset)
+                        if self._commit_every is not None and self._n_acked >= self._commit_every:
+                            self._n_acked = 0
+                            await self.commit()
+                        message = to_message(tp, record)
+                        if batch is not None:
+                            batch.append(message)
+                        else:
+                            await self.wait_first(callback(message), self.suspend_flow.wait())
+                        read_offset[tp] = offset
+                for topic, messages in batches.items():
+                    if messages:
+                        await asyncio.shield(handlers[topic](topic, messages))
+                self.diag.unset_flag(CONSUMER_FETCHING)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                self.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                self.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            self.log.exception("Drain messages raised: %r", exc)
+            raise
+        finally:
+            self.diag.unset_flag(CONSUMER_FETCHING)
+
+
+class BatchTransport(faust_aiokafka.Transport):
+    """faust's aiokafka transport with `BatchConsumer`; `batch_handlers` maps a Kafka topic
+    name to the coroutine that takes its fetched batches."""
+
+    Consumer = BatchConsumer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_handlers: dict[str, BatchHandler] = {}
+
+
 def make_app(
     bootstrap: str,
     *,
@@ -487,7 +617,6 @@ def make_app(
     topic_prefix: str = "",
     control: ControlPlane | None = None,
     take_max: int = 500,
-    take_within_s: float = 0.05,
     state_partitions: int = T.TELEMETRY_GPU.partitions,
     session_timeout_s: float = 10.0,
     commit_interval_s: float = 1.0,
@@ -495,8 +624,10 @@ def make_app(
     state_buckets: int = STATE_BUCKETS,
     **settings: Any,
 ) -> faust.App:
-    """The faust app: topics from the registry, the telemetry / steps / context agents and
-    the changelogged state table. `topic_prefix` namespaces every topic (tests).
+    """The faust app: topics from the registry, the changelogged state table, the context
+    agent (inventories, plans) and the telemetry / steps batch handlers (`BatchConsumer`).
+    `topic_prefix` namespaces every topic (tests); `take_max` caps the messages of one
+    fetched batch (faust's `broker_max_poll_records`).
 
     `store`: "memory://" (state rebuilt from the changelog at start) or "rocksdb://"
     (needs the python-rocksdict package). Only event time is used in processing.
@@ -522,6 +653,7 @@ def make_app(
         broker_rebalance_timeout=session_timeout_s,
         broker_commit_interval=commit_interval_s,
         consumer_auto_offset_reset="earliest",
+        broker_max_poll_records=take_max,
         stream_wait_empty=False,
         producer_linger_ms=5,
         producer_max_batch_size=256 * 1024,
@@ -529,6 +661,10 @@ def make_app(
         value_serializer="raw",
         **settings,
     )
+    # The public setter, before anything has built the default transport: the consumer is
+    # created from it when the worker starts.
+    transport = BatchTransport(app.conf.broker_consumer, app)
+    app.transport = transport
     control = control or ControlPlane()
 
     def source(t: T.Topic) -> faust.TopicT:
@@ -561,24 +697,27 @@ def make_app(
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
-    # Input events stay un-acked (so their offsets are not committed) until a checkpoint has
-    # waited for their outputs and written the state they changed: take_events acks each
-    # event once, and the extra reference taken here holds the commit back until the
-    # checkpoint releases it. A checkpoint encodes the state under the lock (CPU, ~50 ms for
+    # Input messages stay un-acked (so their offsets are not committed) until a checkpoint has
+    # waited for their outputs and written the state they changed; then they are acked and
+    # faust commits them. A checkpoint encodes the state under the lock (CPU, ~50 ms for
     # 8,000 GPUs) and then waits for the broker in a task of its own, so consumption goes on
     # meanwhile; checkpoints are written one after the other.
     lock = asyncio.Lock()
-    held: list[tuple[faust.StreamT, Any]] = []
+    held: list[Any] = []
     last_checkpoint = [time.monotonic()]
     writing: list[asyncio.Task] = []
 
-    async def write_and_ack(snapshot: Snapshot, events: list[tuple[faust.StreamT, Any]],
-                            previous: asyncio.Task | None) -> None:
+    async def write_and_ack(snapshot: Snapshot, messages: list[Any], previous: asyncio.Task | None) -> None:
         if previous is not None:
             await previous  # entries of a partition reach the changelog in snapshot order
         await processor.write(snapshot)
-        for stream, event in events:
-            await stream.ack(event)
+        consumer = app.consumer
+        assigned = consumer.assignment()
+        for message in messages:
+            # A partition revoked meanwhile is no longer ours to commit: its new owner
+            # resumes from the last committed offset and skips what the saved state holds.
+            if message.tp in assigned:
+                consumer.ack(message)
 
     async def checkpoint_now() -> None:
         """Call with `lock` held."""
@@ -594,24 +733,20 @@ def make_app(
         task.add_done_callback(_log_failed_checkpoint)
         writing.append(task)
 
-    async def consume(stream: faust.StreamT, topic: str) -> None:
-        async for events in stream.take_events(take_max, within=take_within_s):
-            async with lock:
-                for event in events:
-                    event.message.incref()
-                await processor.process_events(topic, events)
-                held.extend((stream, event) for event in events)
-                if time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
-                    await checkpoint_now()
-            _update_lag(app, events)
+    async def consume(kafka_topic: str, messages: list[Any]) -> None:
+        """A fetched batch of telemetry or steps messages (BatchConsumer's handler)."""
+        async with lock:
+            await processor.process_messages(unprefix[kafka_topic], messages)
+            held.extend(messages)
+            if time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
+                await checkpoint_now()
+        _update_lag(app, messages)
 
-    @app.agent(telemetry_topic, name="fleetwise.telemetry")
-    async def telemetry(stream: faust.StreamT) -> None:
-        await consume(stream, T.TELEMETRY_GPU.name)
-
-    @app.agent(steps_topic, name="fleetwise.steps")
-    async def steps(stream: faust.StreamT) -> None:
-        await consume(stream, T.TELEMETRY_STEPS.name)
+    for batch_topic in (telemetry_topic, steps_topic):
+        # Subscribed through faust's conductor (so the assignor co-partitions them with the
+        # state table and acks count for them); delivered in batches to `consume`.
+        app.topics.add(batch_topic)
+        transport.batch_handlers[batch_topic.get_topic_name()] = consume
 
     @app.timer(interval=checkpoint_interval_s)
     async def checkpoint_when_idle() -> None:
@@ -643,10 +778,10 @@ def _log_failed_checkpoint(task: asyncio.Task) -> None:
                   task.exception())
 
 
-def _update_lag(app: faust.App, events: Sequence[Any]) -> None:
+def _update_lag(app: faust.App, messages: Sequence[Any]) -> None:
     last: dict[Any, int] = {}
-    for event in events:
-        last[event.message.tp] = event.message.offset
+    for message in messages:
+        last[message.tp] = message.offset
     for tp, offset in last.items():
         try:
             high = app.consumer.highwater(tp)

@@ -26,6 +26,11 @@ DEADLETTER = Counter(
     "records rejected to the dead-letter topic, by reason category",
     ["reason"],
 )
+REDELIVERED = Counter(
+    "fleetwise_redelivered_skipped_total",
+    "messages skipped because this worker had already applied them (re-delivered after a rebalance)",
+    ["topic"],
+)
 CONSUMER_LAG = Gauge(
     "fleetwise_consumer_lag_messages",
     "messages behind the partition's high-water mark after the last processed batch",
