@@ -435,6 +435,30 @@ async def test_crash_in_the_middle_of_a_checkpoint_applies_each_message_once_per
     assert not differences(got, want), differences(got, want)
 
 
+async def test_messages_this_worker_already_applied_are_skipped_when_delivered_again() -> None:
+    # After a rebalance that leaves a partition with this worker, faust seeks back to the
+    # committed offset: what comes again is already in the state in memory.
+    events = telemetry_events(node_batches(nodes=4, gpus=8, ticks=80, seed=13))
+    once = Recorder(StandInTable())
+    await once.feed(events[:200])
+    await once.feed(events[200:])  # same batch boundaries as below (see the first test)
+
+    twice = Recorder(StandInTable())
+    await twice.feed(events[:200])
+    skipped_before = _counter_value("fleetwise_redelivered_skipped_total")
+    await twice.feed(events[150:200])  # 50 messages again
+    await twice.feed(events[200:])
+    assert _counter_value("fleetwise_redelivered_skipped_total") - skipped_before == 50
+    assert not same_states(twice.states(), once.states()), same_states(twice.states(), once.states())
+    assert twice.features() == once.features()
+
+
+def _counter_value(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
+
+
 # --------------------------------------------------------------------------- tests (broker)
 @pytest.mark.kafka
 @pytest.mark.slow
@@ -558,3 +582,40 @@ async def test_simulated_fleet_gives_the_same_features_and_decisions_on_kafka_as
         mine = as_set(on(t, prefix, got))
         want = expected.get(t.name, set())
         assert not differences(mine, want), (t.name, differences(mine, want))
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_two_workers_share_the_partitions_and_give_the_same_features(
+    kafka_bootstrap: str, namespace
+) -> None:
+    prefix, new_worker = namespace
+    batches = node_batches(nodes=16, gpus=8, ticks=130, seed=17)
+    messages = [encode(b) for b in batches]
+    expected = embedded_outputs(messages)[T.FEATURES.name]
+    workers = [new_worker().start(), new_worker().start()]
+    # Both in the group before any input: each holds some of the 8 telemetry partitions.
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            held = [w.metric("fleetwise_assigned_partitions", topic=T.TELEMETRY_GPU.name) for w in workers]
+        except OSError:
+            held = [0.0, 0.0]
+        if sum(held) == T.TELEMETRY_GPU.partitions and min(held) > 0:
+            break
+        assert all(w.check_alive() for w in workers) and time.monotonic() < deadline, \
+            f"partitions held {held}\n{workers[0].log_tail()}\n{workers[1].log_tail()}"
+        time.sleep(0.5)
+
+    await produce(kafka_bootstrap, prefix, messages)
+    features_topic = topic_name(T.FEATURES, prefix)
+    try:
+        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=90,
+                                  until=lambda ms: all(w.check_alive() for w in workers)
+                                  and len(ids(ms)) >= len(expected))
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}\n{workers[0].log_tail()}\n{workers[1].log_tail()}")
+    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
+    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+    consumed = [w.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) for w in workers]
+    assert min(consumed) > 0 and sum(consumed) == len(messages), consumed

@@ -742,6 +742,16 @@ def make_app(
                 await checkpoint_now()
         _update_lag(app, messages)
 
+    async def count_assigned(sender: Any, assigned: Any, **_kwargs: Any) -> None:
+        counts = {telemetry_topic.get_topic_name(): 0, steps_topic.get_topic_name(): 0}
+        for tp in assigned:
+            if tp.topic in counts:
+                counts[tp.topic] += 1
+        for name, n in counts.items():
+            M.ASSIGNED_PARTITIONS.labels(unprefix[name]).set(n)
+
+    app.on_partitions_assigned.connect(count_assigned)
+
     for batch_topic in (telemetry_topic, steps_topic):
         # Subscribed through faust's conductor (so the assignor co-partitions them with the
         # state table and acks count for them); delivered in batches to `consume`.

@@ -31,6 +31,11 @@ REDELIVERED = Counter(
     "messages skipped because this worker had already applied them (re-delivered after a rebalance)",
     ["topic"],
 )
+ASSIGNED_PARTITIONS = Gauge(
+    "fleetwise_assigned_partitions",
+    "input partitions assigned to this worker (after the last rebalance)",
+    ["topic"],
+)
 CONSUMER_LAG = Gauge(
     "fleetwise_consumer_lag_messages",
     "messages behind the partition's high-water mark after the last processed batch",
