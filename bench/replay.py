@@ -71,11 +71,12 @@ def sim_lines(gpus: int, hours: float, interval_s: float, seed: int) -> list[byt
     return out
 
 
-def run(lines: list[bytes], predictors: bool) -> tuple[float, int, dict]:
+def run(lines: list[bytes], predictors: bool, publish_features: bool = False) -> tuple[float, int, dict]:
     from fleetwise.streams.embedded import EmbeddedRuntime
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
-    control = ControlPlane(ControlPlaneConfig(failure_predictor=predictors, straggler_detector=predictors))
+    control = ControlPlane(ControlPlaneConfig(failure_predictor=predictors, straggler_detector=predictors,
+                                              publish_features=publish_features))
     runtime = EmbeddedRuntime(control)
     start = time.process_time()
     runtime.feed_lines(lines, "bench")
@@ -109,22 +110,24 @@ def main() -> None:
     elapsed = time.process_time() - start
     print(f"| {'json.loads only (parsing floor, no validation)':<44} | {len(lines):>10,} | {elapsed:>7.2f} | "
           f"{len(lines) / elapsed:>10,.0f} | |")
-    for label, pred in (("validation + features", False), ("validation + features + predictors", True)):
-        elapsed, n, outputs = run(lines, pred)
+    # The fast path's decode alone: sample lines validated into structs, CHUNK per call.
+    from fleetwise.predictors.features import SAMPLE_DECODER
+    from fleetwise.streams.embedded import CHUNK
+
+    start = time.process_time()
+    for k in range(0, len(lines), CHUNK):
+        SAMPLE_DECODER.samples(lines[k:k + CHUNK])
+    elapsed = time.process_time() - start
+    print(f"| {'decode only (fast path, validated structs)':<44} | {len(lines):>10,} | {elapsed:>7.2f} | "
+          f"{len(lines) / elapsed:>10,.0f} | |")
+    for label, pred, publish in (
+        ("validation + features", False, False),
+        ("validation + features + predictors (replay)", True, False),
+        ("... + feature records (as the worker)", True, True),
+    ):
+        elapsed, n, outputs = run(lines, pred, publish)
         rate = n / elapsed if elapsed else float("inf")
         print(f"| {label:<44} | {n:>10,} | {elapsed:>7.2f} | {rate:>10,.0f} | 100,000 |")
-    # The feature stage alone, on already-parsed dicts (what the pipeline pays after validation).
-    from fleetwise.predictors.features import GpuFeatureWindows
-
-    dicts = [json.loads(line) for line in lines]
-    for label, chunk in (("features only (parsed dicts, 4,096 per call)", 4096),):
-        windows = GpuFeatureWindows()
-        start = time.process_time()
-        for k in range(0, len(dicts), chunk):
-            windows.process_dicts(dicts[k:k + chunk])
-        windows.flush()
-        elapsed = time.process_time() - start
-        print(f"| {label:<44} | {len(dicts):>10,} | {elapsed:>7.2f} | {len(dicts) / elapsed:>10,.0f} | |")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"# outputs (last run): {outputs}; peak RSS {rss:.0f} MiB")
 

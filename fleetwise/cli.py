@@ -406,6 +406,8 @@ def replay(
     inventory: Path | None = typer.Option(None, help="Node inventories (.jsonl) to load first."),
     report: Path | None = typer.Option(None, help="Write an HTML report of the predictions."),
     labels: Path | None = typer.Option(None, help="Simulator labels, to mark failures in the report."),
+    features: Path | None = typer.Option(
+        None, help="Also write the per-GPU feature vectors (JSON lines; kept in memory until the end)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_bad_lines: int = typer.Option(20, help="How many bad lines to list (all are counted)."),
 ) -> None:
@@ -415,7 +417,7 @@ def replay(
     _existing(traces, "trace")
     if inventory is not None:
         _existing([inventory], "inventory")
-    runtime = run_replay(traces, out, inventory=inventory)
+    runtime = run_replay(traces, out, inventory=inventory, features=features)
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:

@@ -34,6 +34,7 @@ from scipy.special import gammainc
 
 from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
 from fleetwise.schemas._base import DCGM_BLANKS, DCGM_INT32_BLANK, DCGM_INT64_BLANK
+from fleetwise.schemas.fast import FastGpuSample, SampleDecoder
 
 # ---- input fields ---------------------------------------------------------------------------
 # DCGM field names (REFERENCE.md "Telemetry"; ../shared/data/dcgm/default-counters.csv).
@@ -78,6 +79,9 @@ COL_REASONS, COL_XID = 5, 6
 COL_LEVEL = 7
 COL_COUNTER = COL_LEVEL + N_LEVEL
 N_INPUT = len(INPUT_FIELDS)
+# Validates sample lines and node batches straight into these columns (the replay and
+# worker hot path); the last column is field 112 under its pre-DCGM-3.3 name.
+SAMPLE_DECODER = SampleDecoder([*INPUT_FIELDS, F_REASONS_OLD])
 
 # Clock-event reason bits (REFERENCE.md: DCGM field 112 / nvmlClocksEventReasons).
 THROTTLE_BITS = {
@@ -302,28 +306,37 @@ class GpuFeatureWindows:
         return self.to_records(*self.ingest_records(records))
 
     def ingest_records(
-        self, records: Sequence[NodeBatch | GpuSample]
+        self, records: Sequence[NodeBatch | GpuSample | FastGpuSample]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like `process` but returns the closed hops as arrays (slots, hop ends, features)."""
-        slots, ts, rows = [], [], []
-        slot_of, slot_map = self._slot_of, self._slot
-        fields, old_reasons = INPUT_FIELDS, F_REASONS_OLD
-        jrs = []
+        samples: list[GpuSample | FastGpuSample] = []
         for rec in records:
-            samples = rec.samples if isinstance(rec, NodeBatch) else (rec,)
-            for s in samples:
-                slot = slot_map.get(f"{s.node}/{s.gpu}")
-                if slot is None:
-                    slot = slot_of(s.node, s.gpu, s.model, s.rack, s.site)
-                slots.append(slot)
-                ts.append(s.ts)
-                jrs.append((s.job, s.rank))
-                m = s.metrics
-                row = list(map(m.get, fields))
-                if row[COL_REASONS] is None and old_reasons in m:
-                    row[COL_REASONS] = m[old_reasons]
-                rows.append(row)
-        return self.ingest(slots, ts, rows, job_ranks=jrs)
+            if isinstance(rec, NodeBatch):
+                samples.extend(rec.samples)
+            else:
+                samples.append(rec)
+        return self.ingest_samples(samples)
+
+    def ingest_samples(
+        self, samples: Sequence[GpuSample | FastGpuSample]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Validated samples (pydantic records or `SAMPLE_DECODER`'s structs) -> closed hops as
+        arrays; per sample only a slot lookup, the rest is one matrix per call."""
+        slot_map = self._slot
+        slots = []
+        for s in samples:
+            slot = slot_map.get(f"{s.node}/{s.gpu}")
+            if slot is None:
+                slot = self._slot_of(s.node, s.gpu, s.model, s.rack, s.site)
+            slots.append(slot)
+        x = SAMPLE_DECODER.metric_rows(samples)
+        # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
+        old = x[:, N_INPUT]
+        fill = np.isnan(x[:, COL_REASONS]) & ~np.isnan(old)
+        if fill.any():
+            x[fill, COL_REASONS] = old[fill]
+        return self.ingest(slots, [s.ts for s in samples], x[:, :N_INPUT],
+                           job_ranks=[(s.job, s.rank) for s in samples])
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""

@@ -9,13 +9,13 @@ from __future__ import annotations
 import gzip
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetwise.schemas import Command, DeadLetter, Prediction, Record
 from fleetwise.schemas import topics as T
-from fleetwise.streams.pipeline import ControlPlane, Routed
+from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, Routed
 
 # Consecutive records of one topic are handed over in chunks: Python overhead per chunk,
 # not per record (the processors vectorise inside a chunk).
@@ -78,39 +78,66 @@ class EmbeddedRuntime:
                 self.summary.bad_lines.append((record.source, record.reason))
             self.bus.publish(topic, key, record)
 
-    def feed(self, topic: str, records: list[Record]) -> None:
+    def feed(self, topic: str, records: list[Item]) -> None:
         self._publish(self.control.handle(topic, records))
 
     def feed_lines(self, lines: Iterable[bytes], source: str) -> None:
-        """Replay lines (samples, batches, steps, inventories, plans) in file order."""
+        """Replay lines (samples, batches, steps, inventories, plans) in file order.
+
+        Runs of GPU telemetry lines are decoded CHUNK at a time in one call (the fast path of
+        `ControlPlane.decode_lines`); other lines one by one."""
         pending_topic: str | None = None
-        pending: list[Record] = []
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
+        pending: list[Item] = []
+        gpu_lines: list[bytes] = []
+        gpu_linenos: list[int] = []
+        gpu = T.TELEMETRY_GPU.name
+
+        def push(topic: str, items: list[Item]) -> None:
+            nonlocal pending_topic, pending
+            if topic != pending_topic:
+                if pending:
+                    self.feed(pending_topic, pending)  # type: ignore[arg-type]
+                pending_topic, pending = topic, []
+            pending.extend(items)
+            if len(pending) >= CHUNK:
+                self.feed(topic, pending)
+                pending = []
+
+        def push_gpu() -> None:
+            push(gpu, self.control.decode_lines(gpu, gpu_lines, LineSources(source, list(gpu_linenos))))
+            gpu_lines.clear()
+            gpu_linenos.clear()
+
+        lineno = blank = 0
+        for lineno, line in enumerate(lines, start=1):  # noqa: B007 - the count is used after
+            # A sample or a node batch (a record with "metrics" is GPU telemetry by its shape).
+            if b'"metrics"' in line:
+                gpu_lines.append(line)
+                gpu_linenos.append(lineno)
+                if len(gpu_lines) >= CHUNK:
+                    push_gpu()
                 continue
-            self.summary.lines += 1
-            for record in self._decode_line(line, f"{source}:{lineno}"):
-                topic = _topic_of(record)
-                if topic != pending_topic or len(pending) >= CHUNK:
-                    if pending:
-                        self.feed(pending_topic, pending)  # type: ignore[arg-type]
-                    pending_topic, pending = topic, []
-                pending.append(record)
+            if line.isspace() or not line:
+                blank += 1
+                continue
+            if gpu_lines:
+                push_gpu()
+            for record in self._decode_line(line.rstrip(b"\r\n"), f"{source}:{lineno}"):
+                push(_topic_of(record), [record])
+        if gpu_lines:
+            push_gpu()
         if pending:
             self.feed(pending_topic, pending)  # type: ignore[arg-type]
+        self.summary.lines += lineno - blank
 
     def _decode_line(self, line: bytes, source: str) -> list[Record]:
-        if b'"metrics"' in line and b'"samples"' not in line:
-            sample = self.control.fast_sample(line, source)
-            if sample is not None:
-                return [sample]
         try:
             obj = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return [self.control.dead_letter(source, f"not valid JSON: {exc}", line.rstrip(b"\n"))]
+            return [self.control.dead_letter(source, f"not valid JSON: {exc}", line)]
         if not isinstance(obj, dict):
-            return [self.control.dead_letter(source, "expected a JSON object", line.rstrip(b"\n"))]
-        return self.control.decode_obj(None, obj, source=source, raw=line.rstrip(b"\n"))
+            return [self.control.dead_letter(source, "expected a JSON object", line)]
+        return self.control.decode_obj(None, obj, source=source, raw=line)
 
     def finish(self) -> ReplaySummary:
         self._publish(self.control.flush())
@@ -124,6 +151,19 @@ class EmbeddedRuntime:
         out.extend(self.bus.records(T.AUDIT.name))  # type: ignore[arg-type]
         out.sort(key=lambda r: (r.ts, 0 if r.kind == "prediction" else 1))
         return out
+
+
+class LineSources(Sequence[str]):
+    """"file:line" of each line of a chunk, made only for the lines that need one (errors)."""
+
+    def __init__(self, path: str, linenos: list[int]) -> None:
+        self.path, self.linenos = path, linenos
+
+    def __len__(self) -> int:
+        return len(self.linenos)
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return f"{self.path}:{self.linenos[i]}"
 
 
 def _topic_of(record: Record) -> str:
@@ -145,8 +185,15 @@ def replay(
     *,
     inventory: Path | None = None,
     control: ControlPlane | None = None,
+    features: Path | None = None,
 ) -> EmbeddedRuntime:
-    """Run the whole control plane over recorded telemetry; write decisions as JSON lines."""
+    """Run the whole control plane over recorded telemetry; write decisions as JSON lines.
+
+    Per-GPU feature vectors are computed either way (the predictors score them); they become
+    records on the features topic, kept in memory and written to `features`, only when
+    `features` is given (a month of a 512-GPU fleet is ~2 million of them)."""
+    if control is None:
+        control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
     runtime = EmbeddedRuntime(control)
     if inventory is not None:
         runtime.feed_lines(read_lines(inventory), str(inventory))
@@ -156,5 +203,9 @@ def replay(
     if out is not None:
         with open(out, "w") as fh:
             for record in runtime.decisions():
+                fh.write(record.to_json() + "\n")
+    if features is not None:
+        with open(features, "w") as fh:
+            for record in runtime.bus.records(T.FEATURES.name):
                 fh.write(record.to_json() + "\n")
     return runtime

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
+from threadpoolctl import threadpool_limits
 
 from fleetwise.actuators import ActionPolicy, PolicyConfig
 from fleetwise.catalog import UnknownGpuError, lookup
 from fleetwise.predictors.failure import FailurePredictor
-from fleetwise.predictors.features import GpuFeatureWindows
+from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows
 from fleetwise.predictors.stragglers import StragglerDetector
 from fleetwise.schemas import (
     Command,
@@ -34,6 +35,10 @@ from fleetwise.schemas import (
     describe_error,
 )
 from fleetwise.schemas import topics as T
+from fleetwise.schemas.fast import FastGpuSample
+
+# What decoding yields: records, or GPU samples validated on the fast path.
+Item = Record | FastGpuSample
 
 
 class Routed(NamedTuple):
@@ -81,6 +86,8 @@ class ControlPlane:
         self.config = config or ControlPlaneConfig()
         self.features = GpuFeatureWindows()
         self.failure = FailurePredictor.load() if self.config.failure_predictor else None
+        if self.failure is not None:
+            _one_openmp_thread()
         self.stragglers = StragglerDetector() if self.config.straggler_detector else None
         self.policy = ActionPolicy(self.config.policy)
         self.inventory: dict[str, NodeInventory] = {}
@@ -118,35 +125,60 @@ class ControlPlane:
             return self.dead_letter(source, reason, json.dumps(raw, default=str), sample.ts)
         return sample
 
-    def fast_sample(self, line: bytes, source: str) -> Record | None:
-        """Validate a GPU-sample line straight from JSON (the common case, in Rust);
-        None when it is not a valid sample, so the caller takes the slow path for the error."""
-        try:
-            sample = GpuSample.model_validate_json(line)
-        except ValidationError:
-            return None
-        if self.model_id(sample.model) is None:
-            return None
-        return sample
-
-    def decode(self, topic: str, raw: bytes, *, source: str) -> list[Record]:
+    def decode(self, topic: str, raw: bytes | None, *, source: str) -> list[Item]:
         """Parse one message or replay line. Bad input becomes a DeadLetter, never an exception."""
-        if topic == T.TELEMETRY_GPU.name and b'"samples"' in raw:
-            # Common case: a whole valid node batch, validated in one call (Rust); any problem
-            # falls through to the per-sample path, which names the bad sample and keeps the rest.
-            try:
-                batch = NodeBatch.model_validate_json(raw)
-            except ValidationError:
-                batch = None
-            if batch is not None and all(self.model_id(s.model) is not None for s in batch.samples):
-                return list(batch.samples)
+        return self.decode_messages(topic, [raw], [source])[0]
+
+    def decode_messages(
+        self, topic: str, raws: Sequence[bytes | None], sources: Sequence[str]
+    ) -> list[list[Item]]:
+        """The items of each message (or replay line) of one topic, in order.
+
+        GPU telemetry takes the fast path first: all node batches (or all sample lines) of
+        the call validated in one msgspec call straight into `FastGpuSample`s. When that
+        refuses the call, each message is tried alone, and one the fast path refuses takes
+        the pydantic path, which accepts it or dead-letters it with the reason: one bad
+        message never costs the good ones beside it."""
+        if topic == T.TELEMETRY_GPU.name and raws and None not in raws:
+            found = SAMPLE_DECODER.batches(raws)  # type: ignore[arg-type]
+            if found is not None and self._models_known(s for items in found for s in items):
+                return found  # type: ignore[return-value]
+            flat = SAMPLE_DECODER.samples(raws)  # type: ignore[arg-type]
+            if flat is not None and self._models_known(flat):
+                return [[s] for s in flat]
+        return [self._decode_one(topic, raw, source) for raw, source in zip(raws, sources, strict=True)]
+
+    def decode_lines(self, topic: str, lines: Sequence[bytes], sources: Sequence[str]) -> list[Item]:
+        """`decode_messages` flattened, trying sample lines first (what trace files hold)."""
+        if topic == T.TELEMETRY_GPU.name and lines:
+            flat = SAMPLE_DECODER.samples(lines)
+            if flat is not None and self._models_known(flat):
+                return flat  # type: ignore[return-value]
+        stripped = [line.rstrip(b"\r\n") for line in lines]  # dead letters keep the line, not its newline
+        return [item for items in self.decode_messages(topic, stripped, sources) for item in items]
+
+    def _models_known(self, samples: Iterable[FastGpuSample]) -> bool:
+        model_id = self.model_id
+        return all(model_id(m) is not None for m in {s.model for s in samples})
+
+    def _decode_one(self, topic: str, raw: bytes | None, source: str) -> list[Item]:
+        if raw is None:
+            return [self.dead_letter(source, "empty message (no value)", b"")]
+        if topic == T.TELEMETRY_GPU.name:
+            if b'"samples"' in raw:
+                found = SAMPLE_DECODER.batch(raw)
+            else:
+                one = SAMPLE_DECODER.sample(raw)
+                found = None if one is None else [one]
+            if found is not None and self._models_known(found):
+                return found  # type: ignore[return-value]
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return [self.dead_letter(source, f"not valid JSON: {exc}", raw)]
         if not isinstance(obj, dict):
             return [self.dead_letter(source, f"expected a JSON object, got {type(obj).__name__}", raw)]
-        return self.decode_obj(topic, obj, source=source, raw=raw)
+        return self.decode_obj(topic, obj, source=source, raw=raw)  # type: ignore[return-value]
 
     def decode_obj(
         self, topic: str | None, obj: dict, *, source: str, raw: bytes | None = None
@@ -201,7 +233,7 @@ class ControlPlane:
         return out
 
     # -- processing --------------------------------------------------------------------------
-    def handle(self, topic: str, records: Sequence[Record]) -> list[Routed]:
+    def handle(self, topic: str, records: Sequence[Item]) -> list[Routed]:
         """Run the processors over records of one topic (event-time order); route the outputs."""
         out: list[Routed] = []
         good: list[Record] = []
@@ -213,14 +245,14 @@ class ControlPlane:
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
-            samples: list[GpuSample] = []
+            samples: list[GpuSample | FastGpuSample] = []
             for r in good:
                 if isinstance(r, NodeBatch):
                     samples.extend(r.samples)
                 else:
                     samples.append(r)  # type: ignore[arg-type]
             self.counts["samples_in"] += len(samples)
-            out.extend(self._gpu_outputs(*self.features.ingest_records(samples)))
+            out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
             self.counts["steps_in"] += len(good)
             if self.stragglers is not None:
@@ -295,6 +327,19 @@ class ControlPlane:
     def restore(self, key: str, state: dict) -> None:
         name, _, inner = key.partition(":")
         self._processors()[name].restore(inner, state)
+
+
+def _one_openmp_thread() -> None:
+    """The model scores a few hundred GPU-hops per call: OpenMP threads cost more than they
+    give there (35x slower on a busy 2-core machine) and would compete with the stream's own
+    thread. Set once per process, for scikit-learn's OpenMP runtime only."""
+    global _OPENMP_LIMITED
+    if not _OPENMP_LIMITED:
+        threadpool_limits(limits=1, user_api="openmp")
+        _OPENMP_LIMITED = True
+
+
+_OPENMP_LIMITED = False
 
 
 def _route_command(cmd: Command) -> list[Routed]:

@@ -1,0 +1,115 @@
+"""Validation of GPU telemetry straight from JSON into typed structs, many lines per call.
+
+The pydantic records (`GpuSample`, `NodeBatch`) are the contract and name every problem;
+this is the hot path in front of them (msgspec: JSON parsed and type-checked in C, no dict
+per sample, all lines of a chunk in one call). It accepts a subset of what the records
+accept and never a record they would reject for a field it reads, so callers use it first
+and hand anything it refuses to the pydantic path, which accepts or dead-letters with the
+exact reason. Differences, by design:
+
+- `ts` must be a JSON number here (RFC 3339 strings take the pydantic path);
+- numbers must have their JSON type (`"gpu": 3.0` or `"52"` as a metric take the pydantic
+  path, which coerces them);
+- only the metrics a decoder is built for are read and checked; other metrics are skipped
+  unread (their values feed nothing downstream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+# Finite numbers only, as `MetricValue` in the records (JSON has no NaN; +-1e999 overflow).
+_FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class FastGpuSample(msgspec.Struct):
+    """A validated GPU sample (attribute names as `GpuSample`). `metrics` is a struct of the
+    decoder's metric fields, in its order (missing = None); see `SampleDecoder.metric_rows`."""
+
+    ts: _FiniteFloat
+    node: _NonEmpty
+    gpu: Annotated[int, msgspec.Meta(ge=0, le=1023)]
+    model: _NonEmpty
+    uuid: str | None = None
+    rack: str | None = None
+    site: str | None = None
+    job: str | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class SampleDecoder:
+    """Decoders for GPU sample lines and node batches that read `metric_fields` (DCGM names)."""
+
+    def __init__(self, metric_fields: Sequence[str]) -> None:
+        self.metric_fields = tuple(metric_fields)
+        metrics_type = msgspec.defstruct(
+            "Metrics",
+            [(f"m{i}", _FiniteFloat | None, msgspec.field(default=None, name=name))
+             for i, name in enumerate(self.metric_fields)],
+        )
+        self._empty_metrics = metrics_type()
+        sample_type = msgspec.defstruct(
+            "Sample",
+            [("metrics", metrics_type, msgspec.field(default_factory=metrics_type))],
+            bases=(FastGpuSample,),
+        )
+        batch_type = msgspec.defstruct(
+            "Batch", [("ts", _FiniteFloat), ("node", _NonEmpty), ("samples", list[sample_type])]
+        )
+        self._line = msgspec.json.Decoder(sample_type)
+        self._lines = msgspec.json.Decoder(list[sample_type])
+        self._batch = msgspec.json.Decoder(batch_type)
+        self._batches = msgspec.json.Decoder(list[batch_type])
+
+    def sample(self, line: bytes) -> FastGpuSample | None:
+        """One sample line, or None when the fast path refuses it."""
+        try:
+            return self._line.decode(line)
+        except msgspec.MsgspecError:
+            return None
+
+    def samples(self, lines: Sequence[bytes]) -> list[FastGpuSample] | None:
+        """All sample lines in one call, or None when any line is refused (then go line by line)."""
+        try:
+            return self._lines.decode(b"[" + b",".join(lines) + b"]")
+        except msgspec.MsgspecError:
+            return None
+
+    def batch(self, raw: bytes) -> list[FastGpuSample] | None:
+        """The samples of one node batch, or None when refused (a sample of another node too)."""
+        try:
+            found = self._batch.decode(raw)
+        except msgspec.MsgspecError:
+            return None
+        return found.samples if _one_node(found) else None
+
+    def batches(self, raws: Sequence[bytes]) -> list[list[FastGpuSample]] | None:
+        """The samples of each node batch, all in one call; None when any batch is refused."""
+        try:
+            found = self._batches.decode(b"[" + b",".join(raws) + b"]")
+        except msgspec.MsgspecError:
+            return None
+        if not all(map(_one_node, found)):
+            return None
+        return [b.samples for b in found]
+
+    def metric_rows(self, samples: Sequence[Any]) -> np.ndarray:
+        """Float matrix (samples x metric_fields), NaN where missing. Takes `FastGpuSample`s
+        from this decoder and pydantic `GpuSample`s (metrics as a dict) alike."""
+        astuple, fields = msgspec.structs.astuple, self.metric_fields
+        metrics_type = type(self._empty_metrics)
+        rows = [astuple(m) if type(m) is metrics_type else tuple(map(m.get, fields))
+                for m in (s.metrics for s in samples)]
+        if not rows:
+            return np.empty((0, len(fields)))
+        return np.array(rows, dtype=np.float64)  # None -> NaN
+
+
+def _one_node(batch: Any) -> bool:
+    node = batch.node
+    return all(s.node == node for s in batch.samples)

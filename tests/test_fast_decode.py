@@ -1,0 +1,142 @@
+"""The telemetry fast path (msgspec, many lines per call) against the pydantic records: it
+refuses what it cannot vouch for, and whatever path a line takes, the features are the same."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows, feature_matrix
+from fleetwise.schemas import DeadLetter, GpuSample
+from fleetwise.schemas import topics as T
+from fleetwise.schemas.fast import FastGpuSample, SampleDecoder
+from fleetwise.sim import FleetSimulator, SimConfig
+from fleetwise.streams.embedded import EmbeddedRuntime
+from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+GPU = T.TELEMETRY_GPU.name
+FEATURES_ONLY = ControlPlaneConfig(failure_predictor=False, straggler_detector=False)
+GOOD = {"ts": 1764547200.0, "node": "n1", "gpu": 0, "model": "NVIDIA H100 80GB HBM3",
+        "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60, "DCGM_FI_DEV_POWER_USAGE": 500.0}}
+
+
+def line(**changes: object) -> bytes:
+    return json.dumps({**GOOD, **changes}).encode()
+
+
+def test_decoder_reads_its_fields_and_refuses_what_the_records_might_coerce_or_reject():
+    dec = SampleDecoder(["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK"])
+    s = dec.sample(line(rack="r1", job="j", rank=3))
+    assert isinstance(s, FastGpuSample) and (s.node, s.gpu, s.rack, s.job, s.rank) == ("n1", 0, "r1", "j", 3)
+    rows = dec.metric_rows([s, GpuSample.model_validate(GOOD)])
+    assert rows.shape == (2, 3)
+    assert rows[0, :2].tolist() == [60.0, 500.0] and np.isnan(rows[0, 2])  # missing -> NaN
+    assert np.array_equal(rows[0], rows[1], equal_nan=True)  # pydantic records give the same row
+    refused = [
+        line(ts="2025-12-01T00:00:00Z"),  # RFC 3339: the records parse it, this path does not
+        line(gpu=3.0), line(gpu=1024), line(gpu=-1), line(node=""), line(ts=True), line(rank=-1),
+        line(metrics={"DCGM_FI_DEV_GPU_TEMP": "61"}),
+        line(metrics={"DCGM_FI_DEV_GPU_TEMP": True}),
+        line().replace(b"60", b"NaN"),
+        line().replace(b"60", b"1e999"),
+        b"{not json",
+    ]
+    for raw in refused:
+        assert dec.sample(raw) is None, raw
+    assert dec.samples([line(), line(gpu=1)]) is not None
+    assert dec.samples([line(), refused[0]]) is None  # one refusal refuses the chunk
+
+
+def test_batches_must_hold_one_node():
+    batch = {"ts": 1.0, "node": "n1", "samples": [GOOD, {**GOOD, "gpu": 1}]}
+    assert len(SAMPLE_DECODER.batch(json.dumps(batch).encode())) == 2
+    other = {**batch, "samples": [GOOD, {**GOOD, "node": "n2"}]}
+    assert SAMPLE_DECODER.batch(json.dumps(other).encode()) is None
+    assert SAMPLE_DECODER.batches([json.dumps(batch).encode(), json.dumps(other).encode()]) is None
+
+
+def test_one_bad_message_does_not_cost_the_good_ones_beside_it():
+    control = ControlPlane(FEATURES_ONLY)
+    good = {"ts": 1.0, "node": "n1", "samples": [GOOD, {**GOOD, "gpu": 1}]}
+    bad = {"ts": 1.0, "node": "n2", "samples": [{**GOOD, "node": "n2"}, {**GOOD, "node": "n2", "gpu": -5}]}
+    unknown = {"ts": 1.0, "node": "n3", "samples": [{**GOOD, "node": "n3", "model": "NVIDIA Z9000"}]}
+    raws = [json.dumps(m).encode() for m in (good, bad, unknown)] + [None]
+    out = control.decode_messages(GPU, raws, ["t:0:1", "t:0:2", "t:0:3", "t:0:4"])
+    assert len(out[0]) == 2 and all(isinstance(x, FastGpuSample) for x in out[0])
+    assert [isinstance(x, DeadLetter) for x in out[1]] == [False, True]
+    assert out[1][1].source == "t:0:2#samples.1" and "gpu" in out[1][1].reason
+    assert isinstance(out[2][0], DeadLetter) and "unknown GPU" in out[2][0].reason
+    assert isinstance(out[3][0], DeadLetter) and "empty message" in out[3][0].reason
+    # The clean batches alone take the one-call path and give the same samples.
+    fast = control.decode_messages(GPU, raws[:1], ["t:0:1"])
+    assert [(s.node, s.gpu) for s in fast[0]] == [(s.node, s.gpu) for s in out[0]]
+
+
+@pytest.fixture(scope="module")
+def trace_lines() -> list[bytes]:
+    """A simulated trace with odd but valid lines mixed in (each takes the pydantic path) and bad
+    ones (dead letters)."""
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:8,a100-sxm-80gb:8", days=0.3, seed=5,
+                                   failure_rate_per_1000_gpu_days=200))
+    lines = [json.dumps(s).encode() for tick in sim.ticks() for s in tick.samples]
+    odd = []
+    for i in range(0, len(lines), 97):
+        obj = json.loads(lines[i])
+        k = (i // 97) % 5
+        if k == 0:  # RFC 3339 timestamp
+            from datetime import UTC, datetime
+            obj["ts"] = datetime.fromtimestamp(obj["ts"], UTC).isoformat()
+        elif k == 1:  # numbers as the records coerce them
+            obj["gpu"] = float(obj["gpu"])
+        elif k == 2:  # a DCGM blank: missing, not a huge reading
+            obj["metrics"]["DCGM_FI_DEV_POWER_USAGE"] = 140737488355328.0
+        elif k == 3:  # field 112 under its pre-DCGM-3.3 name
+            obj["metrics"]["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"] = obj["metrics"].pop(
+                "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 0) or 0x40
+        else:  # bad: NaN reading (dead letter)
+            obj["metrics"]["DCGM_FI_DEV_GPU_TEMP"] = float("nan")
+        odd.append((i, json.dumps(obj).encode()))
+    for i, raw in odd:
+        lines[i] = raw
+    return lines
+
+
+def test_fast_path_and_record_path_give_the_same_features(trace_lines):
+    fast = EmbeddedRuntime(ControlPlane(FEATURES_ONLY))
+    fast.feed_lines(trace_lines, "trace")
+    fast.finish()
+    # Reference: every line through the pydantic records, one by one.
+    slow = EmbeddedRuntime(ControlPlane(FEATURES_ONLY))
+    for i, raw in enumerate(trace_lines):
+        slow.feed(GPU, slow.control.decode_obj(GPU, json.loads(raw), source=f"trace:{i + 1}", raw=raw))
+    slow.finish()
+    # Emission order follows the chunks (a hop closes when a later sample arrives): compare by key.
+    def by_key(vectors: list) -> list:
+        return sorted(vectors, key=lambda v: (v.ts, v.node, v.gpu))
+
+    got, want = by_key(fast.bus.records(T.FEATURES.name)), by_key(slow.bus.records(T.FEATURES.name))
+    assert len(got) == len(want) > 0
+    def keys(vectors: list) -> list[tuple]:
+        return [(v.ts, v.node, v.gpu, v.job, v.rank) for v in vectors]
+
+    assert keys(got) == keys(want)
+    a, b = feature_matrix(got), feature_matrix(want)
+    # Equal up to float rounding: a hop split across chunks sums its samples in another order.
+    assert np.allclose(a, b, rtol=1e-9, atol=1e-12, equal_nan=True)
+    assert fast.summary.samples == slow.control.counts["samples_in"]
+    dead = fast.bus.records(T.DEADLETTER.name)
+    assert len(dead) == len(range(0, len(trace_lines), 97)[4::5])
+    assert all("finite number" in d.reason for d in dead)
+
+
+def test_windows_take_structs_and_records_alike(trace_lines):
+    clean = [raw for raw in trace_lines if b"NaN" not in raw and b'"ts": "' not in raw]
+    records = [GpuSample.model_validate_json(raw) for raw in clean[:2000]]
+    a, b = GpuFeatureWindows(), GpuFeatureWindows()
+    mixed = [SAMPLE_DECODER.sample(r) or GpuSample.model_validate_json(r) for r in clean[:2000]]
+    ra = a.ingest_samples(mixed)
+    rb = b.ingest_samples(records)
+    for x, y in zip(ra, rb, strict=True):
+        assert np.array_equal(x, y, equal_nan=True)
