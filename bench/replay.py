@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=60.0, help="sample interval, s")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--source", choices=["synthetic", "sim"], default="synthetic")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is reported")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core: numpy/sklearn must not fan out
     gen = sim_lines if args.source == "sim" else synthetic_lines
@@ -101,33 +102,46 @@ def main() -> None:
     print(f"# {len(lines):,} sample lines from {args.source} ({args.gpus} GPUs x {args.hours} h at "
           f"{args.interval:.0f} s) prepared in {prep:.1f} s; {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}, CPU time of one thread")
-    print(f"| {'pipeline':<44} | {'samples':>10} | {'CPU s':>7} | {'samples/s':>10} | target |")
-    print(f"|{'-' * 46}|{'-' * 12}|{'-' * 9}|{'-' * 12}|--------|")
-    # The floor every JSON pipeline pays: parsing the lines, nothing else (compare as a ratio).
-    start = time.process_time()
-    for line in lines:
-        json.loads(line)
-    elapsed = time.process_time() - start
-    print(f"| {'json.loads only (parsing floor, no validation)':<44} | {len(lines):>10,} | {elapsed:>7.2f} | "
-          f"{len(lines) / elapsed:>10,.0f} | |")
-    # The fast path's decode alone: sample lines validated into structs, CHUNK per call.
+    print(f"| {'pipeline':<44} | {'samples':>10} | {'CPU s':>7} | {'samples/s':>10} | target | speed |")
+    print(f"|{'-' * 46}|{'-' * 12}|{'-' * 9}|{'-' * 12}|--------|-------|")
     from fleetwise.predictors.features import SAMPLE_DECODER
     from fleetwise.streams.embedded import CHUNK
 
-    start = time.process_time()
-    for k in range(0, len(lines), CHUNK):
-        SAMPLE_DECODER.samples(lines[k:k + CHUNK])
-    elapsed = time.process_time() - start
-    print(f"| {'decode only (fast path, validated structs)':<44} | {len(lines):>10,} | {elapsed:>7.2f} | "
-          f"{len(lines) / elapsed:>10,.0f} | |")
-    for label, pred, publish in (
-        ("validation + features", False, False),
-        ("validation + features + predictors (replay)", True, False),
-        ("... + feature records (as the worker)", True, True),
-    ):
-        elapsed, n, outputs = run(lines, pred, publish)
+    def parse_floor() -> tuple[float, int, dict]:
+        # The floor every JSON pipeline pays: parsing the lines, nothing else.
+        start = time.process_time()
+        for line in lines:
+            json.loads(line)
+        return time.process_time() - start, len(lines), {}
+
+    def decode_only() -> tuple[float, int, dict]:
+        # The fast path's decode alone: sample lines validated into structs, CHUNK per call.
+        start = time.process_time()
+        for k in range(0, len(lines), CHUNK):
+            SAMPLE_DECODER.samples(lines[k:k + CHUNK])
+        return time.process_time() - start, len(lines), {}
+
+    rows = [
+        ("json.loads only (parsing floor, no validation)", parse_floor, ""),
+        ("decode only (fast path, validated structs)", decode_only, ""),
+        ("validation + features", lambda: run(lines, False, False), "100,000"),
+        ("validation + features + predictors (replay)", lambda: run(lines, True, False), "100,000"),
+        ("... + feature records (as the worker)", lambda: run(lines, True, True), ""),
+    ]
+    # Shared machines are noisy: every row runs --repeat times, interleaved, and the fastest
+    # run of each is reported (the ratios between rows are the robust figure).
+    best: dict[str, tuple[float, int, dict]] = {}
+    for _ in range(args.repeat):
+        for label, fn, _target in rows:
+            got = fn()
+            if label not in best or got[0] < best[label][0]:
+                best[label] = got
+    floor = best[rows[0][0]][0] / best[rows[0][0]][1]
+    for label, _fn, target in rows:
+        elapsed, n, outputs = best[label]
         rate = n / elapsed if elapsed else float("inf")
-        print(f"| {label:<44} | {n:>10,} | {elapsed:>7.2f} | {rate:>10,.0f} | 100,000 |")
+        print(f"| {label:<44} | {n:>10,} | {elapsed:>7.2f} | {rate:>10,.0f} | {target:>6} | "
+              f"{rate * floor:.2f}x json.loads |")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"# outputs (last run): {outputs}; peak RSS {rss:.0f} MiB")
 

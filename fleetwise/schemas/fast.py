@@ -16,7 +16,10 @@ exact reason. Differences, by design:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Annotated, Any
 
 import msgspec
@@ -28,14 +31,14 @@ _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class FastGpuSample(msgspec.Struct):
-    """A validated GPU sample (attribute names as `GpuSample`). `metrics` is a struct of the
-    decoder's metric fields, in its order (missing = None); see `SampleDecoder.metric_rows`."""
+    """A validated GPU sample (attribute names as `GpuSample`; `uuid` is not read: nothing
+    downstream uses it). `metrics` is a struct of the decoder's metric fields, in its order
+    (missing = NaN); see `SampleDecoder.metric_rows`."""
 
     ts: _FiniteFloat
     node: _NonEmpty
     gpu: Annotated[int, msgspec.Meta(ge=0, le=1023)]
     model: _NonEmpty
-    uuid: str | None = None
     rack: str | None = None
     site: str | None = None
     job: str | None = None
@@ -49,7 +52,8 @@ class SampleDecoder:
         self.metric_fields = tuple(metric_fields)
         metrics_type = msgspec.defstruct(
             "Metrics",
-            [(f"m{i}", _FiniteFloat | None, msgspec.field(default=None, name=name))
+            # Missing -> NaN, as in the feature matrix.
+            [(f"m{i}", _FiniteFloat | None, msgspec.field(default=math.nan, name=name))
              for i, name in enumerate(self.metric_fields)],
         )
         self._empty_metrics = metrics_type()
@@ -101,13 +105,21 @@ class SampleDecoder:
     def metric_rows(self, samples: Sequence[Any]) -> np.ndarray:
         """Float matrix (samples x metric_fields), NaN where missing. Takes `FastGpuSample`s
         from this decoder and pydantic `GpuSample`s (metrics as a dict) alike."""
-        astuple, fields = msgspec.structs.astuple, self.metric_fields
-        metrics_type = type(self._empty_metrics)
-        rows = [astuple(m) if type(m) is metrics_type else tuple(map(m.get, fields))
-                for m in (s.metrics for s in samples)]
+        fields, metrics_type = self.metric_fields, type(self._empty_metrics)
+        metrics = list(map(_METRICS, samples))
+        if all(type(m) is metrics_type for m in metrics):
+            # Every value a float or None (numpy reads None as NaN), one pass over all of them.
+            rows = map(msgspec.structs.astuple, metrics)
+            flat = np.fromiter(chain.from_iterable(rows), np.float64, len(metrics) * len(fields))
+            return flat.reshape(len(metrics), len(fields))
+        rows = [msgspec.structs.astuple(m) if type(m) is metrics_type else tuple(map(m.get, fields))
+                for m in metrics]
         if not rows:
             return np.empty((0, len(fields)))
         return np.array(rows, dtype=np.float64)  # None -> NaN
+
+
+_METRICS = attrgetter("metrics")
 
 
 def _one_node(batch: Any) -> bool:
