@@ -26,7 +26,7 @@ entry per (partition, bucket) holds the state of all its keys, in a compact bina
 the feature windows (`FeatureStateCodec`), plus the last input offset applied per input
 topic-partition. Every `checkpoint_interval_s` the worker waits for the broker to acknowledge
 the outputs sent so far, writes every bucket of each partition that changed, and only then
-acks the input events, so faust's offset commits never run ahead of the saved state.
+acks the input offsets, so faust's offset commits never run ahead of the saved state.
 
 A restarted (or newly assigned) worker recovers the table from the changelog and, on first
 sight of a partition (or when the table holds entries this worker did not write, after a
@@ -53,6 +53,8 @@ import faust
 import numpy as np
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types.tuples import ack_lock
+from mode.utils.futures import notify
 
 from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, Record, TrainingStep
 from fleetwise.schemas import topics as T
@@ -89,14 +91,16 @@ def _header(headers: Any, name: str) -> bytes | None:
 
 
 def produced_at(message: Any) -> float:
-    """Producer send time of a faust message: our header if present, else the Kafka timestamp."""
+    """Producer send time of a message: our header if present, else the Kafka timestamp
+    (aiokafka records carry it as int milliseconds, faust messages as float seconds)."""
     raw = _header(message.headers, PRODUCED_AT_HEADER)
     if raw is not None:
         try:
             return float(raw)
         except ValueError:
             pass
-    return float(message.timestamp or 0.0)
+    ts = message.timestamp
+    return ts / 1000.0 if isinstance(ts, int) else float(ts or 0.0)
 
 
 def message_key(inner: str) -> str:
@@ -346,8 +350,9 @@ class StreamProcessor:
     async def process_messages(self, topic: str, messages: Sequence[Any]) -> list[Routed]:
         """Decode, handle and publish one batch of messages of `topic` (a registry name), in
         offset order per partition. A message needs `.topic`, `.partition`, `.offset`,
-        `.value`, `.headers` and `.timestamp` (faust's ConsumerMessage has them). Outputs are
-        sent, not awaited: the next checkpoint waits for them. Returns what was routed."""
+        `.value`, `.headers` and `.timestamp` (aiokafka's ConsumerRecord and faust's
+        ConsumerMessage have them). Outputs are sent, not awaited: the next checkpoint waits
+        for them. Returns what was routed."""
         t0 = time.perf_counter()
         records: list[Record] = []
         produced: list[float] = []
@@ -505,22 +510,24 @@ def _observe(topic: str, produced: Sequence[float]) -> None:
         hist.observe(max(0.0, now - sent))
 
 
-BatchHandler = Callable[[str, list[Any]], Awaitable[None]]
+# (Kafka topic, [(partition, [aiokafka ConsumerRecord, ...]), ...]) -> None
+BatchHandler = Callable[[str, list[tuple[Any, list[Any]]]], Awaitable[None]]
 
 
 class BatchConsumer(faust_aiokafka.Consumer):
     """faust's aiokafka consumer, handing each fetched batch of some topics to one handler.
 
     Only `_drain_messages` (faust-streaming 0.15.3, `faust/transport/consumer.py`) is
-    replaced, and only for the topics in `transport.batch_handlers`: their messages of one
-    fetch (offset order per partition) go to `handler(topic, messages)` in one call, without
-    faust's per-message tasks, conductor, channel queue and stream iterator. The rest of the
+    replaced, and only for the topics in `transport.batch_handlers`: their records of one
+    fetch go to `handler(topic, [(tp, records), ...])` in one call (aiokafka
+    `ConsumerRecord`s in offset order per partition), without faust's per-message tasks,
+    conductor, channel queue, stream iterator and `ConsumerMessage` objects. The rest of the
     loop is faust's: records come from `_wait_next_records` (so paused partitions, e.g.
     during table recovery, are not fetched), delivery stops when flow stops or the consumer
     generation changes (rebalance), read offsets, gaps and `broker_commit_every` are kept as
     faust keeps them, and messages of every other topic take faust's own per-message path.
 
-    The handler acks messages itself (`consumer.ack`) once their state is saved; faust then
+    The handler acks offsets itself (`ack_offsets`) once their state is saved; faust then
     commits them. Per-message sensors (`on_message_in`, stream events) are not called for
     these topics: the worker's own Prometheus metrics count them. A batch is shielded from
     cancellation (faust cancels the fetcher at a rebalance) so it is applied whole or not at
@@ -559,7 +566,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     if not (active is None or tp in active or tp in self._buffered_partitions):
                         continue
                     self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
-                    batch = batches.setdefault(tp.topic, []) if tp.topic in handlers else None
+                    batch: list[Any] | None = None
+                    if tp.topic in handlers:
+                        batch = []
+                        batches.setdefault(tp.topic, []).append((tp, batch))
                     for record in tp_records:
                         offset = record.offset
                         r_offset = read_offset[tp]
@@ -570,15 +580,15 @@ class BatchConsumer(faust_aiokafka.Consumer):
                         if self._commit_every is not None and self._n_acked >= self._commit_every:
                             self._n_acked = 0
                             await self.commit()
-                        message = to_message(tp, record)
                         if batch is not None:
-                            batch.append(message)
+                            batch.append(record)
                         else:
-                            await self.wait_first(callback(message), self.suspend_flow.wait())
+                            await self.wait_first(callback(to_message(tp, record)), self.suspend_flow.wait())
                         read_offset[tp] = offset
-                for topic, messages in batches.items():
-                    if messages:
-                        await asyncio.shield(handlers[topic](topic, messages))
+                for topic, tp_batches in batches.items():
+                    tp_batches = [(tp, batch) for tp, batch in tp_batches if batch]
+                    if tp_batches:
+                        await asyncio.shield(handlers[topic](topic, tp_batches))
                 self.diag.unset_flag(CONSUMER_FETCHING)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
@@ -595,6 +605,28 @@ class BatchConsumer(faust_aiokafka.Consumer):
             raise
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
+
+    def ack_offsets(self, tp: Any, offsets: Iterable[int]) -> int:
+        """`Consumer.ack` for records known by partition and offset (no message objects):
+        faust commits a partition up to its first offset not acked. Returns how many were
+        new."""
+        if not self.app.topics.acks_enabled_for(tp.topic):
+            return 0
+        with ack_lock:  # the lock faust's own `ack` holds over the same bookkeeping
+            committed = self._committed_offset[tp]
+            index = self._acked_index[tp]
+            acked = self._acked[tp]
+            n = 0
+            try:
+                for offset in offsets:
+                    if (committed is None or offset >= committed) and offset not in index:
+                        index.add(offset)
+                        acked.append(offset)
+                        n += 1
+                self._n_acked += n
+            finally:
+                notify(self._waiting_for_ack)
+        return n
 
 
 class BatchTransport(faust_aiokafka.Transport):
@@ -703,44 +735,47 @@ def make_app(
     # 8,000 GPUs) and then waits for the broker in a task of its own, so consumption goes on
     # meanwhile; checkpoints are written one after the other.
     lock = asyncio.Lock()
-    held: list[Any] = []
+    held: dict[Any, list[int]] = {}  # tp -> offsets processed since the last checkpoint
     last_checkpoint = [time.monotonic()]
     writing: list[asyncio.Task] = []
 
-    async def write_and_ack(snapshot: Snapshot, messages: list[Any], previous: asyncio.Task | None) -> None:
+    async def write_and_ack(snapshot: Snapshot, offsets: dict[Any, list[int]],
+                            previous: asyncio.Task | None) -> None:
         if previous is not None:
             await previous  # entries of a partition reach the changelog in snapshot order
         await processor.write(snapshot)
         consumer = app.consumer
         assigned = consumer.assignment()
-        for message in messages:
+        for tp, tp_offsets in offsets.items():
             # A partition revoked meanwhile is no longer ours to commit: its new owner
             # resumes from the last committed offset and skips what the saved state holds.
-            if message.tp in assigned:
-                consumer.ack(message)
+            if tp in assigned:
+                consumer.ack_offsets(tp, tp_offsets)
 
     async def checkpoint_now() -> None:
         """Call with `lock` held."""
         snapshot = processor.snapshot()
-        events = list(held)
+        offsets = dict(held)
         held.clear()
         last_checkpoint[0] = time.monotonic()
         previous = writing.pop() if writing else None
         if previous is not None and previous.done():
             previous.result()  # a failed write fails the agent (faust logs and restarts it)
             previous = None
-        task = asyncio.ensure_future(write_and_ack(snapshot, events, previous))
+        task = asyncio.ensure_future(write_and_ack(snapshot, offsets, previous))
         task.add_done_callback(_log_failed_checkpoint)
         writing.append(task)
 
-    async def consume(kafka_topic: str, messages: list[Any]) -> None:
-        """A fetched batch of telemetry or steps messages (BatchConsumer's handler)."""
+    async def consume(kafka_topic: str, batches: list[tuple[Any, list[Any]]]) -> None:
+        """A fetched batch of telemetry or steps records (BatchConsumer's handler)."""
+        records = batches[0][1] if len(batches) == 1 else [r for _, rs in batches for r in rs]
         async with lock:
-            await processor.process_messages(unprefix[kafka_topic], messages)
-            held.extend(messages)
+            await processor.process_messages(unprefix[kafka_topic], records)
+            for tp, rs in batches:
+                held.setdefault(tp, []).extend([r.offset for r in rs])
             if time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
                 await checkpoint_now()
-        _update_lag(app, messages)
+        _update_lag(app, {tp: rs[-1].offset for tp, rs in batches})
 
     async def count_assigned(sender: Any, assigned: Any, **_kwargs: Any) -> None:
         counts = {telemetry_topic.get_topic_name(): 0, steps_topic.get_topic_name(): 0}
@@ -788,10 +823,8 @@ def _log_failed_checkpoint(task: asyncio.Task) -> None:
                   task.exception())
 
 
-def _update_lag(app: faust.App, messages: Sequence[Any]) -> None:
-    last: dict[Any, int] = {}
-    for message in messages:
-        last[message.tp] = message.offset
+def _update_lag(app: faust.App, last: dict[Any, int]) -> None:
+    """Lag gauges from the last offset processed per partition."""
     for tp, offset in last.items():
         try:
             high = app.consumer.highwater(tp)
