@@ -19,7 +19,7 @@ from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, R
 
 # Consecutive records of one topic are handed over in chunks: Python overhead per chunk,
 # not per record (the processors vectorise inside a chunk).
-CHUNK = 4096
+CHUNK = 16384
 
 
 class EventBus:
