@@ -169,3 +169,30 @@ def test_memory_driven_risk_needs_longer_persistence() -> None:
     link = alert_series(run(FailurePredictor(model), probs, {"nvl_crc_flit_1h": [50.0] * 5}), 5)
     assert link == [False, True, True, True, True]
     assert mem == [False, False, False, True, True]
+
+
+def test_packaged_policy_is_the_code_default() -> None:
+    """The shipped model's metadata carries the tuned policy; `fleetwise predictor train`
+    writes AlertPolicy() into it, so a retrain must reproduce the same policy."""
+    from dataclasses import asdict
+
+    assert asdict(FailureModel.load().policy) == asdict(AlertPolicy())
+
+
+def test_policy_replay_from_stored_probabilities_matches_the_stream() -> None:
+    """advance_policy over stored probabilities (how bench/failure_eval.py sweeps policies on
+    30-day traces) raises and clears exactly where process_arrays does."""
+    rng = np.random.default_rng(7)
+    n = 400
+    probs = np.clip(np.cumsum(rng.normal(0, 0.15, n)) % 1.2, 0, 1)
+    keys = [("n1", i % 3) for i in range(n)]
+    ts = 1764547200.0 + 600.0 * (np.arange(n) // 3 + 1)
+    f = np.zeros((n, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(RISK)] = probs
+    f[rng.random(n) < 0.01, FEATURE_NAMES.index("xid_bus_hop")] = 1.0
+    stream, prob = FailurePredictor(stub_model()).process_arrays(keys, ts, f)
+    rules = [["xid79_off_bus"] if f[i, FEATURE_NAMES.index("xid_bus_hop")] > 0 else [] for i in range(n)]
+    rows, states = FailurePredictor(stub_model()).advance_policy(keys, ts, prob, np.zeros(n, bool), rules)
+    replayed = [(keys[i], ts[i], alert) for i, (alert, _, _) in zip(rows, states, strict=True)]
+    assert [((p.node, p.gpu), p.ts, p.alert) for p in stream] == replayed
+    assert any(a for *_, a in replayed) and not all(a for *_, a in replayed)
