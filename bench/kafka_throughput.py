@@ -9,10 +9,15 @@ sample (so what one dedicated core would sustain: 1 / that) and the machine's lo
 
     python bench/kafka_throughput.py --bootstrap HOST:PORT [--rate 50000] [--seconds 300]
         [--half-rate-seconds 60] [--no-failure-predictor] [--profile-worker FILE]
-        [--producer-only]
+        [--producer-only] [--stages]
 
 `--producer-only` measures the load generator alone (no worker): whether it can offer the
-rate at all on this machine. `--no-failure-predictor` runs the worker without the packaged
+rate at all on this machine. `--stages` measures the worker's parts one by one, in CPU time
+per sample (no worker process): a plain aiokafka consumer (`getmany`) reading the bench's
+messages back from the broker, and the worker's `StreamProcessor.process_messages` on the
+same bytes in-process (stand-in table and producer, a checkpoint every 5 s of input at the
+target rate). The worker's CPU per sample minus both is what faust and the output producer
+cost. `--no-failure-predictor` runs the worker without the packaged
 failure model (validation, feature windows, stragglers and policy only).
 
 faust's own claim, for comparison: "tens of thousands of events per second per core"
@@ -206,6 +211,12 @@ async def main_async(args) -> None:
     payloads = make_payloads(nodes, ticks=args.ticks, seed=args.seed)
     port = args.metrics_port
     producer = await start_producer(args.bootstrap, idempotent=True, linger_ms=10)
+    if args.stages:
+        try:
+            await run_stages(args, producer, prefix, payloads)
+        finally:
+            await producer.stop()
+        return
     if args.producer_only:
         try:
             r = await run_phase(args, producer, prefix, payloads, args.rate, args.seconds, 0, 0, 0)
@@ -264,6 +275,87 @@ async def main_async(args) -> None:
           f"(here one event = {GPUS_PER_NODE} samples)")
 
 
+async def run_stages(args, producer, prefix: str, payloads) -> None:
+    """CPU per sample of the worker's stages, each alone (see the module docstring)."""
+    from types import SimpleNamespace
+
+    from aiokafka import AIOKafkaConsumer
+
+    from fleetwise.streams.app import StreamProcessor
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    topic = topic_name(T.TELEMETRY_GPU, prefix)
+    n_messages = int(args.stage_messages)
+    sent = 0
+    tick = 0
+    futures = []
+    while sent < n_messages:  # flat out: only the consumer below is measured
+        ts = repr(START_TS + tick * SAMPLE_INTERVAL_S).encode()
+        for node, template in payloads[tick % len(payloads)]:
+            futures.append(await producer.send(topic, template.replace(TS_MARK, ts), key=node,
+                                               headers=[(PRODUCED_AT_HEADER, repr(time.time()).encode())]))
+            sent += 1
+        tick += 1
+    await asyncio.gather(*futures)
+
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=args.bootstrap, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False,
+                                max_poll_records=args.take_max)
+    await consumer.start()
+    records: list = []
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    try:
+        while len(records) < sent and time.monotonic() - wall0 < 120:
+            for batch in (await consumer.getmany(timeout_ms=1000)).values():
+                records.extend(batch)
+    finally:
+        await consumer.stop()
+    fetch_cpu = time.process_time() - cpu0
+    samples = len(records) * GPUS_PER_NODE
+    print(f"plain aiokafka consumer (getmany, max_poll_records={args.take_max}): {len(records):,} "
+          f"messages, {1e6 * fetch_cpu / samples:.2f} us CPU per sample "
+          f"({1e6 * fetch_cpu / len(records):.1f} us/message)")
+
+    # The worker's processing on the same records, offset order per partition, take_max per call.
+    records.sort(key=lambda r: (r.timestamp, r.partition, r.offset))
+    messages = [SimpleNamespace(topic=r.topic, partition=r.partition, offset=r.offset, value=r.value,
+                                headers=r.headers, timestamp=r.timestamp) for r in records]
+
+    class Table:
+        def __init__(self) -> None:
+            self.data: dict = {}
+
+    async def send(topic: str, key: bytes, value: bytes, headers: list) -> asyncio.Future:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def changelog(partition: int, key: str, value: bytes) -> None:
+        return None
+
+    control = ControlPlane(ControlPlaneConfig(failure_predictor=not args.no_failure_predictor))
+    processor = StreamProcessor(control, Table(), send, changelog=changelog)
+    per_checkpoint = max(1, int(args.rate / GPUS_PER_NODE * args.checkpoint_interval))
+    cpu0 = time.process_time()
+    checkpoint_cpu = 0.0
+    since = 0
+    for i in range(0, len(messages), args.take_max):
+        chunk = messages[i:i + args.take_max]
+        await processor.process_messages(T.TELEMETRY_GPU.name, chunk)
+        since += len(chunk)
+        if since >= per_checkpoint:
+            c0 = time.process_time()
+            await processor.checkpoint()
+            checkpoint_cpu += time.process_time() - c0
+            since = 0
+    total = time.process_time() - cpu0
+    print(f"StreamProcessor.process_messages in-process ({'no ' if args.no_failure_predictor else ''}"
+          f"failure predictor): {1e6 * total / samples:.2f} us CPU per sample "
+          f"(= {samples / total:,.0f} samples/s per core), of which checkpoints every "
+          f"{per_checkpoint:,} messages {1e6 * checkpoint_cpu / samples:.2f}")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", required=True)
@@ -279,6 +371,10 @@ def main() -> None:
     parser.add_argument("--profile-worker", default=None, help="write a cProfile of the worker here")
     parser.add_argument("--producer-only", action="store_true",
                         help="measure the load generator alone (no worker) at --rate for --seconds")
+    parser.add_argument("--stages", action="store_true",
+                        help="measure consumer fetch and in-process processing per sample (no worker)")
+    parser.add_argument("--stage-messages", type=int, default=62_500,
+                        help="messages for --stages (62,500 = 10 s at 50,000 samples/s: two checkpoints)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-port", type=int, default=9464)
     parser.add_argument("--worker-log", default="/tmp/fleetwise-bench-worker.log")

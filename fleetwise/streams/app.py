@@ -353,11 +353,10 @@ class StreamProcessor:
         `.value`, `.headers` and `.timestamp` (aiokafka's ConsumerRecord and faust's
         ConsumerMessage have them). Outputs are sent, not awaited: the next checkpoint waits
         for them. Returns what was routed."""
-        t0 = time.perf_counter()
         records: list[Record] = []
         produced: list[float] = []
         last: dict[int, int] = {}
-        dead = samples = skipped = 0
+        samples = skipped = 0
         for partition in {msg.partition for msg in messages}:
             self._sync_partition(partition)
         replay = self._replay
@@ -383,7 +382,6 @@ class StreamProcessor:
                 decoded = self._keep_replayed(decoded, tp, offset)
             for record in decoded:
                 if isinstance(record, DeadLetter):
-                    dead += 1
                     M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
             records.extend(decoded)
         M.MESSAGES_IN.labels("worker", topic).inc(len(messages))
@@ -412,8 +410,6 @@ class StreamProcessor:
         else:
             _observe(topic, produced)
         M.BATCH_SIZE.labels(topic).observe(len(messages))
-        log.debug("batch %s: %d messages, %d records, %d dead, %d out, %.1f ms", topic, len(messages),
-                  len(records), dead, len(routed), 1000 * (time.perf_counter() - t0))
         return routed
 
     def _changed_small_keys(self) -> Iterable[str]:
@@ -588,6 +584,12 @@ class BatchConsumer(faust_aiokafka.Consumer):
                 for topic, tp_batches in batches.items():
                     tp_batches = [(tp, batch) for tp, batch in tp_batches if batch]
                     if tp_batches:
+                        # what faust's stream sensor records per event: its aiokafka thread
+                        # checks it to report partitions whose stream stopped processing
+                        now = time.monotonic()
+                        inbound = self.app.monitor.stream_inbound_time
+                        for tp, _ in tp_batches:
+                            inbound[tp] = now
                         await asyncio.shield(handlers[topic](topic, tp_batches))
                 self.diag.unset_flag(CONSUMER_FETCHING)
         except self.consumer_stopped_errors:
