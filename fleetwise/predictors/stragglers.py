@@ -36,6 +36,7 @@ from typing import Any
 
 from fleetwise.catalog import lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
+from fleetwise.schemas.fast import FastTrainingStep
 
 __all__ = [
     "JOB_WIDE_NODE",
@@ -105,8 +106,8 @@ def _median(values: Iterable[float]) -> float:
     return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
-def _step_record(record: Record | Mapping[str, Any]) -> TrainingStep:
-    if isinstance(record, TrainingStep):
+def _step_record(record: Record | FastTrainingStep | Mapping[str, Any]) -> TrainingStep | FastTrainingStep:
+    if isinstance(record, TrainingStep | FastTrainingStep):  # both validated, same attributes
         return record
     if isinstance(record, Mapping):
         return TrainingStep.model_validate(record)
@@ -132,7 +133,7 @@ class StragglerDetector:
         self._keep_recent = max(5, self.config.clear_records)
 
     # ---- processor contract ----
-    def process(self, records: Sequence[Record | Mapping[str, Any]]) -> list[Record]:
+    def process(self, records: Sequence[Record | FastTrainingStep | Mapping[str, Any]]) -> list[Record]:
         """Consume step records (event-time order); return FeatureVectors and Predictions."""
         out: list[Record] = []
         for raw in records:
@@ -413,8 +414,9 @@ class StragglerDetector:
         trend = cost / rs["prev_cost"] - 1.0 if cost and rs["prev_cost"] else None
         rs["prev_cost"] = cost
         waits = [max(0.0, 1.0 - c / s) for c, s in zip(win["compute"], win["step"], strict=True)]
-        return FeatureVector(
-            scope="rank", ts=win["start"] + self.config.window_s, window_s=self.config.window_s,
+        # model_construct: our own, already-consistent output; skips re-validation per window
+        return FeatureVector.model_construct(
+            scope="rank", ts=float(win["start"] + self.config.window_s), window_s=self.config.window_s,
             node=rs["node"], gpu=rs["gpu"], model=rs["model"], job=name, rank=rank,
             values={
                 "median_step_s": _median(win["step"]),

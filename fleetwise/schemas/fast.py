@@ -30,7 +30,7 @@ _FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.79
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class FastGpuSample(msgspec.Struct):
+class FastGpuSample(msgspec.Struct, gc=False):
     """A validated GPU sample (attribute names as `GpuSample`; `uuid` is not read: nothing
     downstream uses it). `metrics` is a struct of the decoder's metric fields, in its order
     (missing = NaN); see `SampleDecoder.metric_rows`."""
@@ -55,12 +55,14 @@ class SampleDecoder:
             # Missing -> NaN, as in the feature matrix.
             [(f"m{i}", _FiniteFloat | None, msgspec.field(default=math.nan, name=name))
              for i, name in enumerate(self.metric_fields)],
+            gc=False,
         )
         self._empty_metrics = metrics_type()
         sample_type = msgspec.defstruct(
             "Sample",
             [("metrics", metrics_type, msgspec.field(default_factory=metrics_type))],
             bases=(FastGpuSample,),
+            gc=False,
         )
         batch_type = msgspec.defstruct(
             "Batch", [("ts", _FiniteFloat), ("node", _NonEmpty), ("samples", list[sample_type])]
@@ -125,3 +127,46 @@ _METRICS = attrgetter("metrics")
 def _one_node(batch: Any) -> bool:
     node = batch.node
     return all(s.node == node for s in batch.samples)
+
+
+class FastTrainingStep(msgspec.Struct, gc=False):
+    """A validated training step (attribute names and rules as `TrainingStep`)."""
+
+    ts: _FiniteFloat
+    job: _NonEmpty
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    node: _NonEmpty
+    gpu: Annotated[int, msgspec.Meta(ge=0)]
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    step_time_s: Annotated[float, msgspec.Meta(gt=0, le=1.7976931348623157e308)]
+    compute_s: Annotated[float, msgspec.Meta(ge=0, le=1.7976931348623157e308)]
+    micro_batch: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    samples: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    model: str | None = None
+
+
+_STEP = msgspec.json.Decoder(FastTrainingStep)
+_STEPS = msgspec.json.Decoder(list[FastTrainingStep])
+
+
+def _step_ok(step: FastTrainingStep) -> bool:
+    # TrainingStep's cross-field rule: compute beyond 1.5x the step time is garbage.
+    return step.compute_s <= step.step_time_s * 1.5
+
+
+def training_step(line: bytes) -> FastTrainingStep | None:
+    """One step line, or None when the fast path refuses it."""
+    try:
+        step = _STEP.decode(line)
+    except msgspec.MsgspecError:
+        return None
+    return step if _step_ok(step) else None
+
+
+def training_steps(lines: Sequence[bytes]) -> list[FastTrainingStep] | None:
+    """All step lines in one call, or None when any is refused (then go line by line)."""
+    try:
+        steps = _STEPS.decode(b"[" + b",".join(lines) + b"]")
+    except msgspec.MsgspecError:
+        return None
+    return steps if all(map(_step_ok, steps)) else None

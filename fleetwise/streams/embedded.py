@@ -84,13 +84,14 @@ class EmbeddedRuntime:
     def feed_lines(self, lines: Iterable[bytes], source: str) -> None:
         """Replay lines (samples, batches, steps, inventories, plans) in file order.
 
-        Runs of GPU telemetry lines are decoded CHUNK at a time in one call (the fast path of
-        `ControlPlane.decode_lines`); other lines one by one."""
+        Runs of GPU telemetry lines and of step lines are decoded CHUNK at a time in one call
+        (the fast path of `ControlPlane.decode_lines`); other lines one by one."""
         pending_topic: str | None = None
         pending: list[Item] = []
-        gpu_lines: list[bytes] = []
-        gpu_linenos: list[int] = []
-        gpu = T.TELEMETRY_GPU.name
+        run_topic: str | None = None
+        run_lines: list[bytes] = []
+        run_linenos: list[int] = []
+        gpu, steps = T.TELEMETRY_GPU.name, T.TELEMETRY_STEPS.name
 
         def push(topic: str, items: list[Item]) -> None:
             nonlocal pending_topic, pending
@@ -103,29 +104,34 @@ class EmbeddedRuntime:
                 self.feed(topic, pending)
                 pending = []
 
-        def push_gpu() -> None:
-            push(gpu, self.control.decode_lines(gpu, gpu_lines, LineSources(source, list(gpu_linenos))))
-            gpu_lines.clear()
-            gpu_linenos.clear()
+        def push_run() -> None:
+            sources = LineSources(source, list(run_linenos))
+            push(run_topic, self.control.decode_lines(run_topic, run_lines, sources))  # type: ignore[arg-type]
+            run_lines.clear()
+            run_linenos.clear()
 
         lineno = blank = 0
         for lineno, line in enumerate(lines, start=1):  # noqa: B007 - the count is used after
-            # A sample or a node batch (a record with "metrics" is GPU telemetry by its shape).
-            if b'"metrics"' in line:
-                gpu_lines.append(line)
-                gpu_linenos.append(lineno)
-                if len(gpu_lines) >= CHUNK:
-                    push_gpu()
+            # By shape: a record with "metrics" is GPU telemetry (a sample or a node batch), one
+            # with "step_time_s" a training step (as `classify_line` decides).
+            topic = gpu if b'"metrics"' in line else steps if b'"step_time_s"' in line else None
+            if topic is not None:
+                if topic != run_topic or len(run_lines) >= CHUNK:
+                    if run_lines:
+                        push_run()
+                    run_topic = topic
+                run_lines.append(line)
+                run_linenos.append(lineno)
                 continue
             if line.isspace() or not line:
                 blank += 1
                 continue
-            if gpu_lines:
-                push_gpu()
+            if run_lines:
+                push_run()
             for record in self._decode_line(line.rstrip(b"\r\n"), f"{source}:{lineno}"):
                 push(_topic_of(record), [record])
-        if gpu_lines:
-            push_gpu()
+        if run_lines:
+            push_run()
         if pending:
             self.feed(pending_topic, pending)  # type: ignore[arg-type]
         self.summary.lines += lineno - blank

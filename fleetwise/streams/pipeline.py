@@ -35,10 +35,10 @@ from fleetwise.schemas import (
     describe_error,
 )
 from fleetwise.schemas import topics as T
-from fleetwise.schemas.fast import FastGpuSample
+from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep, training_step, training_steps
 
 # What decoding yields: records, or GPU samples validated on the fast path.
-Item = Record | FastGpuSample
+Item = Record | FastGpuSample | FastTrainingStep
 
 
 class Routed(NamedTuple):
@@ -134,11 +134,16 @@ class ControlPlane:
     ) -> list[list[Item]]:
         """The items of each message (or replay line) of one topic, in order.
 
-        GPU telemetry takes the fast path first: all node batches (or all sample lines) of
-        the call validated in one msgspec call straight into `FastGpuSample`s. When that
+        GPU telemetry and training steps take the fast path first: all node batches (or all
+        sample lines, or all steps) of the call validated in one msgspec call straight into
+        `FastGpuSample`s (`FastTrainingStep`s). When that
         refuses the call, each message is tried alone, and one the fast path refuses takes
         the pydantic path, which accepts it or dead-letters it with the reason: one bad
         message never costs the good ones beside it."""
+        if topic == T.TELEMETRY_STEPS.name and raws and None not in raws:
+            steps = training_steps(raws)  # type: ignore[arg-type]
+            if steps is not None:
+                return [[s] for s in steps]
         if topic == T.TELEMETRY_GPU.name and raws and None not in raws:
             found = SAMPLE_DECODER.batches(raws)  # type: ignore[arg-type]
             if found is not None and self._models_known(s for items in found for s in items):
@@ -154,6 +159,10 @@ class ControlPlane:
             flat = SAMPLE_DECODER.samples(lines)
             if flat is not None and self._models_known(flat):
                 return flat  # type: ignore[return-value]
+        if topic == T.TELEMETRY_STEPS.name and lines:
+            steps = training_steps(lines)
+            if steps is not None:
+                return steps  # type: ignore[return-value]
         stripped = [line.rstrip(b"\r\n") for line in lines]  # dead letters keep the line, not its newline
         return [item for items in self.decode_messages(topic, stripped, sources) for item in items]
 
@@ -172,6 +181,10 @@ class ControlPlane:
                 found = None if one is None else [one]
             if found is not None and self._models_known(found):
                 return found  # type: ignore[return-value]
+        elif topic == T.TELEMETRY_STEPS.name:
+            step = training_step(raw)
+            if step is not None:
+                return [step]
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
