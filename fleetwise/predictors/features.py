@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -218,6 +219,9 @@ _PERSISTENT_COLS = np.array([_CI[c] for c in ("sbe_agg", "dbe_agg", "remap_corr"
                                               "retired_sbe", "retired_dbe")])
 
 
+_TS, _JOB_RANK = attrgetter("ts"), attrgetter("job", "rank")
+
+
 @lru_cache(maxsize=256)
 def resolve_model(model: str) -> tuple[str, float]:
     """Catalog id and TDP (W) for a model name as NVML/dcgm-exporter report it."""
@@ -322,21 +326,19 @@ class GpuFeatureWindows:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Validated samples (pydantic records or `SAMPLE_DECODER`'s structs) -> closed hops as
         arrays; per sample only a slot lookup, the rest is one matrix per call."""
-        slot_map = self._slot
-        slots = []
-        for s in samples:
-            slot = slot_map.get(f"{s.node}/{s.gpu}")
-            if slot is None:
-                slot = self._slot_of(s.node, s.gpu, s.model, s.rack, s.site)
-            slots.append(slot)
+        slots = list(map(self._slot.get, [f"{s.node}/{s.gpu}" for s in samples]))
+        if None in slots:  # GPUs seen for the first time
+            for i, s in enumerate(samples):
+                if slots[i] is None:
+                    slots[i] = self._slot_of(s.node, s.gpu, s.model, s.rack, s.site)
         x = SAMPLE_DECODER.metric_rows(samples)
         # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
         old = x[:, N_INPUT]
         fill = np.isnan(x[:, COL_REASONS]) & ~np.isnan(old)
         if fill.any():
             x[fill, COL_REASONS] = old[fill]
-        return self.ingest(slots, [s.ts for s in samples], x[:, :N_INPUT],
-                           job_ranks=[(s.job, s.rank) for s in samples])
+        return self.ingest(slots, list(map(_TS, samples)), x[:, :N_INPUT],  # type: ignore[arg-type]
+                           job_ranks=list(map(_JOB_RANK, samples)))
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
