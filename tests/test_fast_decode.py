@@ -140,3 +140,27 @@ def test_windows_take_structs_and_records_alike(trace_lines):
     rb = b.ingest_samples(records)
     for x, y in zip(ra, rb, strict=True):
         assert np.array_equal(x, y, equal_nan=True)
+
+
+def test_step_lines_take_the_fast_path_and_keep_the_records_rules():
+    from fleetwise.schemas.fast import FastTrainingStep, training_step, training_steps
+
+    good = {"ts": 1.0, "job": "j", "rank": 0, "node": "n1", "gpu": 0, "step": 3,
+            "step_time_s": 1.2, "compute_s": 1.0, "samples": 8, "model": "h100-sxm"}
+    raw = json.dumps(good).encode()
+    step = training_step(raw)
+    assert isinstance(step, FastTrainingStep) and (step.job, step.step, step.samples) == ("j", 3, 8)
+    refused = [{**good, "compute_s": 2.0}, {**good, "step_time_s": 0}, {**good, "rank": -1},
+               {**good, "ts": "2025-12-01T00:00:00Z"}, {**good, "job": ""}]
+    for bad in refused:
+        assert training_step(json.dumps(bad).encode()) is None, bad
+    assert training_steps([raw, json.dumps(refused[0]).encode()]) is None
+    # Through the control plane: the refused ones get the records' verdict and reason.
+    control = ControlPlane(FEATURES_ONLY)
+    out = control.decode_lines(T.TELEMETRY_STEPS.name, [raw] + [json.dumps(b).encode() for b in refused],
+                               [f"s:{i}" for i in range(6)])
+    assert isinstance(out[0], FastTrainingStep)
+    kinds = [type(x).__name__ for x in out]
+    assert kinds[1:4] == ["DeadLetter"] * 3 and kinds[5] == "DeadLetter"
+    assert "compute_s" in out[1].reason and out[1].source == "s:1"
+    assert kinds[4] == "TrainingStep"  # RFC 3339 time: the records parse it
