@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fleetwise.schemas import topics as T  # noqa: E402
+from fleetwise.streams.app import INPUT_PRODUCED_AT_HEADER  # noqa: E402
 from fleetwise.streams.kafka_io import (  # noqa: E402
     PRODUCED_AT_HEADER,
     ensure_topics,
@@ -145,10 +146,38 @@ def histogram_quantile(metrics: dict[str, float], name: str, q: float, before: d
     return float("inf")
 
 
+async def collect_outputs(bootstrap: str, topic: str, sink: list[tuple[float, float]]) -> None:
+    """(earliest input send time, output create time) of every record the worker writes to
+    `topic` from now on: a check of the worker's latency histogram from outside the worker
+    (produce -> output sent, per feature record; the input time is the earliest send time of
+    the batch that produced it, so this errs long)."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="latest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        while True:
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                for r in batch:
+                    sent = dict(r.headers).get(INPUT_PRODUCED_AT_HEADER)
+                    if sent is not None:
+                        sink.append((float(sent), r.timestamp / 1000.0))
+    finally:
+        await consumer.stop()
+
+
+def output_latency(sink: list[tuple[float, float]], start: float, end: float, q: float) -> float:
+    """Quantile of output create time - input send time over inputs sent in [start, end]."""
+    lat = [out - sent for sent, out in sink if start <= sent <= end]
+    return float(np.quantile(lat, q)) if lat else float("nan")
+
+
 async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds: float, tick0: int,
-                    worker_pid: int, metrics_port: int) -> dict:
+                    worker_pid: int, metrics_port: int, outputs: list | None = None) -> dict:
     """Produce at `rate` samples/s for `seconds`; then wait for the worker to drain."""
     topic = topic_name(T.TELEMETRY_GPU, prefix)
+    wall0 = time.time()
     msgs_per_s = rate / GPUS_PER_NODE
     before = scrape(metrics_port) if metrics_port else {}
     rss0 = rss_mb(worker_pid) if worker_pid else float("nan")
@@ -158,7 +187,11 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
     sent = 0
     tick = tick0
     futures = []
+    rss_max = rss0
+    next_rss = start
     while time.monotonic() - start < seconds:
+        if worker_pid and time.monotonic() >= next_rss:
+            rss_max, next_rss = max(rss_max, rss_mb(worker_pid)), time.monotonic() + 1.0
         ts = repr(START_TS + tick * SAMPLE_INTERVAL_S).encode()
         for node, template in payloads[tick % len(payloads)]:
             raw = template.replace(TS_MARK, ts)
@@ -184,8 +217,12 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
     target = before.get(key, 0.0) + sent
     deadline = time.monotonic() + 120
     while scrape(metrics_port).get(key, 0.0) < target and time.monotonic() < deadline:
+        rss_max = max(rss_max, rss_mb(worker_pid))
         await asyncio.sleep(0.2)
     drained_s = time.monotonic() - start
+    wall1 = wall0 + (time.monotonic() - start)
+    if outputs is not None:
+        await asyncio.sleep(1.0)  # the last outputs reach the collector
     after = scrape(metrics_port)
     done = after.get(key, 0.0) - before.get(key, 0.0)
     worker_cpu = cpu_s(worker_pid) - cpu0
@@ -198,8 +235,12 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
         "processed_samples_s": done * GPUS_PER_NODE / drained_s,
         "messages": int(done), "produce_s": produce_s, "drain_s": drained_s - produce_s,
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(worker_pid),
+        "rss_max_mb": max(rss_max, rss_mb(worker_pid)),
         "p50_latency_s": histogram_quantile(after, lat, 0.5, before),
         "p99_latency_s": histogram_quantile(after, lat, 0.99, before),
+        "out_p50_s": output_latency(outputs or [], wall0, wall1, 0.5),
+        "out_p99_s": output_latency(outputs or [], wall0, wall1, 0.99),
+        "outputs": sum(1 for sent, _ in outputs or [] if wall0 <= sent <= wall1),
         "next_tick": tick,
     }
 
@@ -234,6 +275,9 @@ async def main_async(args) -> None:
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
     )
     rows = []
+    outputs: list[tuple[float, float]] = []
+    collector = asyncio.ensure_future(
+        collect_outputs(args.bootstrap, topic_name(T.FEATURES, prefix), outputs))
     try:
         for _ in range(300):
             try:
@@ -247,10 +291,12 @@ async def main_async(args) -> None:
         phases = [("half rate (latency)", args.rate / 2, args.half_rate_seconds),
                   ("full rate (sustained)", args.rate, args.seconds)]
         for name, rate, seconds in phases:
-            r = await run_phase(args, producer, prefix, payloads, rate, seconds, tick, worker.pid, port)
+            r = await run_phase(args, producer, prefix, payloads, rate, seconds, tick, worker.pid, port,
+                                outputs)
             tick = r["next_tick"]
             rows.append((name, rate, seconds, r))
     finally:
+        collector.cancel()
         await producer.stop()
         worker.terminate()
         worker.wait(timeout=30)
@@ -260,17 +306,22 @@ async def main_async(args) -> None:
           f"{GPUS_PER_NODE} GPUs, node batch = 1 message, take_max={args.take_max}, checkpoint every "
           f"{args.checkpoint_interval:g} s, failure predictor {'off' if args.no_failure_predictor else 'on'}")
     print("| phase | target samples/s | s | offered samples/s | processed samples/s | "
-          "p50 latency ms | p99 latency ms | worker RSS start -> end MB | worker CPU us/sample "
+          "p50 latency ms | p99 latency ms | feature records: p50 / p99 ms (n) | "
+          "worker RSS start -> end (max) MB | worker CPU us/sample "
           "(= samples/s per core) | producer CPU us/sample | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, rate, seconds, r in rows:
         per_core = 1e6 / r["worker_cpu_us_per_sample"] if r["worker_cpu_us_per_sample"] else float("nan")
         print(f"| {name} | {rate:,.0f} | {seconds:.0f} | {r['offered_samples_s']:,.0f} | "
               f"{r['processed_samples_s']:,.0f} | {1000 * r['p50_latency_s']:.0f} | "
-              f"{1000 * r['p99_latency_s']:.0f} | {r['rss_start_mb']:.0f} -> {r['rss_end_mb']:.0f} | "
+              f"{1000 * r['p99_latency_s']:.0f} | {1000 * r['out_p50_s']:.0f} / {1000 * r['out_p99_s']:.0f} "
+              f"({r['outputs']:,}) | {r['rss_start_mb']:.0f} -> {r['rss_end_mb']:.0f} "
+              f"({r['rss_max_mb']:.0f}) | "
               f"{r['worker_cpu_us_per_sample']:.1f} (= {per_core:,.0f}) | "
               f"{r['producer_cpu_us_per_sample']:.1f} | {r['load']:.1f} |")
     print("latency = worker histogram bucket upper bound (producer send -> outputs acknowledged); "
+          "feature records = output create time - earliest input send time of its batch, read back "
+          "from the features topic; "
           "faust README: 'tens of thousands of events per second per core' "
           f"(here one event = {GPUS_PER_NODE} samples)")
 
@@ -330,8 +381,8 @@ async def run_stages(args, producer, prefix: str, payloads) -> None:
         done.set_result(None)
         return done
 
-    async def changelog(partition: int, key: str, value: bytes) -> None:
-        return None
+    def changelog(partition: int, key: str, value: bytes) -> None:
+        return None  # nothing to wait for (the broker's share is in the worker's figure)
 
     control = ControlPlane(ControlPlaneConfig(failure_predictor=not args.no_failure_predictor))
     processor = StreamProcessor(control, Table(), send, changelog=changelog)

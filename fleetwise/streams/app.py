@@ -56,11 +56,12 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
-from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, Record, TrainingStep
+from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas import topics as T
+from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
 from fleetwise.streams import metrics as M
 from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, topic_name
-from fleetwise.streams.pipeline import ControlPlane, Routed
+from fleetwise.streams.pipeline import ControlPlane, Item, Routed
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +127,14 @@ def state_bucket(inner: str, buckets: int) -> int:
     return zlib.crc32(inner.encode()) % buckets
 
 
-def record_keys(record: Record) -> tuple[str, ...]:
-    """The processor keys (inner, without the processor name) an input record belongs to."""
-    if isinstance(record, GpuSample):
+def record_keys(record: Item) -> tuple[str, ...]:
+    """The processor keys (inner, without the processor name) an input record belongs to
+    (pydantic records or the fast path's structs, which have the same attribute names)."""
+    if isinstance(record, FastGpuSample | GpuSample):
         return (f"{record.node}/{record.gpu}",)
     if isinstance(record, NodeBatch):
         return tuple(f"{s.node}/{s.gpu}" for s in record.samples)
-    if isinstance(record, TrainingStep):
+    if isinstance(record, FastTrainingStep | TrainingStep):
         return (record.job, f"{record.node}/{record.gpu}")
     return ()
 
@@ -258,22 +260,6 @@ class StreamProcessor:
         self._state_bytes = 0
 
     # -- decoding --------------------------------------------------------------------------
-    def decode(self, topic: str, raw: bytes | None, source: str) -> list[Record]:
-        """Records of one message: a fast path for a clean node batch (validated in pydantic's
-        Rust core), else the ControlPlane's per-sample validation with dead letters."""
-        if raw is None:
-            return [self.control.dead_letter(source, "empty message (no value)", b"")]
-        if topic == T.TELEMETRY_GPU.name and raw[:1] == b"{":
-            try:
-                batch = NodeBatch.model_validate_json(raw)
-            except ValueError:
-                batch = None
-            if batch is not None:
-                model_id = self.control.model_id
-                if all(model_id(s.model) for s in batch.samples):
-                    return batch.samples  # type: ignore[return-value]
-        return self.control.decode(topic, raw, source=source)
-
     # -- placement and state entries -------------------------------------------------------
     def place(self, inner: str) -> tuple[int, int]:
         """(partition, bucket) of a processor key's state."""
@@ -329,9 +315,11 @@ class StreamProcessor:
             self._last_offset[tp] = max(self._last_offset.get(tp, -1), hi)
             self._replay[tp] = (lo, hi, dict(enumerate(offsets)))
 
-    def _keep_replayed(self, records: list[Record], tp: str, offset: int) -> list[Record]:
-        """The records of a re-delivered message whose bucket's saved state lacks them."""
-        lo, hi, per_bucket = self._replay[tp]
+    def _keep_replayed(self, records: list[Item], replay: tuple[int, int, dict[int, int]],
+                       offset: int) -> list[Item]:
+        """The records of a re-delivered message whose bucket's saved state lacks them
+        (`replay`: the partition's (lo, hi, {bucket: offset}) after a restore)."""
+        lo, hi, per_bucket = replay
         if offset <= lo:
             return []
         kept = []
@@ -353,37 +341,48 @@ class StreamProcessor:
         `.value`, `.headers` and `.timestamp` (aiokafka's ConsumerRecord and faust's
         ConsumerMessage have them). Outputs are sent, not awaited: the next checkpoint waits
         for them. Returns what was routed."""
-        records: list[Record] = []
         produced: list[float] = []
         last: dict[int, int] = {}
-        samples = skipped = 0
+        skipped = 0
         for partition in {msg.partition for msg in messages}:
             self._sync_partition(partition)
         replay = self._replay
         applied = self._last_offset
+        kept: list[Any] = []
+        replays: dict[int, tuple[int, int, dict[int, int]]] = {}  # index in kept -> replay
         for msg in messages:
             offset = msg.offset
             tp = f"{topic}:{msg.partition}"
             if tp in replay:
-                if offset > replay[tp][1]:
+                entry = replay[tp]
+                last[msg.partition] = offset
+                if offset > entry[1]:
                     del replay[tp]
+                elif offset <= entry[0]:  # in every bucket's saved state
+                    skipped += 1
+                    continue
+                else:
+                    replays[len(kept)] = entry
             elif offset <= applied.get(tp, -1):
                 # Already applied by this process: faust seeks back to the committed offset
                 # after a rebalance that left the partition here, and the state in memory
                 # holds everything up to the last applied offset.
                 skipped += 1
                 continue
-            produced.append(produced_at(msg))
-            source = f"{msg.topic}:{msg.partition}:{offset}"
-            decoded = self.decode(topic, msg.value, source)
-            samples += len(decoded)
             last[msg.partition] = offset
-            if tp in replay:
-                decoded = self._keep_replayed(decoded, tp, offset)
-            for record in decoded:
-                if isinstance(record, DeadLetter):
-                    M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
-            records.extend(decoded)
+            kept.append(msg)
+            produced.append(produced_at(msg))
+        # One decode call for the whole batch (clean node batches in one msgspec call).
+        decoded = self.control.decode_messages(
+            topic, [msg.value for msg in kept], [f"{msg.topic}:{msg.partition}:{msg.offset}" for msg in kept])
+        if replays:
+            for i, entry in replays.items():
+                decoded[i] = self._keep_replayed(decoded[i], entry, kept[i].offset)
+        records: list[Item] = [item for items in decoded for item in items]
+        for record in records:
+            if isinstance(record, DeadLetter):
+                M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
+        samples = len(records)
         M.MESSAGES_IN.labels("worker", topic).inc(len(messages))
         M.SAMPLES_IN.labels("worker", topic).inc(samples)
         if skipped:

@@ -28,7 +28,7 @@ DEADLETTER = Counter(
 )
 REDELIVERED = Counter(
     "fleetwise_redelivered_skipped_total",
-    "messages skipped because this worker had already applied them (re-delivered after a rebalance)",
+    "messages skipped because the state already held them (re-delivered after a restart or rebalance)",
     ["topic"],
 )
 ASSIGNED_PARTITIONS = Gauge(
