@@ -5,11 +5,17 @@ Two kinds of traces, none used in training (training: seeds 101-1xx on the mixes
 - "val": validation traces (raised failure rate) used to choose the alert policy;
 - "test": held-out traces (raised failure rate, seeds and fleet mixes never used in training
   or tuning, GPU models absent from training, other sample intervals) for recall/precision;
-- "fa": a large trace at the published failure rate (0.5 per 1,000 GPU-days) and 300 s
-  sampling to measure false alarms per 1,000 GPU-days with enough exposure.
+- "fa-val": two 512-GPU 30-day traces at the published failure rate (0.5 per 1,000 GPU-days),
+  other seeds and mixes than "fa": the false-alarm side of choosing the alert policy;
+- "fa": two 1,024-GPU 30-day traces at the published rate and 300 s sampling (held out):
+  false alarms per 1,000 GPU-days with enough exposure.
 
+    .venv/bin/python bench/failure_eval.py --tune            # policy sweep on val + fa-val
     .venv/bin/python bench/failure_eval.py --sets val,test [--cache /tmp/fleetwise-eval] [--explain]
     .venv/bin/python bench/failure_eval.py --sets fa
+
+`--tune` scores every hop once per model (HopScores, cached next to the traces) and replays
+each policy over the stored probabilities with FailurePredictor.advance_policy.
 
 Traces are generated in memory and cached (raw sample arrays + labels) under --cache, so a
 re-run after a model change only recomputes features and predictions. Prints tables; copy
@@ -441,7 +447,7 @@ def main() -> None:
             if args.only and spec.name not in args.only.split(","):
                 continue
             t0 = time.process_time()
-            if set_name == "fa":
+            if set_name.startswith("fa"):  # too large for a full feature table
                 metrics, table, preds, probs = evaluate_stream(spec, predictor)
             else:
                 metrics, table, preds, probs = evaluate(spec, predictor, args.cache)
