@@ -106,6 +106,15 @@ def _median(values: Iterable[float]) -> float:
     return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
+def _median_of_sorted(ordered: Sequence[float]) -> float:
+    """Middle value, or the mean of the two middle values (``ordered`` is sorted)."""
+    n = len(ordered)
+    if not n:
+        raise ValueError("median of no values")
+    mid = n // 2
+    return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
 def _step_record(record: Record | FastTrainingStep | Mapping[str, Any]) -> TrainingStep | FastTrainingStep:
     if isinstance(record, TrainingStep | FastTrainingStep):  # both validated, same attributes
         return record
@@ -118,8 +127,9 @@ class StragglerDetector:
     """Per-rank speed factors, straggler alerts and job-wide slowdowns from TrainingStep records.
 
     ``expected_speed(model) -> TFLOP/s`` gives each GPU model's expected speed (default: the
-    catalog's capability). Records of one job are grouped by step; a group is judged when
-    every fresh rank of the job has reported it, or when a record of another step arrives.
+    catalog's capability); it is asked once per model. Records of one job are grouped by step;
+    a group is judged when every fresh rank of the job has reported it, or when a record of
+    another step arrives.
     """
 
     def __init__(
@@ -129,31 +139,35 @@ class StragglerDetector:
     ) -> None:
         self.config = config or StragglerConfig()
         self._speed = expected_speed or (lambda model: catalog_speed(model, self.config.dtype))
-        self._jobs: dict[str, dict[str, Any]] = {}
+        self._jobs: dict[str, _JobState] = {}
         self._keep_recent = max(5, self.config.clear_records)
+        self._capabilities: dict[str | None, float | None] = {}
 
     # ---- processor contract ----
     def process(self, records: Sequence[Record | FastTrainingStep | Mapping[str, Any]]) -> list[Record]:
         """Consume step records (event-time order); return FeatureVectors and Predictions."""
         out: list[Record] = []
+        jobs = self._jobs
         for raw in records:
-            rec = _step_record(raw)
-            job = self._jobs.setdefault(rec.job, _new_job())
-            pending = job["pending"]
-            if pending is not None and pending["step"] != rec.step:
-                out.extend(self._close_group(rec.job, job))
-                pending = None
-            if pending is None:
-                pending = job["pending"] = {"step": rec.step, "records": {}}
-            row = {
-                "ts": rec.ts, "rank": rec.rank, "node": rec.node, "gpu": rec.gpu,
-                "step_time_s": rec.step_time_s, "compute_s": rec.compute_s,
-                "work": float(rec.samples or rec.micro_batch or 1), "model": rec.model,
-            }
+            rec = raw if type(raw) in _STEP_TYPES else _step_record(raw)
+            name = rec.job
+            job = jobs.get(name)
+            if job is None:
+                job = jobs[name] = _JobState()
+            reported = job.pending
+            if reported is not None and job.pending_step != rec.step:
+                out.extend(self._close_group(name, job))
+                reported = None
+            if reported is None:
+                reported = job.pending = {}
+                job.pending_step = rec.step
             # A rank reporting twice for one step: keep the latest.
-            pending["records"][str(rec.rank)] = row
-            if self._group_complete(job, rec.ts):
-                out.extend(self._close_group(rec.job, job))
+            reported[rec.rank] = rec
+            # The group is complete when every rank the job expects has reported (on the first
+            # step of a job the world size is unknown until the next step).
+            expected = job.expected
+            if expected and len(reported) >= len(expected) and all(rank in reported for rank in expected):
+                out.extend(self._close_group(name, job))
         return out
 
     def flush(self) -> list[Record]:
@@ -162,12 +176,12 @@ class StragglerDetector:
         for name in sorted(self._jobs):
             job = self._jobs[name]
             out.extend(self._close_group(name, job))
-            for rank_key in sorted(job["ranks"], key=int):
-                rs = job["ranks"][rank_key]
-                fv = self._window_features(name, int(rank_key), rs)
+            for rank in sorted(job.ranks):
+                rs = job.ranks[rank]
+                fv = self._window_features(name, rank, rs)
                 if fv is not None:
                     out.append(fv)
-                    rs["win"] = None
+                    rs.close_window()
         return out
 
     def keys(self) -> list[str]:
@@ -175,180 +189,219 @@ class StragglerDetector:
 
     def state(self, key: str) -> dict:
         """JSON-serialisable state of one job (a deep copy)."""
-        return json.loads(json.dumps(self._jobs[key]))
+        return json.loads(json.dumps(self._jobs[key].to_state()))
 
     def restore(self, key: str, state: dict) -> None:
-        self._jobs[key] = json.loads(json.dumps(state))
+        self._jobs[key] = _JobState.from_state(json.loads(json.dumps(state)))
 
     # ---- step groups ----
-    def _group_complete(self, job: dict[str, Any], ts: float) -> bool:
-        expected = job["expected"]
-        reported = job["pending"]["records"]
-        if not expected or len(reported) < len(expected):
-            return False  # first step of a job: world size unknown until the next step
-        return all(str(rank) in reported for rank in expected)
-
-    def _close_group(self, name: str, job: dict[str, Any]) -> list[Record]:
-        pending = job["pending"]
-        job["pending"] = None
-        if not pending or not pending["records"]:
+    def _close_group(self, name: str, job: _JobState) -> list[Record]:
+        reported = job.pending
+        job.pending = None
+        if not reported:
             return []
         cfg = self.config
-        rows = sorted(pending["records"].values(), key=lambda r: r["rank"])
-        ts = max(r["ts"] for r in rows)
+        ranks = job.ranks
+        ordered = sorted(reported.items())  # (rank, step record) by rank; ranks are unique
+        ts = max([row.ts for _, row in ordered])
         out: list[Record] = []
         preds: list[Record] = []
 
-        for row in rows:
-            key = str(row["rank"])
-            rs = job["ranks"].get(key)
-            if rs is not None and (rs["node"] != row["node"] or rs["gpu"] != row["gpu"]):
+        capabilities = self._capabilities
+        row_states: list[_RankState] = []  # each row's rank state, in row order
+        for rank, row in ordered:
+            rs = ranks.get(rank)
+            if rs is not None and (rs.node != row.node or rs.gpu != row.gpu):
                 # The rank moved to another GPU (restart, migration): close out the old one.
-                fv = self._window_features(name, row["rank"], rs)
+                fv = self._window_features(name, rank, rs)
                 if fv is not None:
                     out.append(fv)
-                if rs["alert"]:
-                    preds.append(self._rank_prediction(name, row["rank"], rs, ts, raise_=False,
+                if rs.alert:
+                    preds.append(self._rank_prediction(name, rank, rs, ts, raise_=False,
                                                        reason="rank moved to another GPU"))
                 rs = None
             if rs is None:
-                rs = job["ranks"][key] = _new_rank(row)
-            model = row["model"] or rs["model"]
-            rs["model"] = model
-            cap = self._capability(model)
-            rs["cap"] = cap
-            rs["ts"] = row["ts"]
-            rs["cost"] = row["compute_s"] * cap / row["work"] if cap and row["work"] > 0 else None
+                rs = ranks[rank] = _RankState.new(row)
+            model = rs.model = row.model or rs.model
+            cap = rs.cap = capabilities[model] if model in capabilities else self._capability(model)
+            rs.ts = row.ts
+            work = float(row.samples or row.micro_batch or 1)
+            rs.cost = row.compute_s * cap / work if cap and work > 0 else None
+            row_states.append(rs)
 
-        fresh = sorted(int(k) for k, rs in job["ranks"].items() if rs["ts"] >= ts - cfg.stale_s)
-        job["expected"] = fresh  # the ranks the next step group waits for
-        pool = [job["ranks"][str(k)] for k in fresh if job["ranks"][str(k)]["cost"]]
-        references = self._references(pool) if len(pool) >= cfg.min_ranks else {}
-        sigma = self._job_sigma(job)
+        # One pass over the job's ranks: the fresh ones (the next group waits for them), their
+        # costs per GPU model (the reference pool) and every rank's noise (the job's sigma).
+        cutoff = ts - cfg.stale_s
+        fresh: list[int] = []
+        pool_costs: dict[str, list[float]] = {}
+        noises: list[float] = []
+        for rank, rs in ranks.items():
+            if rs.ts >= cutoff:
+                fresh.append(rank)
+                cost = rs.cost
+                if cost:
+                    model_costs = pool_costs.get(rs.model or "")
+                    if model_costs is None:
+                        pool_costs[rs.model or ""] = [cost]
+                    else:
+                        model_costs.append(cost)
+            if rs.noise is not None:
+                noises.append(rs.noise)
+        fresh.sort()
+        job.expected = fresh
+        pool_size = sum(map(len, pool_costs.values()))
+        references = self._references(pool_costs, pool_size) if pool_size >= cfg.min_ranks else {}
+        sigma = max(cfg.noise_floor, _median(noises) * _ABS_DIFF_TO_SIGMA if noises else 0.0)
         slack = max(cfg.cusum_slack, cfg.noise_slack_z * sigma)
         limit = max(cfg.cusum_limit, cfg.noise_limit_z * sigma)
 
-        for row in rows:
-            rank = row["rank"]
-            rs = job["ranks"][str(rank)]
-            ref = references.get(rs["model"] or "")
-            factor = ref[0] / rs["cost"] if ref and rs["cost"] else None
-            self._add_to_window(name, rank, rs, row, factor, out)
+        window_s = cfg.window_s
+        keep_alpha = 1 - cfg.noise_alpha
+        alpha = cfg.noise_alpha
+        for (rank, row), rs in zip(ordered, row_states, strict=True):
+            cost = rs.cost
+            ref = references.get(rs.model or "") if cost else None
+            factor = ref[0] / cost if ref else None
+
+            # Per-rank feature window: a record of a new window closes the previous one.
+            start = math.floor(row.ts / window_s) * window_s
+            if rs.win_start != start:
+                if rs.win_start is not None:
+                    fv = self._window_features(name, rank, rs)
+                    if fv is not None:
+                        out.append(fv)
+                rs.open_window(start)
+            rs.win_step.append(row.step_time_s)
+            rs.win_compute.append(row.compute_s)
             if factor is None:
+                if cost:
+                    rs.win_cost.append(cost)
                 continue
+            rs.win_factor.append(factor)
+            rs.win_cost.append(cost)  # a factor implies a cost
+
             deficit = -math.log(factor)
-            if rs["deficit"] is not None:
-                jump = abs(deficit - rs["deficit"])
-                rs["noise"] = jump if rs["noise"] is None else (
-                    (1 - cfg.noise_alpha) * rs["noise"] + cfg.noise_alpha * jump)
-            rs["deficit"] = deficit
-            rs["ref"] = ref[1]
+            previous = rs.deficit
+            if previous is not None:
+                jump = abs(deficit - previous)
+                noise = rs.noise
+                rs.noise = jump if noise is None else keep_alpha * noise + alpha * jump
+            rs.deficit = deficit
+            rs.ref = ref[1]
             pred = self._update_alert(name, rank, rs, deficit, factor, slack, limit, ts)
             if pred is not None:
                 preds.append(pred)
 
-        jw = self._job_wide(name, job, rows, pool, ts)
+        jw = self._job_wide(name, job, ordered, row_states, ts)
         if jw is not None:
             preds.append(jw)
-        return out + preds
+        return out + preds if preds else out
 
     def _capability(self, model: str | None) -> float | None:
-        if not model:
-            return None
-        try:
-            return float(self._speed(model))
-        except (KeyError, ValueError):
-            return None  # unknown model: this rank gets features but no speed factor
+        """Expected TFLOP/s of a GPU model (None: unknown), asked of ``expected_speed`` once."""
+        if model in self._capabilities:
+            return self._capabilities[model]
+        cap = None
+        if model:
+            try:
+                cap = float(self._speed(model))
+            except (KeyError, ValueError):
+                cap = None  # unknown model: this rank gets features but no speed factor
+        self._capabilities[model] = cap
+        return cap
 
-    def _references(self, pool: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
+    def _references(self, pool_costs: dict[str, list[float]], pool_size: int
+                    ) -> dict[str, tuple[float, str]]:
         """Reference cost per GPU model: same-model peers when enough, else the job median."""
-        by_model: dict[str, list[float]] = {}
-        for rs in pool:
-            by_model.setdefault(rs["model"] or "", []).append(rs["cost"])
-        prior = _median(rs["cost"] for rs in pool)
         refs: dict[str, tuple[float, str]] = {}
-        for model, costs in by_model.items():
+        prior: tuple[float, str] | None = None  # the job median, computed when a model needs it
+        for model, costs in pool_costs.items():
             if len(costs) >= self.config.min_group:
                 refs[model] = (_median(costs), f"{len(costs)} same-model peers")
-            else:
-                refs[model] = (prior, f"catalog prior over {len(pool)} ranks")
+                continue
+            if prior is None:
+                every_cost = [c for model_costs in pool_costs.values() for c in model_costs]
+                prior = (_median(every_cost), f"catalog prior over {pool_size} ranks")
+            refs[model] = prior
         return refs
 
-    def _job_sigma(self, job: dict[str, Any]) -> float:
-        noises = [rs["noise"] for rs in job["ranks"].values() if rs["noise"] is not None]
-        sigma = _median(noises) * _ABS_DIFF_TO_SIGMA if noises else 0.0
-        return max(self.config.noise_floor, sigma)
-
     # ---- per-rank alerts ----
-    def _update_alert(self, name: str, rank: int, rs: dict[str, Any], deficit: float,
+    def _update_alert(self, name: str, rank: int, rs: _RankState, deficit: float,
                       factor: float, slack: float, limit: float, ts: float) -> Prediction | None:
         cfg = self.config
-        recent = rs["recent"]
+        recent = rs.recent
         recent.append(factor)
         if len(recent) > self._keep_recent:
             del recent[0]
-        if rs["alert"]:
+        if rs.alert:
             # Clear on the mean of the last few records against half the slack: a rank hovering
             # near the slack does not clear and re-raise (hysteresis).
-            rs["clear_run"] = min(rs["clear_run"] + 1, cfg.clear_records)
-            tail = [-math.log(f) for f in rs["recent"][-cfg.clear_records:]]
-            if rs["clear_run"] >= cfg.clear_records and sum(tail) / len(tail) < slack / 2:
+            rs.clear_run = min(rs.clear_run + 1, cfg.clear_records)
+            tail = [-math.log(f) for f in recent[-cfg.clear_records:]]
+            if rs.clear_run >= cfg.clear_records and sum(tail) / len(tail) < slack / 2:
                 pred = self._rank_prediction(name, rank, rs, ts, raise_=False, reason="recovered",
                                              slack=slack, limit=limit)
-                rs.update(alert=False, cusum=0.0, run=[], clear_run=0)
+                rs.alert, rs.cusum, rs.run, rs.clear_run = False, 0.0, [], 0
                 return pred
             return None
         # Cap each increment so one outlier record cannot raise on its own.
         increment = min(deficit - slack, limit / cfg.min_consecutive)
-        rs["cusum"] = max(0.0, rs["cusum"] + increment)
-        rs["run"] = (rs["run"] + [factor])[-8:] if deficit > slack else []
-        if rs["cusum"] >= limit and len(rs["run"]) >= cfg.min_consecutive:
-            rs["alert"] = True
-            rs["clear_run"] = 0
+        cusum = rs.cusum = max(0.0, rs.cusum + increment)
+        run = rs.run  # the factors of the current run of records beyond the slack (last 8)
+        if deficit > slack:
+            run.append(factor)
+            if len(run) > 8:
+                del run[0]
+        elif run:
+            run.clear()
+        if cusum >= limit and len(run) >= cfg.min_consecutive:
+            rs.alert = True
+            rs.clear_run = 0
             return self._rank_prediction(name, rank, rs, ts, raise_=True,
                                          reason="slower than its GPU model should be",
                                          slack=slack, limit=limit)
         return None
 
-    def _rank_prediction(self, name: str, rank: int, rs: dict[str, Any], ts: float, *, raise_: bool,
+    def _rank_prediction(self, name: str, rank: int, rs: _RankState, ts: float, *, raise_: bool,
                          reason: str, slack: float | None = None, limit: float | None = None
                          ) -> Prediction:
-        recent = rs["run"][-5:] if raise_ and rs["run"] else rs["recent"][-self.config.clear_records:]
+        recent = rs.run[-5:] if raise_ and rs.run else rs.recent[-self.config.clear_records:]
         factor = round(_median(recent), 4) if recent else None
-        probability = min(1.0, rs["cusum"] / limit) if raise_ and limit else 0.0
+        probability = min(1.0, rs.cusum / limit) if raise_ and limit else 0.0
         signals = [
             Signal(name="speed_factor", value=factor, weight=1.0),
-            Signal(name="model", value=rs["model"]),
-            Signal(name="expected_tflops", value=rs["cap"]),
-            Signal(name="reference", value=rs.get("ref")),
+            Signal(name="model", value=rs.model),
+            Signal(name="expected_tflops", value=rs.cap),
+            Signal(name="reference", value=rs.ref),
         ]
         if slack is not None:
             signals.append(Signal(name="noise_slack", value=round(slack, 5)))
         return Prediction(
-            id=f"straggler:{rs['node']}/{rs['gpu']}:{int(ts)}", type="straggler", ts=ts,
-            node=rs["node"], gpu=rs["gpu"], job=name, rank=rank, probability=round(probability, 4),
+            id=f"straggler:{rs.node}/{rs.gpu}:{int(ts)}", type="straggler", ts=ts,
+            node=rs.node, gpu=rs.gpu, job=name, rank=rank, probability=round(probability, 4),
             horizon_h=0.0, alert=raise_, signals=signals, factor=factor, reason=reason,
         )
 
     # ---- job-wide slowdowns ----
-    def _job_wide(self, name: str, job: dict[str, Any], rows: list[dict[str, Any]],
-                  pool: list[dict[str, Any]], ts: float) -> Prediction | None:
+    def _job_wide(self, name: str, job: _JobState, ordered: list[tuple[int, Any]],
+                  row_states: list[_RankState], ts: float) -> Prediction | None:
         cfg = self.config
-        costs = [job["ranks"][str(r["rank"])]["cost"] for r in rows]
-        if len(rows) < cfg.min_ranks or any(c is None for c in costs):
+        costs = [rs.cost for rs in row_states]
+        if len(costs) < cfg.min_ranks or None in costs:
             return None
-        step = _median(r["step_time_s"] for r in rows)
+        step = _median([row.step_time_s for _, row in ordered])
         # Communication the slowest rank could not hide: a straggler raises step time and
         # the slowest compute together (unchanged), a slow network raises only this.
-        comm = max(0.0, step - max(r["compute_s"] for r in rows))
+        comm = max(0.0, step - max([row.compute_s for _, row in ordered]))
         cost = _median(costs)
-        jw = job["jobwide"]
+        jw = job.jobwide
         base = jw["base"]
+        baseline = job.baseline
+        if baseline is None or baseline.rows is not base:
+            baseline = job.baseline = _SortedBaseline(base)
         state_now = None
         if len(base) >= cfg.min_baseline:
-            base_cost = _median(b[0] for b in base)
-            base_step = _median(b[1] for b in base)
-            base_comm = _median(b[2] for b in base)
+            base_cost, base_step, base_comm = baseline.medians()
             input_excess = cost / base_cost - 1.0
             network_excess = (comm - base_comm) / base_step
             slow = max(input_excess, network_excess) > cfg.jobwide_threshold
@@ -357,7 +410,7 @@ class StragglerDetector:
         if state_now is None or not state_now[0]:
             jw["run"] = 0
             if not jw["alert"]:
-                jw["base"] = (base + [[cost, step, comm]])[-cfg.baseline_groups:]
+                baseline.append([cost, step, comm], cfg.baseline_groups)
                 return None
             jw["clear"] += 1
             if jw["clear"] < cfg.jobwide_records:
@@ -388,55 +441,207 @@ class StragglerDetector:
         )
 
     # ---- per-rank feature windows ----
-    def _add_to_window(self, name: str, rank: int, rs: dict[str, Any], row: dict[str, Any],
-                       factor: float | None, out: list[Record]) -> None:
-        start = math.floor(row["ts"] / self.config.window_s) * self.config.window_s
-        win = rs["win"]
-        if win is not None and win["start"] != start:
-            fv = self._window_features(name, rank, rs)
-            if fv is not None:
-                out.append(fv)
-            win = None
-        if win is None:
-            win = rs["win"] = {"start": start, "step": [], "compute": [], "factor": [], "cost": []}
-        win["step"].append(row["step_time_s"])
-        win["compute"].append(row["compute_s"])
-        if factor is not None:
-            win["factor"].append(factor)
-        if rs["cost"]:
-            win["cost"].append(rs["cost"])
-
-    def _window_features(self, name: str, rank: int, rs: dict[str, Any]) -> FeatureVector | None:
-        win = rs["win"]
-        if not win or not win["step"]:
+    def _window_features(self, name: str, rank: int, rs: _RankState) -> FeatureVector | None:
+        if rs.win_start is None or not rs.win_step:
             return None
-        cost = _median(win["cost"]) if win["cost"] else None
-        trend = cost / rs["prev_cost"] - 1.0 if cost and rs["prev_cost"] else None
-        rs["prev_cost"] = cost
-        waits = [max(0.0, 1.0 - c / s) for c, s in zip(win["compute"], win["step"], strict=True)]
-        # model_construct: our own, already-consistent output; skips re-validation per window
-        return FeatureVector.model_construct(
-            scope="rank", ts=float(win["start"] + self.config.window_s), window_s=self.config.window_s,
-            node=rs["node"], gpu=rs["gpu"], model=rs["model"], job=name, rank=rank,
+        cost = _median(rs.win_cost) if rs.win_cost else None
+        trend = cost / rs.prev_cost - 1.0 if cost and rs.prev_cost else None
+        rs.prev_cost = cost
+        return _rank_features(
+            ts=float(rs.win_start + self.config.window_s), window_s=self.config.window_s,
+            node=rs.node, gpu=rs.gpu, model=rs.model, job=name, rank=rank,
             values={
-                "median_step_s": _median(win["step"]),
-                "median_compute_s": _median(win["compute"]),
+                "median_step_s": _median(rs.win_step),
+                "median_compute_s": _median(rs.win_compute),
                 "compute_trend": trend,
-                "speed_factor": _median(win["factor"]) if win["factor"] else None,
-                "wait_share": _median(waits),
+                "speed_factor": _median(rs.win_factor) if rs.win_factor else None,
+                "wait_share": _median_wait_share(rs.win_compute, rs.win_step),
             },
         )
 
 
-def _new_job() -> dict[str, Any]:
-    return {"ranks": {}, "pending": None, "expected": [],
-            "jobwide": {"base": [], "alert": False, "cause": None, "run": 0, "clear": 0}}
+def _median_wait_share(compute: list[float], step: list[float]) -> float:
+    """Median over records of max(0, 1 - compute / step time), the share of a step spent waiting.
+
+    Clamping at 0 keeps order, so the sorted clamped shares are the clamped sorted shares:
+    clamping only the middle one(s) gives the same value as clamping every record first.
+    """
+    shares = sorted([1.0 - c / s for c, s in zip(compute, step, strict=True)])
+    n = len(shares)
+    if not n:
+        raise ValueError("median of no values")
+    mid = n // 2
+    upper = max(0.0, shares[mid])
+    return float(upper) if n % 2 else (max(0.0, shares[mid - 1]) + upper) / 2.0
 
 
-def _new_rank(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {"node": row["node"], "gpu": row["gpu"], "model": row["model"], "cap": None, "ts": row["ts"],
-            "cost": None, "deficit": None, "noise": None, "cusum": 0.0, "run": [], "recent": [],
-            "alert": False, "clear_run": 0, "ref": None, "win": None, "prev_cost": None}
+class _RankState:
+    """One rank's detector state. ``to_state`` gives the saved dict: these names in this order,
+    with the open feature window as ``"win": {"start", "step", "compute", "factor", "cost"}``
+    (None: no open window). The window's lists are reused from one window to the next."""
+
+    __slots__ = ("node", "gpu", "model", "cap", "ts", "cost", "deficit", "noise", "cusum", "run", "recent",
+                 "alert", "clear_run", "ref", "win_start", "win_step", "win_compute", "win_factor",
+                 "win_cost", "prev_cost")
+
+    @classmethod
+    def new(cls, row: Any) -> _RankState:
+        rs = cls()
+        rs.node, rs.gpu, rs.model, rs.cap, rs.ts = row.node, row.gpu, row.model, None, row.ts
+        rs.cost = rs.deficit = rs.noise = None
+        rs.cusum = 0.0
+        rs.run, rs.recent = [], []  # factors of the current run beyond the slack; the last few
+        rs.alert, rs.clear_run = False, 0
+        rs.ref = rs.prev_cost = None
+        rs.win_start = None  # event time the open feature window starts at (None: none open)
+        rs.win_step, rs.win_compute, rs.win_factor, rs.win_cost = [], [], [], []
+        return rs
+
+    def open_window(self, start: float) -> None:
+        self.win_start = start
+        self.win_step.clear()
+        self.win_compute.clear()
+        self.win_factor.clear()
+        self.win_cost.clear()
+
+    def close_window(self) -> None:
+        self.open_window(0.0)
+        self.win_start = None
+
+    def to_state(self) -> dict[str, Any]:
+        win = None if self.win_start is None else {
+            "start": self.win_start, "step": self.win_step, "compute": self.win_compute,
+            "factor": self.win_factor, "cost": self.win_cost}
+        return {"node": self.node, "gpu": self.gpu, "model": self.model, "cap": self.cap, "ts": self.ts,
+                "cost": self.cost, "deficit": self.deficit, "noise": self.noise, "cusum": self.cusum,
+                "run": self.run, "recent": self.recent, "alert": self.alert, "clear_run": self.clear_run,
+                "ref": self.ref, "win": win, "prev_cost": self.prev_cost}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> _RankState:
+        rs = cls()
+        rs.node, rs.gpu, rs.model, rs.cap, rs.ts = (
+            state["node"], state["gpu"], state["model"], state["cap"], state["ts"])
+        rs.cost, rs.deficit, rs.noise, rs.cusum = (
+            state["cost"], state["deficit"], state["noise"], state["cusum"])
+        rs.run, rs.recent, rs.alert, rs.clear_run = (
+            state["run"], state["recent"], state["alert"], state["clear_run"])
+        rs.ref, rs.prev_cost = state["ref"], state["prev_cost"]
+        win = state["win"]
+        rs.win_start = None if win is None else win["start"]
+        rs.win_step, rs.win_compute, rs.win_factor, rs.win_cost = (
+            ([], [], [], []) if win is None else (win["step"], win["compute"], win["factor"], win["cost"]))
+        return rs
+
+
+class _JobState:
+    """One job's detector state; ``to_state`` gives the saved JSON layout:
+    ``{"ranks": {rank: ...}, "pending": {"step", "records": {rank: row}} | None, "expected": [rank],
+    "jobwide": {"base", "alert", "cause", "run", "clear"}}`` (rank keys as strings in JSON)."""
+
+    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline")
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, _RankState] = {}
+        # the open step group: rank -> its step record (None: no open group)
+        self.pending: dict[int, Any] | None = None
+        self.pending_step: int | None = None
+        self.expected: list[int] = []  # the ranks the open step group waits for
+        self.jobwide: dict[str, Any] = {"base": [], "alert": False, "cause": None, "run": 0, "clear": 0}
+        self.baseline: _SortedBaseline | None = None  # derived from jobwide["base"]; not saved
+
+    def to_state(self) -> dict[str, Any]:
+        pending = None
+        if self.pending is not None:
+            pending = {"step": self.pending_step,
+                       "records": {rank: _row_state(rec) for rank, rec in self.pending.items()}}
+        return {"ranks": {rank: rs.to_state() for rank, rs in self.ranks.items()}, "pending": pending,
+                "expected": self.expected, "jobwide": self.jobwide}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> _JobState:
+        job = cls()
+        job.ranks = {int(rank): _RankState.from_state(rs) for rank, rs in state["ranks"].items()}
+        pending = state["pending"]
+        if pending is not None:
+            job.pending = {int(rank): _RestoredRow(row) for rank, row in pending["records"].items()}
+            job.pending_step = pending["step"]
+        job.expected = state["expected"]
+        job.jobwide = state["jobwide"]
+        return job
+
+
+class _SortedBaseline:
+    """A job's rolling job-wide baseline (its state's ``[[cost, step, comm], ...]`` list, oldest
+    first) kept together with each column sorted, so its medians cost no sort per step group."""
+
+    __slots__ = ("rows", "columns")
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        self.rows = rows
+        self.columns = [sorted(row[i] for row in rows) for i in range(3)]
+
+    def medians(self) -> tuple[float, float, float]:
+        cost, step, comm = self.columns
+        return _median_of_sorted(cost), _median_of_sorted(step), _median_of_sorted(comm)
+
+    def append(self, row: list[float], keep: int) -> None:
+        """Add the newest group's row, drop the oldest beyond ``keep``."""
+        self.rows.append(row)
+        for column, value in zip(self.columns, row, strict=True):
+            bisect.insort(column, value)
+        while len(self.rows) > keep:
+            oldest = self.rows.pop(0)
+            for column, value in zip(self.columns, oldest, strict=True):
+                del column[bisect.bisect_left(column, value)]
+
+
+class _RestoredRow:
+    """A pending step record restored from a saved state row (``_row_state``'s inverse):
+    the attributes ``_close_group`` reads, with the row's ``work`` as ``samples``."""
+
+    __slots__ = ("ts", "rank", "node", "gpu", "step_time_s", "compute_s", "samples", "micro_batch", "model")
+
+    def __init__(self, row: Mapping[str, Any]) -> None:
+        self.ts, self.rank, self.node, self.gpu = row["ts"], row["rank"], row["node"], row["gpu"]
+        self.step_time_s, self.compute_s, self.model = row["step_time_s"], row["compute_s"], row["model"]
+        self.samples, self.micro_batch = row["work"], None
+
+
+def _row_state(rec: Any) -> dict[str, Any]:
+    """A pending step record as a row of the saved state."""
+    return {
+        "ts": rec.ts, "rank": rec.rank, "node": rec.node, "gpu": rec.gpu,
+        "step_time_s": rec.step_time_s, "compute_s": rec.compute_s,
+        "work": float(rec.samples or rec.micro_batch or 1), "model": rec.model,
+    }
+
+
+_STEP_TYPES = (FastTrainingStep, TrainingStep)  # validated, with the attributes we read
+
+# FeatureVector fields that a rank feature vector sets; the others keep their defaults
+# (what FeatureVector.model_construct would give, see _rank_features).
+_RANK_FEATURE_FIELDS = frozenset(("scope", "ts", "window_s", "node", "gpu", "model", "job", "rank", "values"))
+
+
+def _rank_features(*, ts: float, window_s: float, node: str, gpu: int, model: str | None, job: str,
+                   rank: int, values: dict[str, float | None]) -> FeatureVector:
+    """``FeatureVector.model_construct(scope="rank", ...)`` without its per-call default lookups:
+    our own, already-consistent output, so no validation either. Same instance, attributes and
+    fields set as model_construct gives (tests/test_stragglers.py checks it)."""
+    fv = _new_feature_vector(FeatureVector)
+    _set(fv, "__dict__", {  # in FeatureVector's field order, as model_construct fills it
+        "kind": "features", "scope": "rank", "ts": ts, "window_s": window_s, "node": node, "gpu": gpu,
+        "model": model, "job": job, "rank": rank, "rack": None, "site": None, "values": values,
+    })
+    _set(fv, "__pydantic_fields_set__", set(_RANK_FEATURE_FIELDS))
+    _set(fv, "__pydantic_extra__", {})
+    _set(fv, "__pydantic_private__", None)
+    return fv
+
+
+_new_feature_vector = FeatureVector.__new__
+_set = object.__setattr__
 
 
 # ---- scoring ----
