@@ -269,3 +269,20 @@ def test_state_is_plain_json_with_pending_rows():
     assert again.state("llm") == state
     assert [r.model_dump() for r in again.process(records[6:]) + again.flush()] == [
         r.model_dump() for r in det.process(records[6:]) + det.flush()]
+
+
+def test_median_wait_share_is_the_median_of_clamped_shares():
+    # Computed from sorted compute/step ratios; must equal the direct definition bit for bit.
+    from fleetwise.predictors.stragglers import _median, _median_wait_share
+
+    rng = np.random.default_rng(12)
+    for n in [1, 2, 3, 4, 5, 6, 9]:
+        for _ in range(200):
+            step = [float(x) for x in rng.uniform(0.5, 3.0, n)]
+            # computes around and beyond the step time (clamped shares), with ties
+            compute = [float(s * rng.choice([0.6, 0.9, 1.0, 1.2, rng.uniform(0.3, 1.4)])) for s in step]
+            direct = _median([max(0.0, 1.0 - c / s) for c, s in zip(compute, step, strict=True)])
+            assert _median_wait_share(compute, step) == direct
+            assert str(_median_wait_share(compute, step)) == str(direct)  # same sign of zero too
+    with pytest.raises(ValueError):
+        _median_wait_share([1.0], [1.0, 2.0])

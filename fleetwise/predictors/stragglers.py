@@ -32,7 +32,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import truediv
 from typing import Any
+
+from pydantic import BaseModel
 
 from fleetwise.catalog import lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
@@ -258,13 +261,16 @@ class StragglerDetector:
         window_s = cfg.window_s
         keep_alpha = 1 - cfg.noise_alpha
         alpha = cfg.noise_alpha
+        keep_recent = self._keep_recent
+        max_increment = limit / cfg.min_consecutive
+        floor, log = math.floor, math.log
         for (rank, row), rs in zip(ordered, row_states, strict=True):
             cost = rs.cost
             ref = references.get(rs.model or "") if cost else None
             factor = ref[0] / cost if ref else None
 
             # Per-rank feature window: a record of a new window closes the previous one.
-            start = math.floor(row.ts / window_s) * window_s
+            start = floor(row.ts / window_s) * window_s
             if rs.win_start != start:
                 if rs.win_start is not None:
                     fv = self._window_features(name, rank, rs)
@@ -280,7 +286,7 @@ class StragglerDetector:
             rs.win_factor.append(factor)
             rs.win_cost.append(cost)  # a factor implies a cost
 
-            deficit = -math.log(factor)
+            deficit = -log(factor)
             previous = rs.deficit
             if previous is not None:
                 jump = abs(deficit - previous)
@@ -288,9 +294,33 @@ class StragglerDetector:
                 rs.noise = jump if noise is None else keep_alpha * noise + alpha * jump
             rs.deficit = deficit
             rs.ref = ref[1]
-            pred = self._update_alert(name, rank, rs, deficit, factor, slack, limit, ts)
-            if pred is not None:
-                preds.append(pred)
+
+            # Alert state: a one-sided CUSUM over the deficit raises, a healthy run clears.
+            recent = rs.recent
+            recent.append(factor)
+            if len(recent) > keep_recent:
+                del recent[0]
+            if rs.alert:
+                pred = self._check_clear(name, rank, rs, slack, limit, ts)
+                if pred is not None:
+                    preds.append(pred)
+                continue
+            # Cap each increment so one outlier record cannot raise on its own.
+            increment = min(deficit - slack, max_increment)
+            cusum = rs.cusum = max(0.0, rs.cusum + increment)
+            run = rs.run  # the factors of the current run of records beyond the slack (last 8)
+            if deficit > slack:
+                run.append(factor)
+                if len(run) > 8:
+                    del run[0]
+            elif run:
+                run.clear()
+            if cusum >= limit and len(run) >= cfg.min_consecutive:
+                rs.alert = True
+                rs.clear_run = 0
+                preds.append(self._rank_prediction(name, rank, rs, ts, raise_=True,
+                                                   reason="slower than its GPU model should be",
+                                                   slack=slack, limit=limit))
 
         jw = self._job_wide(name, job, ordered, row_states, ts)
         if jw is not None:
@@ -326,40 +356,18 @@ class StragglerDetector:
         return refs
 
     # ---- per-rank alerts ----
-    def _update_alert(self, name: str, rank: int, rs: _RankState, deficit: float,
-                      factor: float, slack: float, limit: float, ts: float) -> Prediction | None:
+    def _check_clear(self, name: str, rank: int, rs: _RankState, slack: float, limit: float,
+                     ts: float) -> Prediction | None:
+        """An alerting rank's clear: on the mean deficit of its last few records against half
+        the slack, so a rank hovering near the slack does not clear and re-raise (hysteresis)."""
         cfg = self.config
-        recent = rs.recent
-        recent.append(factor)
-        if len(recent) > self._keep_recent:
-            del recent[0]
-        if rs.alert:
-            # Clear on the mean of the last few records against half the slack: a rank hovering
-            # near the slack does not clear and re-raise (hysteresis).
-            rs.clear_run = min(rs.clear_run + 1, cfg.clear_records)
-            tail = [-math.log(f) for f in recent[-cfg.clear_records:]]
-            if rs.clear_run >= cfg.clear_records and sum(tail) / len(tail) < slack / 2:
-                pred = self._rank_prediction(name, rank, rs, ts, raise_=False, reason="recovered",
-                                             slack=slack, limit=limit)
-                rs.alert, rs.cusum, rs.run, rs.clear_run = False, 0.0, [], 0
-                return pred
-            return None
-        # Cap each increment so one outlier record cannot raise on its own.
-        increment = min(deficit - slack, limit / cfg.min_consecutive)
-        cusum = rs.cusum = max(0.0, rs.cusum + increment)
-        run = rs.run  # the factors of the current run of records beyond the slack (last 8)
-        if deficit > slack:
-            run.append(factor)
-            if len(run) > 8:
-                del run[0]
-        elif run:
-            run.clear()
-        if cusum >= limit and len(run) >= cfg.min_consecutive:
-            rs.alert = True
-            rs.clear_run = 0
-            return self._rank_prediction(name, rank, rs, ts, raise_=True,
-                                         reason="slower than its GPU model should be",
+        rs.clear_run = min(rs.clear_run + 1, cfg.clear_records)
+        tail = [-math.log(f) for f in rs.recent[-cfg.clear_records:]]
+        if rs.clear_run >= cfg.clear_records and sum(tail) / len(tail) < slack / 2:
+            pred = self._rank_prediction(name, rank, rs, ts, raise_=False, reason="recovered",
                                          slack=slack, limit=limit)
+            rs.alert, rs.cusum, rs.run, rs.clear_run = False, 0.0, [], 0
+            return pred
         return None
 
     def _rank_prediction(self, name: str, rank: int, rs: _RankState, ts: float, *, raise_: bool,
@@ -442,37 +450,42 @@ class StragglerDetector:
 
     # ---- per-rank feature windows ----
     def _window_features(self, name: str, rank: int, rs: _RankState) -> FeatureVector | None:
-        if rs.win_start is None or not rs.win_step:
+        step, compute = rs.win_step, rs.win_compute
+        if rs.win_start is None or not step:
             return None
         cost = _median(rs.win_cost) if rs.win_cost else None
         trend = cost / rs.prev_cost - 1.0 if cost and rs.prev_cost else None
         rs.prev_cost = cost
-        return _rank_features(
-            ts=float(rs.win_start + self.config.window_s), window_s=self.config.window_s,
-            node=rs.node, gpu=rs.gpu, model=rs.model, job=name, rank=rank,
-            values={
-                "median_step_s": _median(rs.win_step),
-                "median_compute_s": _median(rs.win_compute),
-                "compute_trend": trend,
-                "speed_factor": _median(rs.win_factor) if rs.win_factor else None,
-                "wait_share": _median_wait_share(rs.win_compute, rs.win_step),
-            },
-        )
+        window_s = self.config.window_s
+        values = {
+            "median_step_s": _median(step),
+            "median_compute_s": _median(compute),
+            "compute_trend": trend,
+            "speed_factor": _median(rs.win_factor) if rs.win_factor else None,
+            "wait_share": _median_wait_share(compute, step),
+        }
+        return _rank_features(float(rs.win_start + window_s), window_s, rs.node, rs.gpu, rs.model, name, rank,
+                              values)
 
 
 def _median_wait_share(compute: list[float], step: list[float]) -> float:
     """Median over records of max(0, 1 - compute / step time), the share of a step spent waiting.
 
-    Clamping at 0 keeps order, so the sorted clamped shares are the clamped sorted shares:
-    clamping only the middle one(s) gives the same value as clamping every record first.
+    Computed from the sorted compute/step ratios: x -> max(0, 1 - x) reverses their order (and
+    rounding keeps that exact), so the middle shares are those of the middle ratios, the same
+    values as sorting every record's share.
     """
-    shares = sorted([1.0 - c / s for c, s in zip(compute, step, strict=True)])
-    n = len(shares)
+    if len(compute) != len(step):
+        raise ValueError("one compute time per step time")
+    ratios = sorted(map(truediv, compute, step))
+    n = len(ratios)
     if not n:
         raise ValueError("median of no values")
     mid = n // 2
-    upper = max(0.0, shares[mid])
-    return float(upper) if n % 2 else (max(0.0, shares[mid - 1]) + upper) / 2.0
+    if n % 2:
+        return float(max(0.0, 1.0 - ratios[mid]))
+    # the shares' middle pair, lower one first: the ratios' middle pair reversed
+    return (max(0.0, 1.0 - ratios[mid]) + max(0.0, 1.0 - ratios[mid - 1])) / 2.0
 
 
 class _RankState:
@@ -624,7 +637,7 @@ _STEP_TYPES = (FastTrainingStep, TrainingStep)  # validated, with the attributes
 _RANK_FEATURE_FIELDS = frozenset(("scope", "ts", "window_s", "node", "gpu", "model", "job", "rank", "values"))
 
 
-def _rank_features(*, ts: float, window_s: float, node: str, gpu: int, model: str | None, job: str,
+def _rank_features(ts: float, window_s: float, node: str, gpu: int, model: str | None, job: str,
                    rank: int, values: dict[str, float | None]) -> FeatureVector:
     """``FeatureVector.model_construct(scope="rank", ...)`` without its per-call default lookups:
     our own, already-consistent output, so no validation either. Same instance, attributes and
@@ -634,14 +647,18 @@ def _rank_features(*, ts: float, window_s: float, node: str, gpu: int, model: st
         "kind": "features", "scope": "rank", "ts": ts, "window_s": window_s, "node": node, "gpu": gpu,
         "model": model, "job": job, "rank": rank, "rack": None, "site": None, "values": values,
     })
-    _set(fv, "__pydantic_fields_set__", set(_RANK_FEATURE_FIELDS))
-    _set(fv, "__pydantic_extra__", {})
-    _set(fv, "__pydantic_private__", None)
+    _set_fields_set(fv, set(_RANK_FEATURE_FIELDS))
+    _set_extra(fv, {})
+    _set_private(fv, None)
     return fv
 
 
+# What model_construct sets, set the way it does (object.__setattr__), by the slots' own setters.
 _new_feature_vector = FeatureVector.__new__
 _set = object.__setattr__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 # ---- scoring ----
