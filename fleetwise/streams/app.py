@@ -395,12 +395,19 @@ class StreamProcessor:
 
         headers = [(INPUT_PRODUCED_AT_HEADER, repr(min(produced, default=0.0)).encode())]
         futures = []
+        out_names: dict[str, str] = {}
+        decisions: dict[tuple[str, str], int] = {}
         for out_topic, key, record in routed:
+            name = out_names.get(out_topic)
+            if name is None:
+                name = out_names[out_topic] = topic_name(out_topic, self.prefix)
             value = record.model_dump_json(exclude_none=True).encode()
-            futures.append(await self.send(topic_name(out_topic, self.prefix), key.encode(), value, headers))
+            futures.append(await self.send(name, key.encode(), value, headers))
             kind = getattr(record, "kind", "record")
             label = getattr(record, "type", None) or getattr(record, "scope", kind)
-            M.DECISIONS_OUT.labels(kind, label).inc()
+            decisions[kind, label] = decisions.get((kind, label), 0) + 1
+        for (kind, label), n in decisions.items():  # one counter update per label per batch
+            M.DECISIONS_OUT.labels(kind, label).inc(n)
         # Latency (wall clock, measurement only) ends when the batch's outputs are acknowledged.
         if futures:
             done = asyncio.gather(*futures)
