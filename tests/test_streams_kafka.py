@@ -496,6 +496,12 @@ async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_l
         differences(as_set(features), expected[T.FEATURES.name])
     assert not differences(as_set(on(T.PREDICTIONS, prefix, got)), expected.get(T.PREDICTIONS.name, set()))
     assert {m.key for m in features} == {f"node-{n:03d}/{g}" for n in range(4) for g in range(8)}
+    # outputs go out in record batches per partition: the partition Kafka's default
+    # partitioner gives the key, as a per-record send would
+    from aiokafka.partitioner import murmur2
+
+    assert all(m.partition == (murmur2(m.key.encode()) & 0x7FFFFFFF) % T.FEATURES.partitions
+               for m in features)
 
     dead = [m.json() for m in on(T.DEADLETTER, prefix, got)]
     reasons = " | ".join(d["reason"] for d in dead)

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 
 import faust
 import numpy as np
+from aiokafka.partitioner import murmur2
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types.tuples import ack_lock
@@ -79,6 +80,8 @@ STATE_BUCKETS = 64
 # catches job-level state such as the action policy's that a GPU sample can change).
 SMALL_PROCESSOR_KEYS = 256
 ENTRY_MAGIC = b"FWS1"  # table entry: magic, u32 header length, JSON header, binary arrays
+# (Kafka topic, [(key, value), ...], headers) -> delivery futures
+SendMany = Callable[[str, list[tuple[bytes, bytes]], list[tuple[str, bytes]]], Awaitable[list[Any]]]
 
 
 def _header(headers: Any, name: str) -> bytes | None:
@@ -117,8 +120,6 @@ def state_partition(inner: str, partitions: int) -> int:
     """Partition of a key's state: the one Kafka's default partitioner (murmur2, as the Java
     and aiokafka producers use) gives the input message of that key (telemetry by node, steps
     by job), so a key's state is saved with, and moves with, its input partition."""
-    from aiokafka.partitioner import murmur2
-
     return (murmur2(message_key(inner).encode()) & 0x7FFFFFFF) % partitions
 
 
@@ -234,6 +235,7 @@ class StreamProcessor:
         state_partitions: int = T.TELEMETRY_GPU.partitions,
         state_buckets: int = STATE_BUCKETS,
         changelog: Callable[[int, str, bytes], Any] | None = None,
+        send_many: SendMany | None = None,
     ) -> None:
         self.control = control
         self.table = table  # faust Table (uses .data and .send_changelog) or a stand-in
@@ -241,6 +243,8 @@ class StreamProcessor:
         # default is faust's send_changelog (buffered, not awaited).
         self.changelog = changelog or table.send_changelog
         self.send = send  # async (topic, key, value, headers) -> awaitable delivery future
+        # async (topic, [(key, value), ...], headers) -> delivery futures; `send` per record if None
+        self.send_many = send_many
         self.prefix = topic_prefix
         self.state_partitions = state_partitions
         self.state_buckets = state_buckets
@@ -394,18 +398,24 @@ class StreamProcessor:
         self._dirty.update(last)
 
         headers = [(INPUT_PRODUCED_AT_HEADER, repr(min(produced, default=0.0)).encode())]
-        futures = []
-        out_names: dict[str, str] = {}
+        futures: list[Any] = []
+        by_topic: dict[str, list[tuple[bytes, bytes]]] = {}
         decisions: dict[tuple[str, str], int] = {}
         for out_topic, key, record in routed:
-            name = out_names.get(out_topic)
-            if name is None:
-                name = out_names[out_topic] = topic_name(out_topic, self.prefix)
-            value = record.model_dump_json(exclude_none=True).encode()
-            futures.append(await self.send(name, key.encode(), value, headers))
+            items = by_topic.get(out_topic)
+            if items is None:
+                items = by_topic[out_topic] = []
+            items.append((key.encode(), record.model_dump_json(exclude_none=True).encode()))
             kind = getattr(record, "kind", "record")
             label = getattr(record, "type", None) or getattr(record, "scope", kind)
             decisions[kind, label] = decisions.get((kind, label), 0) + 1
+        for out_topic, items in by_topic.items():
+            name = topic_name(out_topic, self.prefix)
+            if self.send_many is not None:
+                futures.extend(await self.send_many(name, items, headers))
+            else:
+                for key_bytes, value in items:
+                    futures.append(await self.send(name, key_bytes, value, headers))
         for (kind, label), n in decisions.items():  # one counter update per label per batch
             M.DECISIONS_OUT.labels(kind, label).inc(n)
         # Latency (wall clock, measurement only) ends when the batch's outputs are acknowledged.
@@ -725,6 +735,41 @@ def make_app(
     async def send(topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> Any:
         return await app.producer.send(topic, key, value, partition=None, timestamp=None, headers=headers)
 
+    partitions: dict[str, list[int]] = {}
+    key_partition: dict[tuple[str, bytes], int] = {}
+
+    async def send_many(topic: str, items: list[tuple[bytes, bytes]],
+                        headers: list[tuple[str, bytes]]) -> list[Any]:
+        """Outputs in one record batch per partition (aiokafka `create_batch`/`send_batch`):
+        ~7 us per record instead of ~22 us through `send`, which matters when a hop closes
+        for thousands of GPUs at once. Partitions as Kafka's default partitioner (murmur2 of
+        the key), as `send` would choose them."""
+        aio = app.producer._ensure_producer()  # faust's aiokafka producer (no batch API in faust)
+        parts = partitions.get(topic)
+        if parts is None:
+            parts = partitions[topic] = sorted(await aio.partitions_for(topic))
+        by_partition: dict[int, list[tuple[bytes, bytes]]] = {}
+        for key, value in items:
+            where = key_partition.get((topic, key))
+            if where is None:
+                where = key_partition[topic, key] = parts[(murmur2(key) & 0x7FFFFFFF) % len(parts)]
+            by_partition.setdefault(where, []).append((key, value))
+        futures = []
+        for partition, records in by_partition.items():
+            batch, n = aio.create_batch(), 0
+            for key, value in records:
+                if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
+                    if n:  # full: ship it and start the next one
+                        futures.append(await aio.send_batch(batch, topic, partition=partition))
+                        batch, n = aio.create_batch(), 0
+                    if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
+                        futures.append(await send(topic, key, value, headers))  # over a batch alone
+                        continue
+                n += 1
+            if n:
+                futures.append(await aio.send_batch(batch, topic, partition=partition))
+        return futures
+
     async def changelog(partition: int, key: str, value: bytes) -> Any:
         # Straight to the producer (force: not attached to the current event), not through
         # faust's send_changelog buffer: that buffer is drained one message at a time and,
@@ -733,7 +778,7 @@ def make_app(
 
     processor = StreamProcessor(control, table, send, topic_prefix=topic_prefix,
                                 state_partitions=state_partitions, state_buckets=state_buckets,
-                                changelog=changelog)
+                                changelog=changelog, send_many=send_many)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
