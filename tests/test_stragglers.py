@@ -286,3 +286,31 @@ def test_median_wait_share_is_the_median_of_clamped_shares():
             assert str(_median_wait_share(compute, step)) == str(direct)  # same sign of zero too
     with pytest.raises(ValueError):
         _median_wait_share([1.0], [1.0, 2.0])
+
+
+def test_rank_order_of_a_restored_state_does_not_change_outputs():
+    # JSON need not keep the ranks in rank order; the detector's results must not depend on it.
+    models = ["h100-sxm"] * 5 + ["a100-sxm-80gb"] * 4 + ["b200"] * 2
+    records = make_steps(models, hours=2, seed=13, slow={3: (1800.0, 5400.0, 0.85)})
+    cut = len(records) // 5 + 5  # before the slowdown (at 1,800 s of 7,200), mid step group
+    first = StragglerDetector()
+    first.process(records[:cut])
+    state = first.state("llm")
+    state["ranks"] = dict(reversed(list(state["ranks"].items())))
+    shuffled = StragglerDetector()
+    shuffled.restore("llm", state)
+    rest = [r.model_dump() for r in shuffled.process(records[cut:]) + shuffled.flush()]
+    assert rest == [r.model_dump() for r in first.process(records[cut:]) + first.flush()]
+    assert any(r.get("alert") and r.get("rank") == 3 for r in rest)
+
+
+def test_a_silent_rank_leaves_the_group_after_stale_s():
+    det = StragglerDetector()
+    records = make_steps(["h100-sxm"] * 6, hours=1.0, seed=14)
+    silent_from = T0 + 600.0
+    det.process([r for r in records if r["rank"] != 2 or r["ts"] < silent_from])
+    # A record of every other rank came after the silent one's last + stale_s: it is out.
+    assert det.state("llm")["expected"] == [0, 1, 3, 4, 5]
+    early = StragglerDetector()
+    early.process([r for r in records if r["ts"] < silent_from + det.config.stale_s - 120.0])
+    assert 2 in early.state("llm")["expected"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -151,8 +152,11 @@ class StragglerDetector:
         """Consume step records (event-time order); return FeatureVectors and Predictions."""
         out: list[Record] = []
         jobs = self._jobs
-        for raw in records:
-            rec = raw if type(raw) in _STEP_TYPES else _step_record(raw)
+        if not isinstance(records, list | tuple):
+            records = list(records)  # read twice below
+        if not _STEP_TYPES.issuperset(map(type, records)):  # else each a validated step record
+            records = [_step_record(raw) for raw in records]
+        for rec in records:
             name = rec.job
             job = jobs.get(name)
             if job is None:
@@ -169,7 +173,7 @@ class StragglerDetector:
             # The group is complete when every rank the job expects has reported (on the first
             # step of a job the world size is unknown until the next step).
             expected = job.expected
-            if expected and len(reported) >= len(expected) and all(rank in reported for rank in expected):
+            if expected and len(reported) >= len(expected) and all(map(reported.__contains__, expected)):
                 out.extend(self._close_group(name, job))
         return out
 
@@ -195,7 +199,7 @@ class StragglerDetector:
         return json.loads(json.dumps(self._jobs[key].to_state()))
 
     def restore(self, key: str, state: dict) -> None:
-        self._jobs[key] = _JobState.from_state(json.loads(json.dumps(state)))
+        self._jobs[key] = _JobState.from_state(json.loads(json.dumps(state)), self._keep_recent)
 
     # ---- step groups ----
     def _close_group(self, name: str, job: _JobState) -> list[Record]:
@@ -205,14 +209,15 @@ class StragglerDetector:
             return []
         cfg = self.config
         ranks = job.ranks
-        ordered = sorted(reported.items())  # (rank, step record) by rank; ranks are unique
-        ts = max([row.ts for _, row in ordered])
+        ranks_reported = sorted(reported)
+        rows = list(map(reported.__getitem__, ranks_reported))
+        ts = max([row.ts for row in rows])
         out: list[Record] = []
         preds: list[Record] = []
 
         capabilities = self._capabilities
         row_states: list[_RankState] = []  # each row's rank state, in row order
-        for rank, row in ordered:
+        for rank, row in zip(ranks_reported, rows):  # noqa: B905 (same length)
             rs = ranks.get(rank)
             if rs is not None and (rs.node != row.node or rs.gpu != row.gpu):
                 # The rank moved to another GPU (restart, migration): close out the old one.
@@ -224,11 +229,11 @@ class StragglerDetector:
                                                        reason="rank moved to another GPU"))
                 rs = None
             if rs is None:
-                rs = ranks[rank] = _RankState.new(row)
+                rs = ranks[rank] = _RankState.new(row, self._keep_recent)
             model = rs.model = row.model or rs.model
             cap = rs.cap = capabilities[model] if model in capabilities else self._capability(model)
             rs.ts = row.ts
-            work = float(row.samples or row.micro_batch or 1)
+            work = row.samples or row.micro_batch or 1  # int or float: x / n == x / float(n)
             rs.cost = row.compute_s * cap / work if cap and work > 0 else None
             row_states.append(rs)
 
@@ -236,6 +241,7 @@ class StragglerDetector:
         # costs per GPU model (the reference pool) and every rank's noise (the job's sigma).
         cutoff = ts - cfg.stale_s
         fresh: list[int] = []
+        pool: list[float] = []
         pool_costs: dict[str, list[float]] = {}
         noises: list[float] = []
         for rank, rs in ranks.items():
@@ -243,6 +249,7 @@ class StragglerDetector:
                 fresh.append(rank)
                 cost = rs.cost
                 if cost:
+                    pool.append(cost)
                     model_costs = pool_costs.get(rs.model or "")
                     if model_costs is None:
                         pool_costs[rs.model or ""] = [cost]
@@ -250,10 +257,18 @@ class StragglerDetector:
                         model_costs.append(cost)
             if rs.noise is not None:
                 noises.append(rs.noise)
-        fresh.sort()
+        if fresh != sorted(fresh):
+            # Ranks that joined out of rank order: take the pool in rank order all the same, so
+            # its medians see the costs in one order whatever the job's history.
+            fresh.sort()
+            pool = [ranks[rank].cost for rank in fresh if ranks[rank].cost]
+            pool_costs = {}
+            for rank in fresh:
+                rs = ranks[rank]
+                if rs.cost:
+                    pool_costs.setdefault(rs.model or "", []).append(rs.cost)
         job.expected = fresh
-        pool_size = sum(map(len, pool_costs.values()))
-        references = self._references(pool_costs, pool_size) if pool_size >= cfg.min_ranks else {}
+        references = self._references(pool_costs, pool) if len(pool) >= cfg.min_ranks else {}
         sigma = max(cfg.noise_floor, _median(noises) * _ABS_DIFF_TO_SIGMA if noises else 0.0)
         slack = max(cfg.cusum_slack, cfg.noise_slack_z * sigma)
         limit = max(cfg.cusum_limit, cfg.noise_limit_z * sigma)
@@ -261,16 +276,20 @@ class StragglerDetector:
         window_s = cfg.window_s
         keep_alpha = 1 - cfg.noise_alpha
         alpha = cfg.noise_alpha
-        keep_recent = self._keep_recent
         max_increment = limit / cfg.min_consecutive
         floor, log = math.floor, math.log
-        for (rank, row), rs in zip(ordered, row_states, strict=True):
+        start_ts = start = None
+        # (zip without strict=: its keyword parse costs more than the loop body of a small group;
+        # row_states has one entry per row by construction)
+        for rank, row, rs in zip(ranks_reported, rows, row_states):  # noqa: B905
             cost = rs.cost
             ref = references.get(rs.model or "") if cost else None
             factor = ref[0] / cost if ref else None
 
             # Per-rank feature window: a record of a new window closes the previous one.
-            start = floor(row.ts / window_s) * window_s
+            if row.ts != start_ts:  # a group's records mostly share one timestamp
+                start_ts = row.ts
+                start = floor(start_ts / window_s) * window_s
             if rs.win_start != start:
                 if rs.win_start is not None:
                     fv = self._window_features(name, rank, rs)
@@ -296,23 +315,25 @@ class StragglerDetector:
             rs.ref = ref[1]
 
             # Alert state: a one-sided CUSUM over the deficit raises, a healthy run clears.
-            recent = rs.recent
-            recent.append(factor)
-            if len(recent) > keep_recent:
-                del recent[0]
+            rs.recent.append(factor)  # a deque: keeps the last few
             if rs.alert:
                 pred = self._check_clear(name, rank, rs, slack, limit, ts)
                 if pred is not None:
                     preds.append(pred)
                 continue
-            # Cap each increment so one outlier record cannot raise on its own.
-            increment = min(deficit - slack, max_increment)
-            cusum = rs.cusum = max(0.0, rs.cusum + increment)
-            run = rs.run  # the factors of the current run of records beyond the slack (last 8)
+            # Cap each increment so one outlier record cannot raise on its own. (This is
+            # cusum = max(0.0, cusum + min(deficit - slack, max_increment)) without two builtin
+            # calls per record: the same comparisons, the same values.)
+            increment = deficit - slack
+            if max_increment < increment:
+                increment = max_increment
+            cusum = rs.cusum + increment
+            if not cusum > 0.0:
+                cusum = 0.0
+            rs.cusum = cusum
+            run = rs.run  # the factors of the current run of records beyond the slack (a deque)
             if deficit > slack:
                 run.append(factor)
-                if len(run) > 8:
-                    del run[0]
             elif run:
                 run.clear()
             if cusum >= limit and len(run) >= cfg.min_consecutive:
@@ -322,7 +343,7 @@ class StragglerDetector:
                                                    reason="slower than its GPU model should be",
                                                    slack=slack, limit=limit))
 
-        jw = self._job_wide(name, job, ordered, row_states, ts)
+        jw = self._job_wide(name, job, rows, row_states, ts)
         if jw is not None:
             preds.append(jw)
         return out + preds if preds else out
@@ -340,7 +361,7 @@ class StragglerDetector:
         self._capabilities[model] = cap
         return cap
 
-    def _references(self, pool_costs: dict[str, list[float]], pool_size: int
+    def _references(self, pool_costs: dict[str, list[float]], pool: list[float]
                     ) -> dict[str, tuple[float, str]]:
         """Reference cost per GPU model: same-model peers when enough, else the job median."""
         refs: dict[str, tuple[float, str]] = {}
@@ -350,8 +371,7 @@ class StragglerDetector:
                 refs[model] = (_median(costs), f"{len(costs)} same-model peers")
                 continue
             if prior is None:
-                every_cost = [c for model_costs in pool_costs.values() for c in model_costs]
-                prior = (_median(every_cost), f"catalog prior over {pool_size} ranks")
+                prior = (_median(pool), f"catalog prior over {len(pool)} ranks")
             refs[model] = prior
         return refs
 
@@ -362,18 +382,19 @@ class StragglerDetector:
         the slack, so a rank hovering near the slack does not clear and re-raise (hysteresis)."""
         cfg = self.config
         rs.clear_run = min(rs.clear_run + 1, cfg.clear_records)
-        tail = [-math.log(f) for f in rs.recent[-cfg.clear_records:]]
+        tail = [-math.log(f) for f in list(rs.recent)[-cfg.clear_records:]]
         if rs.clear_run >= cfg.clear_records and sum(tail) / len(tail) < slack / 2:
             pred = self._rank_prediction(name, rank, rs, ts, raise_=False, reason="recovered",
                                          slack=slack, limit=limit)
-            rs.alert, rs.cusum, rs.run, rs.clear_run = False, 0.0, [], 0
+            rs.alert, rs.cusum, rs.clear_run = False, 0.0, 0
+            rs.run.clear()
             return pred
         return None
 
     def _rank_prediction(self, name: str, rank: int, rs: _RankState, ts: float, *, raise_: bool,
                          reason: str, slack: float | None = None, limit: float | None = None
                          ) -> Prediction:
-        recent = rs.run[-5:] if raise_ and rs.run else rs.recent[-self.config.clear_records:]
+        recent = list(rs.run)[-5:] if raise_ and rs.run else list(rs.recent)[-self.config.clear_records:]
         factor = round(_median(recent), 4) if recent else None
         probability = min(1.0, rs.cusum / limit) if raise_ and limit else 0.0
         signals = [
@@ -391,16 +412,16 @@ class StragglerDetector:
         )
 
     # ---- job-wide slowdowns ----
-    def _job_wide(self, name: str, job: _JobState, ordered: list[tuple[int, Any]],
-                  row_states: list[_RankState], ts: float) -> Prediction | None:
+    def _job_wide(self, name: str, job: _JobState, rows: list[Any], row_states: list[_RankState],
+                  ts: float) -> Prediction | None:
         cfg = self.config
         costs = [rs.cost for rs in row_states]
         if len(costs) < cfg.min_ranks or None in costs:
             return None
-        step = _median([row.step_time_s for _, row in ordered])
+        step = _median([row.step_time_s for row in rows])
         # Communication the slowest rank could not hide: a straggler raises step time and
         # the slowest compute together (unchanged), a slow network raises only this.
-        comm = max(0.0, step - max([row.compute_s for _, row in ordered]))
+        comm = max(0.0, step - max([row.compute_s for row in rows]))
         cost = _median(costs)
         jw = job.jobwide
         base = jw["base"]
@@ -498,12 +519,13 @@ class _RankState:
                  "win_cost", "prev_cost")
 
     @classmethod
-    def new(cls, row: Any) -> _RankState:
+    def new(cls, row: Any, keep_recent: int) -> _RankState:
         rs = cls()
         rs.node, rs.gpu, rs.model, rs.cap, rs.ts = row.node, row.gpu, row.model, None, row.ts
         rs.cost = rs.deficit = rs.noise = None
         rs.cusum = 0.0
-        rs.run, rs.recent = [], []  # factors of the current run beyond the slack; the last few
+        # factors of the current run of records beyond the slack; of the last few records
+        rs.run, rs.recent = deque(maxlen=_RUN_KEEP), deque(maxlen=keep_recent)
         rs.alert, rs.clear_run = False, 0
         rs.ref = rs.prev_cost = None
         rs.win_start = None  # event time the open feature window starts at (None: none open)
@@ -527,18 +549,18 @@ class _RankState:
             "factor": self.win_factor, "cost": self.win_cost}
         return {"node": self.node, "gpu": self.gpu, "model": self.model, "cap": self.cap, "ts": self.ts,
                 "cost": self.cost, "deficit": self.deficit, "noise": self.noise, "cusum": self.cusum,
-                "run": self.run, "recent": self.recent, "alert": self.alert, "clear_run": self.clear_run,
-                "ref": self.ref, "win": win, "prev_cost": self.prev_cost}
+                "run": list(self.run), "recent": list(self.recent), "alert": self.alert,
+                "clear_run": self.clear_run, "ref": self.ref, "win": win, "prev_cost": self.prev_cost}
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> _RankState:
+    def from_state(cls, state: Mapping[str, Any], keep_recent: int) -> _RankState:
         rs = cls()
         rs.node, rs.gpu, rs.model, rs.cap, rs.ts = (
             state["node"], state["gpu"], state["model"], state["cap"], state["ts"])
         rs.cost, rs.deficit, rs.noise, rs.cusum = (
             state["cost"], state["deficit"], state["noise"], state["cusum"])
-        rs.run, rs.recent, rs.alert, rs.clear_run = (
-            state["run"], state["recent"], state["alert"], state["clear_run"])
+        rs.run, rs.recent = deque(state["run"], maxlen=_RUN_KEEP), deque(state["recent"], maxlen=keep_recent)
+        rs.alert, rs.clear_run = state["alert"], state["clear_run"]
         rs.ref, rs.prev_cost = state["ref"], state["prev_cost"]
         win = state["win"]
         rs.win_start = None if win is None else win["start"]
@@ -572,9 +594,9 @@ class _JobState:
                 "expected": self.expected, "jobwide": self.jobwide}
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> _JobState:
+    def from_state(cls, state: Mapping[str, Any], keep_recent: int) -> _JobState:
         job = cls()
-        job.ranks = {int(rank): _RankState.from_state(rs) for rank, rs in state["ranks"].items()}
+        job.ranks = {int(rank): _RankState.from_state(rs, keep_recent) for rank, rs in state["ranks"].items()}
         pending = state["pending"]
         if pending is not None:
             job.pending = {int(rank): _RestoredRow(row) for rank, row in pending["records"].items()}
@@ -601,12 +623,12 @@ class _SortedBaseline:
     def append(self, row: list[float], keep: int) -> None:
         """Add the newest group's row, drop the oldest beyond ``keep``."""
         self.rows.append(row)
-        for column, value in zip(self.columns, row, strict=True):
-            bisect.insort(column, value)
+        for i, column in enumerate(self.columns):
+            bisect.insort(column, row[i])
         while len(self.rows) > keep:
             oldest = self.rows.pop(0)
-            for column, value in zip(self.columns, oldest, strict=True):
-                del column[bisect.bisect_left(column, value)]
+            for i, column in enumerate(self.columns):
+                del column[bisect.bisect_left(column, oldest[i])]
 
 
 class _RestoredRow:
@@ -630,7 +652,8 @@ def _row_state(rec: Any) -> dict[str, Any]:
     }
 
 
-_STEP_TYPES = (FastTrainingStep, TrainingStep)  # validated, with the attributes we read
+_RUN_KEEP = 8  # factors kept of a rank's current run beyond the slack (a raise reports the last 5)
+_STEP_TYPES = frozenset((FastTrainingStep, TrainingStep))  # validated, with the attributes we read
 
 # FeatureVector fields that a rank feature vector sets; the others keep their defaults
 # (what FeatureVector.model_construct would give, see _rank_features).
