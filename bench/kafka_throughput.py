@@ -146,25 +146,43 @@ def histogram_quantile(metrics: dict[str, float], name: str, q: float, before: d
     return float("inf")
 
 
-async def collect_outputs(bootstrap: str, topic: str, sink: list[tuple[float, float]]) -> None:
-    """(earliest input send time, output create time) of every record the worker writes to
-    `topic` from now on: a check of the worker's latency histogram from outside the worker
-    (produce -> output sent, per feature record; the input time is the earliest send time of
-    the batch that produced it, so this errs long)."""
-    from aiokafka import AIOKafkaConsumer
-
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
+# Reads the features topic in a process of its own (parsing thousands of records at a hop
+# close inside the producer's event loop would hold back the producer's own sends, whose
+# send-time headers are already stamped, and inflate the very latency it measures). Writes
+# "input_sent output_created" per record, seconds, one line each.
+COLLECTOR_SCRIPT = """
+import asyncio, sys
+from aiokafka import AIOKafkaConsumer
+boot, topic, header, path = sys.argv[1:5]
+async def main():
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=boot, group_id=None,
                                 auto_offset_reset="latest", enable_auto_commit=False)
     await consumer.start()
-    try:
+    with open(path, "w") as out:
         while True:
             for batch in (await consumer.getmany(timeout_ms=500)).values():
                 for r in batch:
-                    sent = dict(r.headers).get(INPUT_PRODUCED_AT_HEADER)
+                    sent = dict(r.headers).get(header)
                     if sent is not None:
-                        sink.append((float(sent), r.timestamp / 1000.0))
-    finally:
-        await consumer.stop()
+                        out.write(f"{float(sent)!r} {r.timestamp / 1000.0!r}\\n")
+            out.flush()
+asyncio.run(main())
+"""
+
+
+def read_outputs(path: Path) -> list[tuple[float, float]]:
+    """(earliest input send time, output create time) of every feature record collected so
+    far: a check of the worker's latency histogram from outside the worker (produce ->
+    output sent, per feature record; the input time is the earliest send time of the batch
+    that produced it, so this errs long)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((float(parts[0]), float(parts[1])))
+    return out
 
 
 def output_latency(sink: list[tuple[float, float]], start: float, end: float, q: float) -> float:
@@ -174,7 +192,7 @@ def output_latency(sink: list[tuple[float, float]], start: float, end: float, q:
 
 
 async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds: float, tick0: int,
-                    worker_pid: int, metrics_port: int, outputs: list | None = None) -> dict:
+                    worker_pid: int, metrics_port: int, outputs_path: Path | None = None) -> dict:
     """Produce at `rate` samples/s for `seconds`; then wait for the worker to drain."""
     topic = topic_name(T.TELEMETRY_GPU, prefix)
     wall0 = time.time()
@@ -221,8 +239,10 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
         await asyncio.sleep(0.2)
     drained_s = time.monotonic() - start
     wall1 = wall0 + (time.monotonic() - start)
-    if outputs is not None:
-        await asyncio.sleep(1.0)  # the last outputs reach the collector
+    outputs: list[tuple[float, float]] = []
+    if outputs_path is not None:
+        await asyncio.sleep(1.5)  # the last outputs reach the collector's file
+        outputs = read_outputs(outputs_path)
     after = scrape(metrics_port)
     done = after.get(key, 0.0) - before.get(key, 0.0)
     worker_cpu = cpu_s(worker_pid) - cpu0
@@ -238,9 +258,9 @@ async def run_phase(args, producer, prefix: str, payloads, rate: float, seconds:
         "rss_max_mb": max(rss_max, rss_mb(worker_pid)),
         "p50_latency_s": histogram_quantile(after, lat, 0.5, before),
         "p99_latency_s": histogram_quantile(after, lat, 0.99, before),
-        "out_p50_s": output_latency(outputs or [], wall0, wall1, 0.5),
-        "out_p99_s": output_latency(outputs or [], wall0, wall1, 0.99),
-        "outputs": sum(1 for sent, _ in outputs or [] if wall0 <= sent <= wall1),
+        "out_p50_s": output_latency(outputs, wall0, wall1, 0.5),
+        "out_p99_s": output_latency(outputs, wall0, wall1, 0.99),
+        "outputs": sum(1 for sent, _ in outputs if wall0 <= sent <= wall1),
         "next_tick": tick,
     }
 
@@ -275,9 +295,10 @@ async def main_async(args) -> None:
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
     )
     rows = []
-    outputs: list[tuple[float, float]] = []
-    collector = asyncio.ensure_future(
-        collect_outputs(args.bootstrap, topic_name(T.FEATURES, prefix), outputs))
+    outputs_path = Path(args.worker_log).with_suffix(".outputs")
+    collector = subprocess.Popen(
+        [sys.executable, "-c", COLLECTOR_SCRIPT, args.bootstrap, topic_name(T.FEATURES, prefix),
+         INPUT_PRODUCED_AT_HEADER, str(outputs_path)], cwd=REPO)
     try:
         for _ in range(300):
             try:
@@ -292,11 +313,12 @@ async def main_async(args) -> None:
                   ("full rate (sustained)", args.rate, args.seconds)]
         for name, rate, seconds in phases:
             r = await run_phase(args, producer, prefix, payloads, rate, seconds, tick, worker.pid, port,
-                                outputs)
+                                outputs_path)
             tick = r["next_tick"]
             rows.append((name, rate, seconds, r))
     finally:
-        collector.cancel()
+        collector.terminate()
+        collector.wait(timeout=30)
         await producer.stop()
         worker.terminate()
         worker.wait(timeout=30)
