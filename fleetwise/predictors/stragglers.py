@@ -156,11 +156,13 @@ class StragglerDetector:
             records = list(records)  # read twice below
         if not _STEP_TYPES.issuperset(map(type, records)):  # else each a validated step record
             records = [_step_record(raw) for raw in records]
+        name = job = None
         for rec in records:
-            name = rec.job
-            job = jobs.get(name)
-            if job is None:
-                job = jobs[name] = _JobState()
+            if rec.job != name:  # runs of one job's records are common: no lookup for those
+                name = rec.job
+                job = jobs.get(name)
+                if job is None:
+                    job = jobs[name] = _JobState()
             reported = job.pending
             if reported is not None and job.pending_step != rec.step:
                 out.extend(self._close_group(name, job))
@@ -283,7 +285,7 @@ class StragglerDetector:
         # row_states has one entry per row by construction)
         for rank, row, rs in zip(ranks_reported, rows, row_states):  # noqa: B905
             cost = rs.cost
-            ref = references.get(rs.model or "") if cost else None
+            ref = references.get(rs.model) if cost else None  # a cost implies a model
             factor = ref[0] / cost if ref else None
 
             # Per-rank feature window: a record of a new window closes the previous one.
