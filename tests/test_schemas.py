@@ -186,3 +186,17 @@ def test_committed_json_schemas_are_current(tmp_path):
     committed = Path(__file__).resolve().parents[1] / "docs" / "schemas"
     for path in write_json_schemas(tmp_path):
         assert (committed / path.name).read_text() == path.read_text(), path.name
+
+
+def test_trusted_feature_vector_is_what_model_construct_gives():
+    from fleetwise.schemas import FeatureVector
+
+    fields = dict(scope="gpu", ts=1.0, window_s=600.0, node="n1", gpu=3, model="h100-sxm", job="j",
+                  rank=2, rack="r", site="s", values={"temp_mean": 61.5, "rth_slow": None})
+    fast, ref = FeatureVector.trusted(**fields), FeatureVector.model_construct(**fields)
+    assert type(fast) is FeatureVector and fast == ref
+    assert fast.__dict__ == ref.__dict__ and list(fast.__dict__) == list(ref.__dict__)
+    assert fast.model_fields_set == ref.model_fields_set
+    assert fast.model_extra == ref.model_extra and fast.__pydantic_private__ == ref.__pydantic_private__
+    assert fast.to_json() == ref.to_json()
+    assert FeatureVector.model_validate_json(fast.to_json()) == fast  # and it is a valid record
