@@ -149,7 +149,9 @@ class StragglerDetector:
 
     # ---- processor contract ----
     def process(self, records: Sequence[Record | FastTrainingStep | Mapping[str, Any]]) -> list[Record]:
-        """Consume step records (event-time order); return FeatureVectors and Predictions."""
+        """Consume step records (event-time order); return FeatureVectors and Predictions.
+
+        The records of a job's open step group are kept as given (not copied) until it closes."""
         out: list[Record] = []
         jobs = self._jobs
         if not isinstance(records, list | tuple):
