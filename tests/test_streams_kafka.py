@@ -174,6 +174,20 @@ class Worker:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
+def wait_for_metric(worker: Worker, name: str, at_least: float, timeout_s: float = 90, **labels: str) -> None:
+    """Until the worker's metric reaches `at_least` (its /metrics may not be up yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if worker.metric(name, **labels) >= at_least:
+                return
+        except OSError:
+            pass
+        assert worker.check_alive() and time.monotonic() < deadline, \
+            f"{name} < {at_least}\n{worker.log_tail()}"
+        time.sleep(0.2)
+
+
 def _free_port() -> int:
     import socket
 
@@ -625,3 +639,36 @@ async def test_two_workers_share_the_partitions_and_give_the_same_features(
     assert not differences(as_set(got), expected), differences(as_set(got), expected)
     consumed = [w.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) for w in workers]
     assert min(consumed) > 0 and sum(consumed) == len(messages), consumed
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_worker_joining_mid_stream_takes_over_partitions_with_their_state(
+    kafka_bootstrap: str, namespace
+) -> None:
+    # The second worker's arrival rebalances the group while the first is consuming: the
+    # partitions it takes over resume from their committed offsets with the state the first
+    # worker saved, so the features still equal one uninterrupted embedded run.
+    prefix, new_worker = namespace
+    batches = node_batches(nodes=16, gpus=8, ticks=130, seed=19)
+    messages = [encode(b) for b in batches]
+    part_a, part_b = messages[: 16 * 90], messages[16 * 90:]  # A ends inside the second hop
+    expected = embedded_outputs(messages)[T.FEATURES.name]
+    first = new_worker().start()
+    await produce(kafka_bootstrap, prefix, part_a)
+    wait_for_metric(first, "fleetwise_messages_in_total", len(part_a) / 2, topic=T.TELEMETRY_GPU.name)
+    second = new_worker().start()
+    # the group has rebalanced: the second worker holds some partitions
+    wait_for_metric(second, "fleetwise_assigned_partitions", 1, topic=T.TELEMETRY_GPU.name)
+    await produce(kafka_bootstrap, prefix, part_b)
+    features_topic = topic_name(T.FEATURES, prefix)
+    workers = [first, second]
+    try:
+        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=120,
+                                  until=lambda ms: all(w.check_alive() for w in workers)
+                                  and len(ids(ms)) >= len(expected))
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}\n{first.log_tail()}\n{second.log_tail()}")
+    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
+    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+    assert second.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) > 0
