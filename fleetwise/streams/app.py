@@ -813,7 +813,7 @@ def make_app(
         last_checkpoint[0] = time.monotonic()
         previous = writing.pop() if writing else None
         if previous is not None and previous.done():
-            previous.result()  # a failed write fails the agent (faust logs and restarts it)
+            previous.result()  # a failed write raises here: the worker stops, a restart resumes
             previous = None
         task = asyncio.ensure_future(write_and_ack(snapshot, offsets, previous))
         task.add_done_callback(_log_failed_checkpoint)
