@@ -192,11 +192,14 @@ def test_trusted_feature_vector_is_what_model_construct_gives():
     from fleetwise.schemas import FeatureVector
 
     fields = dict(scope="gpu", ts=1.0, window_s=600.0, node="n1", gpu=3, model="h100-sxm", job="j",
-                  rank=2, rack="r", site="s", values={"temp_mean": 61.5, "rth_slow": None})
-    fast, ref = FeatureVector.trusted(**fields), FeatureVector.model_construct(**fields)
+                  rank=None, rack="r", site="s", values={"temp_mean": 61.5, "rth_slow": None})
+    given = {k: v for k, v in fields.items() if v is not None}
+    fast, ref = FeatureVector.trusted(**fields), FeatureVector.model_construct(**given)
     assert type(fast) is FeatureVector and fast == ref
     assert fast.__dict__ == ref.__dict__ and list(fast.__dict__) == list(ref.__dict__)
     assert fast.model_fields_set == ref.model_fields_set
     assert fast.model_extra == ref.model_extra and fast.__pydantic_private__ == ref.__pydantic_private__
     assert fast.to_json() == ref.to_json()
     assert FeatureVector.model_validate_json(fast.to_json()) == fast  # and it is a valid record
+    fast.rack = "r2"  # still an ordinary mutable record
+    assert fast.rack == "r2" and ref.rack == "r"

@@ -237,24 +237,6 @@ def test_score_stragglers_counts_detections_delays_and_false_flags():
     assert [m["rank"] for m in s["missed"]] == [2]
 
 
-def test_rank_features_are_what_model_construct_gives():
-    # The detector builds its FeatureVectors without model_construct's per-call default lookups;
-    # they must be the same instances as model_construct (and validation) would give.
-    from fleetwise.predictors.stragglers import _rank_features
-
-    fields = dict(ts=T0 + 300.0, window_s=300.0, node="node-001", gpu=3, model="h100-sxm", job="llm",
-                  rank=11, values={"median_step_s": 2.5, "compute_trend": None})
-    fast = _rank_features(**fields)
-    slow = FeatureVector.model_construct(scope="rank", **fields)
-    assert type(fast) is FeatureVector and fast == slow
-    assert fast.model_fields_set == slow.model_fields_set and fast.model_extra == slow.model_extra == {}
-    validated = FeatureVector.model_validate(slow.model_dump())
-    assert fast.model_dump() == slow.model_dump() == validated.model_dump()
-    assert fast.to_json() == slow.to_json()
-    fast.rack = "r1"  # still an ordinary mutable record
-    assert "rack" in fast.model_fields_set and "rack" not in slow.model_fields_set
-
-
 def test_state_is_plain_json_with_pending_rows():
     records = make_steps(["h100-sxm"] * 4, hours=0.2, seed=11)
     det = StragglerDetector()

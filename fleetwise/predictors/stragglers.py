@@ -36,8 +36,6 @@ from functools import lru_cache
 from operator import truediv
 from typing import Any
 
-from pydantic import BaseModel
-
 from fleetwise.catalog import lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
 from fleetwise.schemas.fast import FastTrainingStep
@@ -489,8 +487,9 @@ class StragglerDetector:
             "speed_factor": _median(rs.win_factor) if rs.win_factor else None,
             "wait_share": _median_wait_share(compute, step),
         }
-        return _rank_features(float(rs.win_start + window_s), window_s, rs.node, rs.gpu, rs.model, name, rank,
-                              values)
+        return FeatureVector.trusted(scope="rank", ts=float(rs.win_start + window_s), window_s=window_s,
+                                     node=rs.node, gpu=rs.gpu, model=rs.model, job=name, rank=rank,
+                                     values=values)
 
 
 def _median_wait_share(compute: list[float], step: list[float]) -> float:
@@ -659,33 +658,6 @@ def _row_state(rec: Any) -> dict[str, Any]:
 _RUN_KEEP = 8  # factors kept of a rank's current run beyond the slack (a raise reports the last 5)
 _STEP_TYPES = frozenset((FastTrainingStep, TrainingStep))  # validated, with the attributes we read
 
-# FeatureVector fields that a rank feature vector sets; the others keep their defaults
-# (what FeatureVector.model_construct would give, see _rank_features).
-_RANK_FEATURE_FIELDS = frozenset(("scope", "ts", "window_s", "node", "gpu", "model", "job", "rank", "values"))
-
-
-def _rank_features(ts: float, window_s: float, node: str, gpu: int, model: str | None, job: str,
-                   rank: int, values: dict[str, float | None]) -> FeatureVector:
-    """``FeatureVector.model_construct(scope="rank", ...)`` without its per-call default lookups:
-    our own, already-consistent output, so no validation either. Same instance, attributes and
-    fields set as model_construct gives (tests/test_stragglers.py checks it)."""
-    fv = _new_feature_vector(FeatureVector)
-    _set(fv, "__dict__", {  # in FeatureVector's field order, as model_construct fills it
-        "kind": "features", "scope": "rank", "ts": ts, "window_s": window_s, "node": node, "gpu": gpu,
-        "model": model, "job": job, "rank": rank, "rack": None, "site": None, "values": values,
-    })
-    _set_fields_set(fv, set(_RANK_FEATURE_FIELDS))
-    _set_extra(fv, {})
-    _set_private(fv, None)
-    return fv
-
-
-# What model_construct sets, set the way it does (object.__setattr__), by the slots' own setters.
-_new_feature_vector = FeatureVector.__new__
-_set = object.__setattr__
-_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
-_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
-_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 # ---- scoring ----

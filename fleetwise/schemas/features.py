@@ -33,14 +33,17 @@ class FeatureVector(Record):
         rank: int | None = None, rack: str | None = None, site: str | None = None,
     ) -> FeatureVector:
         """A FeatureVector from a processor's own, already-consistent output, not validated:
-        what `model_construct` gives with every field passed, without its per-field default
-        lookups (~1 us instead of ~20; a worker emits one per GPU per hop, thousands at once)."""
+        what `model_construct` gives with the fields that are not None, without its per-field
+        default lookups (~1 us instead of ~20; a worker emits one per GPU per hop, thousands at
+        once)."""
         fv = cls.__new__(cls)
-        _set(fv, "__dict__", {  # in field order, as model_construct fills it
+        fields = {  # in field order, as model_construct fills it
             "kind": "features", "scope": scope, "ts": ts, "window_s": window_s, "node": node, "gpu": gpu,
             "model": model, "job": job, "rank": rank, "rack": rack, "site": site, "values": values,
-        })
-        _set(fv, "__pydantic_fields_set__", set(_TRUSTED_FIELDS))
+        }
+        _set(fv, "__dict__", fields)
+        # Set = given a value: as model_construct given only the fields that are not None.
+        _set(fv, "__pydantic_fields_set__", {k for k in _TRUSTED_FIELDS if fields[k] is not None})
         _set(fv, "__pydantic_extra__", {})
         _set(fv, "__pydantic_private__", None)
         return fv
