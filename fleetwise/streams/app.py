@@ -262,6 +262,9 @@ class StreamProcessor:
         self._small_names: set[str] = set()  # processors compared in full at checkpoints
         self._pending: list[asyncio.Future] = []  # output deliveries not yet awaited
         self._state_bytes = 0
+        # partition -> whether this worker holds it now (set by the app from the consumer's
+        # assignment); state of a partition it no longer holds is not written
+        self.owns: Callable[[int], bool] = lambda partition: True
 
     # -- decoding --------------------------------------------------------------------------
     # -- placement and state entries -------------------------------------------------------
@@ -453,6 +456,9 @@ class StreamProcessor:
         self._dirty = set()
         for full in self._changed_small_keys():
             dirty.add(self.place(full.partition(":")[2])[0])
+        # A partition revoked at a rebalance belongs to its new owner's state now: writing
+        # ours would overwrite what it saved (it restores from the changelog on first sight).
+        dirty = {partition for partition in dirty if self.owns(partition)}
         entries: list[tuple[int, str, bytes]] = []
         if not dirty:
             return Snapshot(outputs, entries)
@@ -597,6 +603,11 @@ class BatchConsumer(faust_aiokafka.Consumer):
                         else:
                             await self.wait_first(callback(to_message(tp, record)), self.suspend_flow.wait())
                         read_offset[tp] = offset
+                if not self.flow_active or self.app.consumer_generation_id != generation:
+                    # a rebalance began during this fetch: like faust's streams (which skip
+                    # events of an old generation), hand nothing over; faust seeks each
+                    # partition back to its committed offset for whoever owns it now
+                    continue
                 for topic, tp_batches in batches.items():
                     tp_batches = [(tp, batch) for tp, batch in tp_batches if batch]
                     if tp_batches:
@@ -780,6 +791,13 @@ def make_app(
                                 state_partitions=state_partitions, state_buckets=state_buckets,
                                 changelog=changelog, send_many=send_many)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
+    state_topic = telemetry_topic.get_topic_name()  # co-partitioned with steps and the table
+
+    def owns(partition: int) -> bool:
+        return any(tp.topic == state_topic and tp.partition == partition
+                   for tp in app.consumer.assignment())
+
+    processor.owns = owns
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
     # Input messages stay un-acked (so their offsets are not committed) until a checkpoint has
