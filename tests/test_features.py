@@ -291,3 +291,28 @@ def test_surprise_is_against_the_gpus_own_observed_baseline() -> None:
     assert noisy_then_one["pcie_surprise"] < 1
     assert new_gpu_burst["pcie_surprise"] < quiet_then_burst["pcie_surprise"] / 3
     assert quiet_then_burst["pcie_accel"] > noisy_then_one["pcie_accel"]
+
+
+def test_bulk_state_export_import_continues_like_the_original():
+    # Two windows fed the same first half; one's state moves to a fresh instance in bulk; both
+    # then get the second half and must give identical features.
+    rng = np.random.default_rng(3)
+    samples = []
+    for k in range(240):
+        for g in range(4):
+            samples.append({"ts": T0 + 30.0 * k, "node": "n1", "gpu": g, "model": "NVIDIA H100 80GB HBM3",
+                            "job": "j", "rank": g, "metrics": {
+                                "DCGM_FI_DEV_GPU_TEMP": 60 + rng.normal(), "DCGM_FI_DEV_POWER_USAGE": 500.0,
+                                "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(k // 50)}})
+    half = len(samples) // 2
+    a = GpuFeatureWindows()
+    a.process_dicts(samples[:half])
+    keys = a.keys()
+    metas, job_ranks, arrays = a.export_state(keys)
+    b = GpuFeatureWindows()
+    b.import_state(keys, metas, job_ranks, {k: v.copy() for k, v in arrays.items()})
+    assert b.keys() == keys and [b.state(k) for k in keys] == [a.state(k) for k in keys]
+    fa, fb = a.process_dicts(samples[half:]) + a.flush(), b.process_dicts(samples[half:]) + b.flush()
+    assert fa and [v.model_dump() for v in fa] == [v.model_dump() for v in fb]
+    with pytest.raises(ValueError, match="differ from this code"):
+        GpuFeatureWindows().import_state(keys, metas, job_ranks, {"acc": arrays["acc"]})

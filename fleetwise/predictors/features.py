@@ -376,12 +376,35 @@ class GpuFeatureWindows:
 
     def state(self, key: str) -> dict:
         slot = self._slot[key]
-        arrays = {name: getattr(self, name)[slot] for name in _STATE_ARRAYS}
+        arrays = {name: getattr(self, name)[slot] for name in STATE_ARRAYS}
         return {"meta": dict(self._meta[slot]), "job": self._job[slot], "rank": self._rank[slot],
                 **{k: _to_json(v) for k, v in arrays.items()}}
 
     def restore(self, key: str, state: dict) -> None:
-        meta = state["meta"]
+        slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
+        for name in STATE_ARRAYS:
+            getattr(self, name)[slot] = _from_json(state[name])
+
+    def export_state(self, keys: Sequence[str]) -> tuple[list[dict], list[tuple], dict[str, np.ndarray]]:
+        """`state()` of many keys at once, as arrays: (meta per key, (job, rank) per key,
+        {name: rows} for each of STATE_ARRAYS). For a worker saving thousands of GPUs per
+        checkpoint (one numpy gather per array instead of JSON lists per key)."""
+        slots = np.fromiter(map(self._slot.__getitem__, keys), dtype=np.int64, count=len(keys))
+        listed = slots.tolist()
+        metas = [dict(self._meta[s]) for s in listed]
+        return metas, self.job_ranks(listed), {name: getattr(self, name)[slots] for name in STATE_ARRAYS}
+
+    def import_state(self, keys: Sequence[str], metas: Sequence[dict], job_ranks: Sequence[tuple],
+                     arrays: dict[str, np.ndarray]) -> None:
+        """`restore()` of many keys at once, from what `export_state` gave."""
+        if set(arrays) != set(STATE_ARRAYS):  # state saved by another layout of this code
+            raise ValueError(
+                f"feature state arrays {sorted(arrays)} differ from this code's {sorted(STATE_ARRAYS)}")
+        slots = [self._restore_slot(k, m, j, r) for k, m, (j, r) in zip(keys, metas, job_ranks, strict=True)]
+        for name in STATE_ARRAYS:
+            getattr(self, name)[slots] = arrays[name]
+
+    def _restore_slot(self, key: str, meta: dict, job: str | None, rank: int | None) -> int:
         slot = self._slot.get(key)
         if slot is None:
             slot = len(self._meta)
@@ -393,9 +416,8 @@ class GpuFeatureWindows:
             self._rank.append(None)
         else:
             self._meta[slot] = dict(meta)
-        self._job[slot], self._rank[slot] = state.get("job"), state.get("rank")
-        for name in _STATE_ARRAYS:
-            getattr(self, name)[slot] = _from_json(state[name])
+        self._job[slot], self._rank[slot] = job, rank
+        return slot
 
     def slot_meta(self, slot: int) -> dict[str, Any]:
         return self._meta[slot]
@@ -826,7 +848,8 @@ def _from_json(value: Any) -> np.ndarray:
     return np.float64(float(value))
 
 
-_STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring")
+# The per-slot arrays (first axis: slot) that hold a GPU's window state besides its meta and job.
+STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring")
 
 
 def _ridge_fit(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -161,63 +161,44 @@ class FeatureStateCodec:
     """The feature windows' state of many keys at once, as float64 arrays.
 
     `GpuFeatureWindows.state(key)` builds JSON lists per key (~0.1-0.35 ms each); a checkpoint
-    of thousands of GPUs then costs seconds. This gathers the rows of the windows' state arrays
-    for all keys of a bucket in one numpy indexing per array. It reads the arrays named in
-    `fleetwise.predictors.features._STATE_ARRAYS` (no public bulk API yet) and restores
-    through the public `restore(key, state)`, so a restored key is exactly what `state()`
-    would have given. Shapes travel in the header: an entry written by a different state
-    layout fails loudly at restore instead of restoring garbage.
+    of thousands of GPUs then costs seconds. This takes the windows' bulk state
+    (`export_state`: one numpy gather per state array for all keys of a bucket) and writes the
+    arrays as raw little-endian float64 rows; `restore` gives them back through
+    `import_state`. Shapes travel in the header: an entry written by a different state layout
+    fails loudly at restore instead of restoring garbage.
     """
 
     def __init__(self, windows: Any) -> None:
-        from fleetwise.predictors import features as F
-
         self.windows = windows
-        self.arrays: tuple[str, ...] = tuple(getattr(F, "_STATE_ARRAYS", ()))
-        self._slot: dict[str, int] = {}
 
     def supported(self) -> bool:
-        w = self.windows
-        return bool(self.arrays) and all(hasattr(w, a) for a in (*self.arrays, "slot_keys", "slot_meta",
-                                                                  "job_ranks", "restore"))
-
-    def _slots(self, keys: Sequence[str]) -> np.ndarray:
-        if any(k not in self._slot for k in keys):
-            self._slot = {k: i for i, k in enumerate(self.windows.slot_keys())}
-        return np.fromiter((self._slot[k] for k in keys), dtype=np.int64, count=len(keys))
+        return hasattr(self.windows, "export_state") and hasattr(self.windows, "import_state")
 
     def encode(self, keys: Sequence[str]) -> tuple[dict, bytes]:
         """(header, binary rows) for `keys` (all known to the windows)."""
-        w = self.windows
-        slots = self._slots(keys)
-        job_ranks = w.job_ranks(slots.tolist())
+        metas, job_ranks, arrays = self.windows.export_state(keys)
         shapes, parts = [], []
-        for name in self.arrays:
-            rows = np.ascontiguousarray(getattr(w, name)[slots], dtype="<f8")
+        for name, rows in arrays.items():
+            rows = np.ascontiguousarray(rows, dtype="<f8")
             shapes.append([name, list(rows.shape[1:])])
             parts.append(rows.tobytes())
-        header = {"keys": list(keys), "meta": [w.slot_meta(s) for s in slots.tolist()],
-                  "job": [j for j, _ in job_ranks], "rank": [r for _, r in job_ranks], "arrays": shapes}
+        header = {"keys": list(keys), "meta": metas, "job": [j for j, _ in job_ranks],
+                  "rank": [r for _, r in job_ranks], "arrays": shapes}
         return header, b"".join(parts)
 
     def restore(self, header: dict, blob: memoryview) -> list[str]:
         """Restore every key of an encoded bucket; returns the keys."""
         keys = header["keys"]
         n = len(keys)
-        names = [name for name, _ in header["arrays"]]
-        if names != list(self.arrays):
-            raise ValueError(f"feature state arrays {names} differ from this code's {list(self.arrays)}")
         columns, at = {}, 0
         for name, shape in header["arrays"]:
             count = n * int(np.prod(shape, dtype=np.int64))
             columns[name] = np.frombuffer(blob, dtype="<f8", count=count, offset=at).reshape(n, *shape)
             at += 8 * count
-        for i, key in enumerate(keys):
-            state = {"meta": header["meta"][i], "job": header["job"][i], "rank": header["rank"][i]}
-            for name, col in columns.items():
-                state[name] = col[i].tolist() if col.ndim > 1 else float(col[i])
-            self.windows.restore(key, state)
-        self._slot = {}
+        # import_state refuses an entry with other arrays than this code keeps; one with arrays
+        # of another shape fails in numpy's assignment.
+        self.windows.import_state(keys, header["meta"], list(zip(header["job"], header["rank"], strict=True)),
+                                  columns)
         return keys
 
 
