@@ -203,3 +203,17 @@ def test_trusted_feature_vector_is_what_model_construct_gives():
     assert FeatureVector.model_validate_json(fast.to_json()) == fast  # and it is a valid record
     fast.rack = "r2"  # still an ordinary mutable record
     assert fast.rack == "r2" and ref.rack == "r"
+
+
+def test_feature_vector_json_bytes_are_pydantics():
+    from fleetwise.schemas import FeatureVector
+
+    values = {"temp_mean": 57.7, "rth_slow": None, "tiny": 1e-7, "big": 12345678901234.5, "sum": 0.1 + 0.2,
+              "neg": -3.0, "zero": 0.0}
+    for fv in (FeatureVector.trusted(scope="gpu", ts=1764547800.0, window_s=600.0, node="n-1", gpu=1,
+                                     model="h100-sxm", job="j\\u00e9", rank=0, values=values),
+               FeatureVector(scope="rank", ts="2025-12-01T00:10:00Z", window_s=300, node="n", gpu=0,
+                             values={}),
+               FeatureVector(scope="gpu", ts=1.0, window_s=600, node="n", gpu=0, values={},
+                             extra_key=[1, 2])):
+        assert fv.to_json_bytes() == fv.model_dump_json(exclude_none=True).encode()

@@ -70,6 +70,10 @@ class Record(BaseModel):
     def to_json(self) -> str:
         return self.model_dump_json(exclude_none=True)
 
+    def to_json_bytes(self) -> bytes:
+        """`to_json` as UTF-8 bytes (what a Kafka message holds)."""
+        return self.model_dump_json(exclude_none=True).encode()
+
 
 def describe_error(exc: ValidationError) -> str:
     """One line per problem: the field path, what is wrong, and the bad value."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
 from pydantic import Field
 
 from fleetwise.schemas._base import Record, Timestamp
@@ -25,6 +26,13 @@ class FeatureVector(Record):
     rack: str | None = None
     site: str | None = None
     values: dict[str, float | None]
+
+    def to_json_bytes(self) -> bytes:
+        """The same bytes as pydantic's serializer gives (tested), ~4x faster for the ~150
+        values of a GPU's vector: a worker writes one per GPU per hop, thousands at once."""
+        if self.__pydantic_extra__:
+            return super().to_json_bytes()
+        return _encode_json({k: v for k, v in self.__dict__.items() if v is not None})
 
     @classmethod
     def trusted(
@@ -50,4 +58,5 @@ class FeatureVector(Record):
 
 
 _set = object.__setattr__
+_encode_json = msgspec.json.Encoder().encode
 _TRUSTED_FIELDS = ("scope", "ts", "window_s", "node", "gpu", "model", "job", "rank", "rack", "site", "values")

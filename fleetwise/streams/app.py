@@ -389,7 +389,7 @@ class StreamProcessor:
             items = by_topic.get(out_topic)
             if items is None:
                 items = by_topic[out_topic] = []
-            items.append((key.encode(), record.model_dump_json(exclude_none=True).encode()))
+            items.append((key.encode(), record.to_json_bytes()))
             kind = getattr(record, "kind", "record")
             label = getattr(record, "type", None) or getattr(record, "scope", kind)
             decisions[kind, label] = decisions.get((kind, label), 0) + 1
@@ -861,7 +861,7 @@ def make_app(
                                      f"{event.message.offset}")
             for out_topic, key, record in control.handle(name, records):
                 await app.producer.send(topic_name(out_topic, topic_prefix), key.encode(),
-                                        record.model_dump_json(exclude_none=True).encode(),
+                                        record.to_json_bytes(),
                                         partition=None, timestamp=None, headers=None)
                 if isinstance(record, DeadLetter):
                     M.DEADLETTER.labels(M.reason_category(record.reason)).inc()

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from fleetwise.schemas import TOPICS, Command, DeadLetter, FeatureVector, Prediction, Topic
+from fleetwise.schemas import TOPICS, Command, DeadLetter, FeatureVector, Prediction, Record, Topic
 from fleetwise.schemas.inventory import NodeInventory
 from fleetwise.schemas.plans import Plan
 from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
@@ -75,6 +75,8 @@ def encode_record(record: BaseModel | bytes | str | Mapping[str, Any]) -> bytes:
         return record
     if isinstance(record, str):
         return record.encode("utf-8")
+    if isinstance(record, Record):
+        return record.to_json_bytes()
     if isinstance(record, BaseModel):
         return record.model_dump_json(exclude_none=True).encode("utf-8")
     return json.dumps(record, separators=(",", ":")).encode("utf-8")
