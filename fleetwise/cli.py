@@ -408,6 +408,8 @@ def replay(
     labels: Path | None = typer.Option(None, help="Simulator labels, to mark failures in the report."),
     features: Path | None = typer.Option(
         None, help="Also write the per-GPU feature vectors (JSON lines; kept in memory until the end)."),
+    stagger_hops: bool = typer.Option(
+        False, "--stagger-hops", help="Staggered hop phases per GPU, as `fleetwise worker --stagger-hops`."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_bad_lines: int = typer.Option(20, help="How many bad lines to list (all are counted)."),
 ) -> None:
@@ -417,7 +419,10 @@ def replay(
     _existing(traces, "trace")
     if inventory is not None:
         _existing([inventory], "inventory")
-    runtime = run_replay(traces, out, inventory=inventory, features=features)
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops)
+    runtime = run_replay(traces, out, inventory=inventory, features=features, control=ControlPlane(config))
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:
@@ -792,6 +797,10 @@ def worker(
         5.0, "--checkpoint-interval", help="Seconds between state checkpoints (and offset commits)."
     ),
     loglevel: str = typer.Option("warning", "--loglevel", help="faust log level."),
+    stagger_hops: bool = typer.Option(
+        False, "--stagger-hops", help="Shift each GPU's hop grid by a phase from its key, so hops "
+        "close spread over the hop instead of all at once (smooths feature output; replay with "
+        "the same flag gives the same features)."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka."""
     import importlib.util
@@ -813,11 +822,13 @@ def worker(
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         fail(f"--metrics-port must be 0..65535, got {metrics_port}")
     from fleetwise.streams.app import run_worker
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     try:
         run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
                    topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
-                   checkpoint_interval_s=checkpoint_interval)
+                   checkpoint_interval_s=checkpoint_interval,
+                   control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops)))
     except ConnectionError as exc:
         fail(str(exc))
 

@@ -316,3 +316,32 @@ def test_bulk_state_export_import_continues_like_the_original():
     assert fa and [v.model_dump() for v in fa] == [v.model_dump() for v in fb]
     with pytest.raises(ValueError, match="differ from this code"):
         GpuFeatureWindows().import_state(keys, metas, job_ranks, {"acc": arrays["acc"]})
+
+
+def test_staggered_hops_are_aligned_hops_shifted_by_each_gpus_phase():
+    rng = np.random.default_rng(5)
+    gpus = [("n1", g) for g in range(8)]
+    staggered = GpuFeatureWindows(stagger=True)
+    phases = {f"{n}/{g}": staggered.hop_phase(f"{n}/{g}") for n, g in gpus}
+    assert len(set(phases.values())) > 3 and all(0 <= p < 600 and p % 10 == 0 for p in phases.values())
+    assert GpuFeatureWindows().hop_phase("n1/0") == 0.0
+
+    def sample(ts: float, node: str, gpu: int) -> dict:
+        return {"ts": ts, "node": node, "gpu": gpu, "model": "NVIDIA H100 80GB HBM3", "metrics": {
+            "DCGM_FI_DEV_GPU_TEMP": 60 + rng.normal(), "DCGM_FI_DEV_POWER_USAGE": 400 + 50 * rng.random()}}
+
+    samples = [sample(T0 + 30.0 * k, n, g) for k in range(200) for n, g in gpus]
+    got = staggered.process_dicts(samples) + staggered.flush()
+    # Reference: aligned windows over each GPU's samples moved back by its phase.
+    aligned = GpuFeatureWindows()
+    shifted = [{**s, "ts": s["ts"] - phases[f"{s['node']}/{s['gpu']}"]} for s in samples]
+    shifted.sort(key=lambda s: s["ts"])
+    want = aligned.process_dicts(shifted) + aligned.flush()
+
+    def by_key(vectors: list, shift: bool) -> dict:
+        return {(v.node, v.gpu, v.ts + (phases[f"{v.node}/{v.gpu}"] if shift else 0.0)): v.values
+                for v in vectors}
+
+    assert by_key(got, shift=False) == by_key(want, shift=True)
+    # Hop ends differ between GPUs: the closes spread over the hop.
+    assert len({v.ts % 600 for v in got}) == len(set(phases.values()))

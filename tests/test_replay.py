@@ -121,3 +121,20 @@ def test_replay_cli(small_trace, tmp_path):
     assert data["samples"] > 0 and data["bad_lines"] == 0
     missing = CliRunner().invoke(app, ["replay", str(tmp_path / "nope.jsonl"), "--out", "x.jsonl"])
     assert missing.exit_code == 2 and "trace not found" in missing.output
+
+
+def test_replay_cli_writes_features_and_staggers_hops_on_request(small_trace, tmp_path):
+    trace, _ = small_trace
+    runner = CliRunner()
+    ends = {}
+    for flag in ([], ["--stagger-hops"]):
+        feats = tmp_path / f"f{len(flag)}.jsonl"
+        res = runner.invoke(app, ["replay", str(trace), "--out", str(tmp_path / "d.jsonl"),
+                                  "--features", str(feats), *flag])
+        assert res.exit_code == 0, res.output
+        vectors = [json.loads(line) for line in feats.read_text().splitlines()]
+        gpu = [v for v in vectors if v["scope"] == "gpu"]
+        assert gpu and all(FeatureVector.model_validate(v) for v in gpu[:50])
+        ends[bool(flag)] = {v["ts"] % 600 for v in gpu}
+    assert ends[False] == {0.0}  # aligned: every GPU's hop ends on the 600 s grid
+    assert len(ends[True]) > 3  # staggered: hop ends spread over the hop

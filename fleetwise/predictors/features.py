@@ -10,7 +10,8 @@ exponentially weighted sums of hop aggregates, decayed by the event-time gap, so
 closed hop costs O(features) regardless of the window length.
 
 Semantics (event time only):
-- hop k covers [k*hop_s, (k+1)*hop_s); a GPU's open hop closes when that GPU sends a
+- hop k covers [k*hop_s, (k+1)*hop_s) (shifted by the GPU's phase when hops are staggered,
+  see `hop_phase`); a GPU's open hop closes when that GPU sends a
   sample of a later hop (or at `flush`); the feature vector's `ts` is the hop end.
 - samples older than the GPU's open hop are dropped and counted (`dropped_late`);
   exact duplicates (same GPU and ts) are dropped and counted (`dropped_duplicate`);
@@ -25,6 +26,7 @@ Semantics (event time only):
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from operator import attrgetter
@@ -182,6 +184,7 @@ def _is_blank(values: np.ndarray) -> np.ndarray:
     return np.isin(values, _BLANK_VALUES) | (values >= float(DCGM_INT64_BLANK))
 
 
+HOP_PHASES = 60  # staggered hops: phases are multiples of hop_s / 60 (10 s for 600 s hops)
 DEDUP_RING = 64  # recent timestamps per GPU kept to drop redelivered samples inside a hop
 
 
@@ -242,10 +245,16 @@ def sample_row(metrics: dict[str, Any]) -> list[Any]:
 class GpuFeatureWindows:
     """Event-time hopping windows per GPU (key "node/gpu"); see the module docstring."""
 
-    def __init__(self, hop_s: float = 600.0, capacity: int = 1024, tdp_lookup: Any = None) -> None:
+    def __init__(
+        self, hop_s: float = 600.0, capacity: int = 1024, tdp_lookup: Any = None, stagger: bool = False
+    ) -> None:
         if hop_s <= 0:
             raise ValueError("hop_s must be positive")
         self.hop_s = float(hop_s)
+        # Staggered hops: each GPU's hop grid is shifted by a fixed phase from its key, so a
+        # fleet's hops close spread over the hop instead of all in one tick (a stream worker
+        # then emits a steady trickle of feature records, not a burst of one per GPU).
+        self.stagger = stagger
         self._tdp_lookup = tdp_lookup or resolve_model
         self._slot: dict[str, int] = {}
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
@@ -277,6 +286,7 @@ class GpuFeatureWindows:
         self.last_ts = grow(g(self, "last_ts", None), (), -np.inf)
         self.tdp = grow(g(self, "tdp", None), (), np.nan)
         self.ts_ring = grow(g(self, "ts_ring", None), (DEDUP_RING,), np.nan)
+        self.phase = grow(g(self, "phase", None), (), 0.0)  # hop grid offset, s (from the key)
         self._cap = capacity
 
     def _slot_of(self, node: str, gpu: int, model: str, rack: str | None, site: str | None) -> int:
@@ -292,7 +302,15 @@ class GpuFeatureWindows:
             self._job.append(None)
             self._rank.append(None)
             self.tdp[slot] = tdp
+            self.phase[slot] = self.hop_phase(key)
         return slot
+
+    def hop_phase(self, key: str) -> float:
+        """Offset of a GPU's hop grid (s): 0 unless staggered, else one of 60 steps of the hop
+        chosen by the key's CRC-32 (stable across processes and restarts)."""
+        if not self.stagger:
+            return 0.0
+        return (zlib.crc32(key.encode()) % HOP_PHASES) * self.hop_s / HOP_PHASES
 
     def register(
         self, node: str, gpu: int, model: str, rack: str | None = None, site: str | None = None
@@ -414,6 +432,7 @@ class GpuFeatureWindows:
             self._meta.append(dict(meta))
             self._job.append(None)
             self._rank.append(None)
+            self.phase[slot] = self.hop_phase(key)
         else:
             self._meta[slot] = dict(meta)
         self._job[slot], self._rank[slot] = job, rank
@@ -461,7 +480,7 @@ class GpuFeatureWindows:
             jr = np.empty(n, dtype=object)
             jr[:] = list(job_ranks)
             jr = jr[order]
-        hop = np.floor(t / self.hop_s)
+        hop = np.floor((t - self.phase[s]) / self.hop_s)
 
         # Exact duplicates inside the batch, and against the last accepted sample.
         dup = np.zeros(n, dtype=bool)
@@ -799,7 +818,7 @@ class GpuFeatureWindows:
         self.ew[slots] = ew
         self.closed_hop[slots] = hop
         self.acc[slots] = 0.0  # temperatures and levels are >= 0, so 0 is a neutral start for fmax
-        return slots.astype(np.int64), (hop + 1) * self.hop_s, f
+        return slots.astype(np.int64), (hop + 1) * self.hop_s + self.phase[slots], f
 
     # ---- output ----
     def to_records(

@@ -55,6 +55,10 @@ class ControlPlaneConfig:
     # Publish per-GPU feature vectors on fleetwise.features (off: predictors still run on the
     # feature arrays, which saves building a record per GPU-hop).
     publish_features: bool = True
+    # Shift each GPU's hop grid by a phase from its key (GpuFeatureWindows.hop_phase), so a
+    # fleet's hops close spread over the hop, not all in one tick. Off by default: the shipped
+    # model was evaluated on aligned hops (features are the same kind either way).
+    stagger_hops: bool = False
 
 
 def _original(raw: bytes) -> tuple[str, str]:
@@ -84,7 +88,7 @@ class ControlPlane:
 
     def __init__(self, config: ControlPlaneConfig | None = None) -> None:
         self.config = config or ControlPlaneConfig()
-        self.features = GpuFeatureWindows()
+        self.features = GpuFeatureWindows(stagger=self.config.stagger_hops)
         self.failure = FailurePredictor.load() if self.config.failure_predictor else None
         if self.failure is not None:
             _one_openmp_thread()
