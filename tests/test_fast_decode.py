@@ -164,3 +164,13 @@ def test_step_lines_take_the_fast_path_and_keep_the_records_rules():
     assert kinds[1:4] == ["DeadLetter"] * 3 and kinds[5] == "DeadLetter"
     assert "compute_s" in out[1].reason and out[1].source == "s:1"
     assert kinds[4] == "TrainingStep"  # RFC 3339 time: the records parse it
+
+
+def test_replay_lines_may_be_node_batches():
+    batch = {"ts": 1.0, "node": "n1", "samples": [GOOD, {**GOOD, "gpu": 1}]}
+    bad = {**batch, "samples": [GOOD, {**GOOD, "gpu": -5}]}
+    runtime = EmbeddedRuntime(ControlPlane(FEATURES_ONLY))
+    runtime.feed_lines([json.dumps(batch).encode() + b"\n", json.dumps(bad).encode() + b"\n"], "t")
+    runtime.finish()
+    assert runtime.summary.samples == 3
+    assert [source for source, _ in runtime.summary.bad_lines] == ["t:2#samples.1"]

@@ -158,17 +158,20 @@ class ControlPlane:
         return [self._decode_one(topic, raw, source) for raw, source in zip(raws, sources, strict=True)]
 
     def decode_lines(self, topic: str, lines: Sequence[bytes], sources: Sequence[str]) -> list[Item]:
-        """`decode_messages` flattened, trying sample lines first (what trace files hold)."""
+        """`decode_messages` flattened, for replay lines: the chunk is tried whole as sample
+        lines (what trace files hold) or step lines; a refused chunk goes line by line (each
+        line still on the fast path first), never whole again."""
         if topic == T.TELEMETRY_GPU.name and lines:
             flat = SAMPLE_DECODER.samples(lines)
             if flat is not None and self._models_known(flat):
                 return flat  # type: ignore[return-value]
-        if topic == T.TELEMETRY_STEPS.name and lines:
+        elif topic == T.TELEMETRY_STEPS.name and lines:
             steps = training_steps(lines)
             if steps is not None:
                 return steps  # type: ignore[return-value]
-        stripped = [line.rstrip(b"\r\n") for line in lines]  # dead letters keep the line, not its newline
-        return [item for items in self.decode_messages(topic, stripped, sources) for item in items]
+        # Dead letters keep the line, not its newline.
+        return [item for line, source in zip(lines, sources, strict=True)
+                for item in self._decode_one(topic, line.rstrip(b"\r\n"), source)]
 
     def _models_known(self, samples: Iterable[FastGpuSample]) -> bool:
         model_id = self.model_id
