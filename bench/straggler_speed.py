@@ -11,15 +11,18 @@ decoding and file reading are not timed. Run it on one thread: ``OMP_NUM_THREADS
     OMP_NUM_THREADS=1 .venv/bin/python bench/straggler_speed.py /tmp/e2e.jsonl.gz
 
 ``--drop-outputs`` drops each chunk's outputs as a streaming sink would (the default keeps them
-all, which adds their memory and garbage-collector cost to the timing).
+all, which adds their memory and garbage-collector cost to the timing). ``--no-features`` times
+this version as `fleetwise replay` without ``--features`` runs it: ``StragglerDetector(features=False)``,
+no per-rank FeatureVector records.
 
 ``--compare FILE`` loads another version of ``stragglers.py`` (e.g. the committed one:
 ``git show HEAD:fleetwise/predictors/stragglers.py > /tmp/stragglers_base.py``), runs both on
 the same records and checks that every output record is the same (type, ``model_dump()``
 with floats compared by bit pattern, fields set) and in the same order, and that each job's
-``state()`` is the same at the end; it exits 1 on the first difference. ``--time-other`` times
-that version too (the versions take turns, so a burst of load from other processes hits both
-alike). Timing runs before the comparison, whose large heap would slow what follows.
+``state()`` is the same at the end, and that this version with ``features=False`` gives the same
+predictions and end states without the FeatureVectors; it exits 1 on the first difference.
+``--time-other`` times that version too (the versions take turns, so a burst of load from other
+processes hits both alike). Timing runs before the comparison, whose large heap would slow what follows.
 """
 
 from __future__ import annotations
@@ -109,8 +112,14 @@ def load_detector(path: Path) -> type:
     return module.StragglerDetector
 
 
+def same_states(a: Any, b: Any) -> bool:
+    """The same job keys, and each job's ``state()`` the same (floats bit for bit)."""
+    return a.keys() == b.keys() and all(_exact(a.state(key)) == _exact(b.state(key)) for key in a.keys())
+
+
 def compare(other: type, steps: Sequence[Any], chunk: int) -> bool:
-    """True when this version and ``other`` give the same outputs, in order, and the same end state."""
+    """True when this version and ``other`` give the same outputs, in order, and the same end state,
+    and this version without features the same predictions and end state."""
     mine_det, mine = run_detector(StragglerDetector, steps, chunk)
     other_det, theirs = run_detector(other, steps, chunk)
     print(f"outputs: {len(mine)} (this) vs {len(theirs)} (other)")
@@ -121,17 +130,20 @@ def compare(other: type, steps: Sequence[Any], chunk: int) -> bool:
     if len(mine) != len(theirs):
         print("different number of outputs")
         return False
-    if mine_det.keys() != other_det.keys():
-        print("different job keys")
+    if not same_states(mine_det, other_det):
+        print("different end states")
         return False
-    for key in mine_det.keys():
-        if _exact(mine_det.state(key)) != _exact(other_det.state(key)):
-            print(f"different end state of job {key}")
-            return False
     kinds = {}
     for r in mine:
         kinds[type(r).__name__] = kinds.get(type(r).__name__, 0) + 1
     print(f"identical: {kinds}, end state of {len(mine_det.keys())} jobs")
+    bare_det, bare = run_detector(lambda: StragglerDetector(features=False), steps, chunk)
+    predictions = [r for r in mine if type(r).__name__ != "FeatureVector"]
+    same = list(map(record_key, bare)) == list(map(record_key, predictions))
+    if not same or not same_states(bare_det, mine_det):
+        print("features=False: different predictions or end states")
+        return False
+    print(f"features=False: the same {len(bare)} predictions and end states")
     return True
 
 
@@ -145,6 +157,8 @@ def main() -> None:
     ap.add_argument("--time-other", action="store_true", help="with --compare: time that version too")
     ap.add_argument("--drop-outputs", action="store_true",
                     help="timed passes drop each chunk's outputs (a streaming sink) instead of keeping all")
+    ap.add_argument("--no-features", action="store_true",
+                    help="time this version with features=False (as replay without --features)")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -154,7 +168,9 @@ def main() -> None:
     other = load_detector(args.compare) if args.compare else None
 
     # Timed first: the comparison below leaves a large, fragmented heap behind.
-    versions = [("this", StragglerDetector)]
+    features = not args.no_features
+    versions = [("this" if features else "this, features=False",
+                 lambda: StragglerDetector(features=features))]
     if other is not None and args.time_other:
         versions.append((str(args.compare), other))
     best = {name: math.inf for name, _ in versions}

@@ -157,6 +157,32 @@ def test_state_restore_round_trip_gives_identical_outputs():
     assert [r.model_dump() for r in part + rest] == whole
 
 
+def test_without_features_the_same_predictions_and_state():
+    # features=False (replay without --features) builds no FeatureVector but must judge alike
+    # and save the same state, so a worker that publishes them can take over from it.
+    records = make_steps(["h100-sxm"] * 6 + ["a100-sxm-80gb"] * 4, hours=3, seed=6,
+                         slow={2: (3000.0, 9000.0, 0.85)}, network=(5000.0, 6500.0, 1.5))
+    for r in records[len(records) // 3:]:
+        if r["rank"] == 4:
+            r["node"] = "node-009"  # the rank moves: its open window is closed out
+    cut = len(records) // 2 + 3
+    full, bare = StragglerDetector(), StragglerDetector(features=False)
+    whole = run(records, StragglerDetector())
+    first = full.process(records[:cut])
+    bare_first = bare.process(records[:cut])
+    assert bare_first == predictions(first) and any(isinstance(r, FeatureVector) for r in first)
+    assert {k: bare.state(k) for k in bare.keys()} == {k: full.state(k) for k in full.keys()}
+    resumed = StragglerDetector()
+    for key in bare.keys():
+        resumed.restore(key, bare.state(key))
+    rest = resumed.process(records[cut:]) + resumed.flush()
+    assert [r.model_dump() for r in first + rest] == [r.model_dump() for r in whole]
+    bare_rest = bare.process(records[cut:]) + bare.flush()
+    assert [r.model_dump() for r in bare_first + bare_rest] == [r.model_dump() for r in predictions(whole)]
+    assert rank_alerts(whole)
+    assert {k: bare.state(k) for k in bare.keys()} == {k: resumed.state(k) for k in resumed.keys()}
+
+
 def test_deterministic():
     records = make_steps(["h100-sxm"] * 8 + ["b200"] * 8, hours=2, seed=7, slow={9: (1200.0, 5000.0, 0.9)})
     a = [r.to_json() for r in run(records)]

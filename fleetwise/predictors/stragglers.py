@@ -131,15 +131,19 @@ class StragglerDetector:
     ``expected_speed(model) -> TFLOP/s`` gives each GPU model's expected speed (default: the
     catalog's capability); it is asked once per model. Records of one job are grouped by step;
     a group is judged when every fresh rank of the job has reported it, or when a record of
-    another step arrives.
+    another step arrives. ``features=False``: no per-rank FeatureVector records (for a caller
+    that publishes none); predictions and state are the same either way.
     """
 
     def __init__(
         self,
         expected_speed: Callable[[str], float] | None = None,
         config: StragglerConfig | None = None,
+        *,
+        features: bool = True,
     ) -> None:
         self.config = config or StragglerConfig()
+        self.features = features
         self._speed = expected_speed or (lambda model: catalog_speed(model, self.config.dtype))
         self._jobs: dict[str, _JobState] = {}
         self._keep_recent = max(5, self.config.clear_records)
@@ -187,9 +191,7 @@ class StragglerDetector:
             out.extend(self._close_group(name, job))
             for rank in sorted(job.ranks):
                 rs = job.ranks[rank]
-                fv = self._window_features(name, rank, rs)
-                if fv is not None:
-                    out.append(fv)
+                if self._end_window(name, rank, rs, out):
                     rs.close_window()
         return out
 
@@ -223,9 +225,7 @@ class StragglerDetector:
             rs = ranks.get(rank)
             if rs is not None and (rs.node != row.node or rs.gpu != row.gpu):
                 # The rank moved to another GPU (restart, migration): close out the old one.
-                fv = self._window_features(name, rank, rs)
-                if fv is not None:
-                    out.append(fv)
+                self._end_window(name, rank, rs, out)
                 if rs.alert:
                     preds.append(self._rank_prediction(name, rank, rs, ts, raise_=False,
                                                        reason="rank moved to another GPU"))
@@ -294,9 +294,7 @@ class StragglerDetector:
                 start = floor(start_ts / window_s) * window_s
             if rs.win_start != start:
                 if rs.win_start is not None:
-                    fv = self._window_features(name, rank, rs)
-                    if fv is not None:
-                        out.append(fv)
+                    self._end_window(name, rank, rs, out)
                 rs.open_window(start)
             rs.win_step.append(row.step_time_s)
             rs.win_compute.append(row.compute_s)
@@ -472,13 +470,18 @@ class StragglerDetector:
         )
 
     # ---- per-rank feature windows ----
-    def _window_features(self, name: str, rank: int, rs: _RankState) -> FeatureVector | None:
+    def _end_window(self, name: str, rank: int, rs: _RankState, out: list[Record]) -> bool:
+        """End a rank's open feature window: False when none is open or it holds no record;
+        else its FeatureVector goes to ``out`` (when ``features``). The window's median cost
+        is kept either way (the next window's trend): state does not depend on ``features``."""
         step, compute = rs.win_step, rs.win_compute
         if rs.win_start is None or not step:
-            return None
+            return False
         cost = _median(rs.win_cost) if rs.win_cost else None
         trend = cost / rs.prev_cost - 1.0 if cost and rs.prev_cost else None
         rs.prev_cost = cost
+        if not self.features:
+            return True
         window_s = self.config.window_s
         values = {
             "median_step_s": _median(step),
@@ -487,9 +490,10 @@ class StragglerDetector:
             "speed_factor": _median(rs.win_factor) if rs.win_factor else None,
             "wait_share": _median_wait_share(compute, step),
         }
-        return FeatureVector.trusted(scope="rank", ts=float(rs.win_start + window_s), window_s=window_s,
-                                     node=rs.node, gpu=rs.gpu, model=rs.model, job=name, rank=rank,
-                                     values=values)
+        out.append(FeatureVector.trusted(scope="rank", ts=float(rs.win_start + window_s), window_s=window_s,
+                                         node=rs.node, gpu=rs.gpu, model=rs.model, job=name, rank=rank,
+                                         values=values))
+        return True
 
 
 def _median_wait_share(compute: list[float], step: list[float]) -> float:

@@ -52,8 +52,8 @@ class ControlPlaneConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     failure_predictor: bool = True
     straggler_detector: bool = True
-    # Publish per-GPU feature vectors on fleetwise.features (off: predictors still run on the
-    # feature arrays, which saves building a record per GPU-hop).
+    # Publish feature vectors on fleetwise.features, per GPU-hop and per rank window (off:
+    # the predictors still run on the same features, which saves building those records).
     publish_features: bool = True
     # Shift each GPU's hop grid by a phase from its key (GpuFeatureWindows.hop_phase), so a
     # fleet's hops close spread over the hop, not all in one tick. Off by default: the shipped
@@ -92,7 +92,8 @@ class ControlPlane:
         self.failure = FailurePredictor.load() if self.config.failure_predictor else None
         if self.failure is not None:
             _one_openmp_thread()
-        self.stragglers = StragglerDetector() if self.config.straggler_detector else None
+        self.stragglers = (StragglerDetector(features=self.config.publish_features)
+                           if self.config.straggler_detector else None)
         self.policy = ActionPolicy(self.config.policy)
         self.inventory: dict[str, NodeInventory] = {}
         self.plans: dict[str, Plan] = {}
