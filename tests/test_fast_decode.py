@@ -49,6 +49,29 @@ def test_decoder_reads_its_fields_and_refuses_what_the_records_might_coerce_or_r
     assert dec.samples([line(), refused[0]]) is None  # one refusal refuses the chunk
 
 
+def test_a_chunk_decodes_one_value_per_line_or_is_refused():
+    # Malformed lines that would read as other values once joined into one JSON array.
+    whole = line()
+    cut = whole.index(b', "gpu"')
+    split_object = [whole[:cut], whole[cut + 1:]]  # one object over two lines, less the comma
+    assert SAMPLE_DECODER.sample(split_object[0]) is None and SAMPLE_DECODER.sample(split_object[1]) is None
+    two_in_one = whole + b"," + line(gpu=1)
+    open_string = [whole[:cut] + b', "rack": "x', b'y"' + whole[cut:]]  # a string left open runs on
+    for lines in ([whole, *split_object], [two_in_one, whole], open_string):
+        assert SAMPLE_DECODER.samples(lines) is None, lines
+    assert len(SAMPLE_DECODER.samples([whole, line(gpu=1)])) == 2
+    batch = json.dumps({"ts": 1.0, "node": "n1", "samples": [GOOD]}).encode()
+    assert SAMPLE_DECODER.batches([batch, batch]) is not None
+    assert SAMPLE_DECODER.batches([batch + b"," + batch]) is None
+    from fleetwise.schemas.fast import training_steps
+
+    step = json.dumps({"ts": 1.0, "job": "j", "rank": 0, "node": "n1", "gpu": 0, "step": 3,
+                       "step_time_s": 1.2, "compute_s": 1.0}).encode()
+    cut = step.index(b', "rank"')
+    assert training_steps([step, step[:cut], step[cut + 1:]]) is None
+    assert training_steps([step, step]) is not None
+
+
 def test_batches_must_hold_one_node():
     batch = {"ts": 1.0, "node": "n1", "samples": [GOOD, {**GOOD, "gpu": 1}]}
     assert len(SAMPLE_DECODER.batch(json.dumps(batch).encode())) == 2

@@ -14,7 +14,7 @@ from fleetwise.cli import app
 from fleetwise.schemas import Command, DeadLetter, FeatureVector, Prediction
 from fleetwise.schemas import topics as T
 from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
-from fleetwise.streams.embedded import EmbeddedRuntime, EventBus, read_lines, replay
+from fleetwise.streams.embedded import EmbeddedRuntime, EventBus, read_line_blocks, replay
 from fleetwise.streams.pipeline import ControlPlane
 
 GOOD = {"ts": 1764547200.0, "node": "n1", "gpu": 0, "model": "NVIDIA H100 80GB HBM3",
@@ -56,6 +56,85 @@ def test_bad_lines_are_reported_with_line_numbers_and_good_lines_kept(tmp_path):
     dead = runtime.bus.records(T.DEADLETTER.name)
     assert all(isinstance(d, DeadLetter) for d in dead) and len(dead) == 4
     assert dead[0].original == "{not json"
+
+
+STEP = {"ts": 1764547200.0, "job": "j", "rank": 0, "node": "n1", "gpu": 0, "step": 1,
+        "step_time_s": 1.2, "compute_s": 1.0, "samples": 8, "model": "h100-sxm"}
+
+
+def mixed_lines() -> list[bytes]:
+    """GPU and step lines with bad ones of each kind, blank lines and lines of no topic."""
+    out: list[bytes] = []
+    for i in range(60):
+        out.append(json.dumps(sample(1764547200.0 + 60 * i, gpu=i % 3)).encode())
+        out.append(json.dumps({**STEP, "ts": 1764547200.0 + 60 * i, "step": i}).encode())
+        if i % 11 == 4:
+            out.append(json.dumps(GOOD).replace("60", "NaN", 1).encode())  # bad GPU line
+        if i % 13 == 6:
+            out.append(json.dumps({**STEP, "compute_s": 9.0}).encode())  # bad step line
+        if i % 17 == 8:
+            out.append(b"   ")
+        if i % 19 == 9:
+            out.append(b'{"hello": "world"}' if i % 2 else b"{not json")
+    return out
+
+
+def decode_calls_by_rule(lines: list[bytes], chunk: int) -> list[tuple[str, list[int]]]:
+    """The replay's chunking rule, line by line: each decode call's topic and line numbers.
+    GPU and step lines are held per topic until CHUNK of them (both topics together) or a
+    line of neither (not blank) arrives; then the GPU lines go first."""
+    calls: list[tuple[str, list[int]]] = []
+    held: dict[str, list[int]] = {T.TELEMETRY_GPU.name: [], T.TELEMETRY_STEPS.name: []}
+
+    def flush() -> None:
+        for topic, linenos in held.items():
+            if linenos:
+                calls.append((topic, linenos[:]))
+                linenos.clear()
+
+    for lineno, line in enumerate(lines, start=1):
+        topic = (T.TELEMETRY_GPU.name if b'"metrics"' in line
+                 else T.TELEMETRY_STEPS.name if b'"step_time_s"' in line else None)
+        if topic is not None:
+            held[topic].append(lineno)
+            if sum(map(len, held.values())) >= chunk:
+                flush()
+        elif line.strip():
+            flush()
+    flush()
+    return calls
+
+
+@pytest.mark.parametrize("block_lines", [1, 4, 7, 8192])
+def test_chunks_and_line_numbers_do_not_depend_on_how_lines_are_read(tmp_path, monkeypatch, block_lines):
+    import fleetwise.streams.embedded as embedded
+
+    lines = mixed_lines()
+    path = tmp_path / "t.jsonl.gz"
+    with gzip.open(path, "wb") as fh:
+        fh.write(b"\n".join(lines))  # the last line without a newline
+    monkeypatch.setattr(embedded, "CHUNK", 5)
+    monkeypatch.setattr(embedded, "BLOCK_LINES", block_lines)
+    runtime = EmbeddedRuntime()
+    calls: list[tuple[str, list[int]]] = []
+    decode_lines = runtime.control.decode_lines
+
+    def recorded(topic, held, sources):
+        calls.append((topic, [int(s.rsplit(":", 1)[1]) for s in sources]))
+        assert [lines[n - 1] for n in calls[-1][1]] == [h.rstrip(b"\n") for h in held]
+        return decode_lines(topic, held, sources)
+
+    monkeypatch.setattr(runtime.control, "decode_lines", recorded)
+    runtime.feed_line_blocks(read_line_blocks(path), str(path))
+    runtime.finish()
+    assert calls == decode_calls_by_rule(lines, 5)
+    bad = {int(source.rsplit(":", 1)[1]): reason for source, reason in runtime.summary.bad_lines}
+    want = {n for n, line in enumerate(lines, start=1)
+            if b"NaN" in line or b"9.0" in line or b"hello" in line or b"not json" in line}
+    assert set(bad) == want and len(runtime.summary.bad_lines) == len(want)
+    assert all("compute_s" in bad[n] for n in want if b"9.0" in lines[n - 1])
+    assert runtime.summary.lines == sum(1 for line in lines if line.strip())
+    assert runtime.summary.samples == 60 and runtime.summary.steps == 60
 
 
 def test_node_batch_keeps_good_samples_beside_a_bad_one():
@@ -105,12 +184,15 @@ def test_event_bus_rejects_unknown_topics():
         bus.publish("fleetwise.nope", "k", DeadLetter(ts=0, source="s", reason="r", original=""))
 
 
-def test_gzip_and_plain_read_the_same(tmp_path):
+def test_gzip_and_plain_read_the_same(tmp_path, monkeypatch):
+    import fleetwise.streams.embedded as embedded
+
+    monkeypatch.setattr(embedded, "BLOCK_LINES", 2)
     text = "\n".join(json.dumps(sample(1764547200.0 + i)) for i in range(5)) + "\n"
     (tmp_path / "a.jsonl").write_text(text)
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as fh:
         fh.write(text)
-    assert list(read_lines(tmp_path / "a.jsonl")) == list(read_lines(tmp_path / "a.jsonl.gz"))
+    assert list(read_line_blocks(tmp_path / "a.jsonl")) == list(read_line_blocks(tmp_path / "a.jsonl.gz"))
 
 
 def test_replay_cli(small_trace, tmp_path):

@@ -82,9 +82,10 @@ class SampleDecoder:
     def samples(self, lines: Sequence[bytes]) -> list[FastGpuSample] | None:
         """All sample lines in one call, or None when any line is refused (then go line by line)."""
         try:
-            return self._lines.decode(b"[" + b",".join(lines) + b"]")
+            found = self._lines.decode(_json_list(lines))
         except msgspec.MsgspecError:
             return None
+        return found if len(found) == len(lines) else None
 
     def batch(self, raw: bytes) -> list[FastGpuSample] | None:
         """The samples of one node batch, or None when refused (a sample of another node too)."""
@@ -97,10 +98,10 @@ class SampleDecoder:
     def batches(self, raws: Sequence[bytes]) -> list[list[FastGpuSample]] | None:
         """The samples of each node batch, all in one call; None when any batch is refused."""
         try:
-            found = self._batches.decode(b"[" + b",".join(raws) + b"]")
+            found = self._batches.decode(_json_list(raws))
         except msgspec.MsgspecError:
             return None
-        if not all(map(_one_node, found)):
+        if len(found) != len(raws) or not all(map(_one_node, found)):
             return None
         return [b.samples for b in found]
 
@@ -122,6 +123,13 @@ class SampleDecoder:
 
 
 _METRICS = attrgetter("metrics")
+
+
+def _json_list(items: Sequence[bytes]) -> bytes:
+    """One JSON array of the items. A newline before each comma: a string one item leaves open
+    cannot run on into the next (JSON strings hold no raw newline), and callers check that
+    there are as many values as items, so no two malformed items decode as one value."""
+    return b"[" + b"\n,".join(items) + b"]"
 
 
 def _one_node(batch: Any) -> bool:
@@ -166,7 +174,7 @@ def training_step(line: bytes) -> FastTrainingStep | None:
 def training_steps(lines: Sequence[bytes]) -> list[FastTrainingStep] | None:
     """All step lines in one call, or None when any is refused (then go line by line)."""
     try:
-        steps = _STEPS.decode(b"[" + b",".join(lines) + b"]")
+        steps = _STEPS.decode(_json_list(lines))
     except msgspec.MsgspecError:
         return None
-    return steps if all(map(_step_ok, steps)) else None
+    return steps if len(steps) == len(lines) and all(map(_step_ok, steps)) else None

@@ -12,6 +12,8 @@ import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, islice
+from operator import not_
 from pathlib import Path
 
 from fleetwise.schemas import Command, DeadLetter, Prediction, Record
@@ -21,6 +23,8 @@ from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, R
 # Consecutive records of one topic are handed over in chunks: Python overhead per chunk,
 # not per record (the processors vectorise inside a chunk).
 CHUNK = 16384
+# Lines read at a time: they are sorted per topic with C-level slices, not one by one.
+BLOCK_LINES = 8192
 
 
 class EventBus:
@@ -44,16 +48,17 @@ class EventBus:
         return [r for _, r in self.logs.get(topic, [])]
 
 
-def read_lines(path: Path) -> Iterator[bytes]:
-    """Lines of a .jsonl or .jsonl.gz file, as bytes, blank lines included (for numbering)."""
+def read_line_blocks(path: Path) -> Iterator[list[bytes]]:
+    """Lines of a .jsonl or .jsonl.gz file, as bytes, blank lines included (for numbering),
+    in lists of up to BLOCK_LINES consecutive lines."""
     if path.suffix != ".gz":
         with open(path, "rb") as fh:
-            yield from fh
+            yield from iter(lambda: list(islice(fh, BLOCK_LINES)), [])
         return
     # GzipFile.readline is Python per line; a buffered reader over it splits lines in C and
     # asks gzip for a megabyte at a time (~5x faster on a large trace).
     with gzip.open(path, "rb") as raw, io.BufferedReader(raw, buffer_size=1 << 20) as fh:  # type: ignore[arg-type]
-        yield from fh
+        yield from iter(lambda: list(islice(fh, BLOCK_LINES)), [])
 
 
 @dataclass
@@ -88,48 +93,78 @@ class EmbeddedRuntime:
         self._publish(self.control.handle(topic, records))
 
     def feed_lines(self, lines: Iterable[bytes], source: str) -> None:
-        """Replay lines (samples, batches, steps, inventories, plans) in file order.
+        """Replay lines in file order: `feed_line_blocks`."""
+        it = iter(lines)
+        self.feed_line_blocks(iter(lambda: list(islice(it, BLOCK_LINES)), []), source)
+
+    def feed_line_blocks(self, blocks: Iterable[list[bytes]], source: str) -> None:
+        """Replay lines (samples, batches, steps, inventories, plans) in file order, given in
+        lists of consecutive lines (`read_line_blocks`).
 
         GPU telemetry and step lines are buffered per topic and handed over CHUNK lines at a
-        time, GPU lines first: each topic's processors see their records in file order, in
-        calls large enough for the fast path (one msgspec call per buffer) and the vectorised
-        windows to pay off. The two topics are independent, as on Kafka, where each has its
-        own consumer. Any other line first flushes both buffers, then goes alone."""
-        buffers: dict[str, tuple[list[bytes], list[int]]] = {
-            T.TELEMETRY_GPU.name: ([], []), T.TELEMETRY_STEPS.name: ([], []),
-        }
-        gpu_buffer, step_buffer = buffers[T.TELEMETRY_GPU.name], buffers[T.TELEMETRY_STEPS.name]
-        buffered = 0
+        time (GPU and step lines together), GPU lines first: each topic's processors see their
+        records in file order, in calls large enough for the fast path (one msgspec call per
+        buffer) and the vectorised windows to pay off. The two topics are independent, as on
+        Kafka, where each has its own consumer. Any other line first flushes both buffers,
+        then goes alone. A block of GPU and step lines only is sorted into the buffers with
+        C-level slices; one with any other line (or a blank one) goes line by line."""
+        gpu_lines: list[bytes] = []
+        step_lines: list[bytes] = []
+        # What each line since the last flush is (True: GPU, False: step, None: blank), for
+        # the line numbers of the buffered lines, worked out only when one needs a dead letter.
+        kinds: list[bool | None] = []
+        first = 1  # line number of kinds[0]
+        buffered = 0  # GPU and step lines since the last flush
 
         def flush() -> None:
-            nonlocal buffered
-            for topic, (held, linenos) in buffers.items():
+            nonlocal buffered, kinds, first
+            for topic, held, kind in ((T.TELEMETRY_GPU.name, gpu_lines, True),
+                                      (T.TELEMETRY_STEPS.name, step_lines, False)):
                 if held:
-                    sources = LineSources(source, list(linenos))
+                    sources = LineSources(source, first, kinds, kind)
                     self.feed(topic, self.control.decode_lines(topic, held, sources))
                     held.clear()
-                    linenos.clear()
+            first += len(kinds)
+            kinds = []
             buffered = 0
 
-        lineno = blank = 0
-        for lineno, line in enumerate(lines, start=1):  # noqa: B007 - the count is used after
+        lineno = blank = 0  # lines so far; blank ones among them
+        for block in blocks:
             # By shape: a record with "metrics" is GPU telemetry (a sample or a node batch), one
             # with "step_time_s" a training step (as `classify_line` decides).
-            buffer = gpu_buffer if b'"metrics"' in line else step_buffer if b'"step_time_s"' in line else None
-            if buffer is not None:
-                buffer[0].append(line)
-                buffer[1].append(lineno)
-                buffered += 1
-                if buffered >= CHUNK:
-                    flush()
+            block_kinds = [True if b'"metrics"' in line else False if b'"step_time_s"' in line else None
+                           for line in block]
+            if None not in block_kinds:
+                start, end = 0, len(block)
+                while start < end:
+                    stop = min(end, start + CHUNK - buffered)
+                    lines, is_gpu = block[start:stop], block_kinds[start:stop]
+                    gpu_lines.extend(compress(lines, is_gpu))
+                    step_lines.extend(compress(lines, map(not_, is_gpu)))
+                    kinds.extend(is_gpu)
+                    buffered += stop - start
+                    if buffered >= CHUNK:
+                        flush()
+                    start = stop
+                lineno += end
                 continue
-            if line.isspace() or not line:
-                blank += 1
-                continue
-            if buffered:
-                flush()
-            for record in self._decode_line(line.rstrip(b"\r\n"), f"{source}:{lineno}"):
-                self.feed(_topic_of(record), [record])
+            for line, kind in zip(block, block_kinds, strict=True):
+                lineno += 1
+                if kind is not None:
+                    (gpu_lines if kind else step_lines).append(line)
+                    kinds.append(kind)
+                    buffered += 1
+                    if buffered >= CHUNK:
+                        flush()
+                    continue
+                if line.isspace() or not line:
+                    blank += 1
+                    kinds.append(None)
+                    continue
+                flush()  # the lines before this one, then this one alone
+                for record in self._decode_line(line.rstrip(b"\r\n"), f"{source}:{lineno}"):
+                    self.feed(_topic_of(record), [record])
+                first = lineno + 1
         flush()
         self.summary.lines += lineno - blank
 
@@ -157,16 +192,21 @@ class EmbeddedRuntime:
 
 
 class LineSources(Sequence[str]):
-    """"file:line" of each line of a chunk, made only for the lines that need one (errors)."""
+    """"file:line" of each buffered line of one topic, made only when one is asked for (errors):
+    from the kinds of consecutive lines from line `first` on, the lines of kind `kind`."""
 
-    def __init__(self, path: str, linenos: list[int]) -> None:
-        self.path, self.linenos = path, linenos
+    def __init__(self, path: str, first: int, kinds: list[bool | None], kind: bool) -> None:
+        self.path, self.first, self.kinds, self.kind = path, first, kinds, kind
+        self.count = kinds.count(kind)
+        self._linenos: list[int] | None = None
 
     def __len__(self) -> int:
-        return len(self.linenos)
+        return self.count
 
     def __getitem__(self, i: int) -> str:  # type: ignore[override]
-        return f"{self.path}:{self.linenos[i]}"
+        if self._linenos is None:
+            self._linenos = [self.first + j for j, k in enumerate(self.kinds) if k is self.kind]
+        return f"{self.path}:{self._linenos[i]}"
 
 
 def _topic_of(record: Record) -> str:
@@ -199,9 +239,9 @@ def replay(
         control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
     runtime = EmbeddedRuntime(control)
     if inventory is not None:
-        runtime.feed_lines(read_lines(inventory), str(inventory))
+        runtime.feed_line_blocks(read_line_blocks(inventory), str(inventory))
     for path in traces:
-        runtime.feed_lines(read_lines(path), str(path))
+        runtime.feed_line_blocks(read_line_blocks(path), str(path))
     runtime.finish()
     if out is not None:
         with open(out, "w") as fh:
