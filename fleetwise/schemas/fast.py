@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, islice
 from operator import attrgetter
 from typing import Annotated, Any
 
@@ -129,7 +129,10 @@ def _json_list(items: Sequence[bytes]) -> bytes:
     """One JSON array of the items. A newline before each comma: a string one item leaves open
     cannot run on into the next (JSON strings hold no raw newline), and callers check that
     there are as many values as items, so no two malformed items decode as one value."""
-    return b"[" + b"\n,".join(items) + b"]"
+    if len(items) < 2:
+        return b"[" + b"".join(items) + b"]"
+    # Brackets on the first and last item: one copy of the text (a chunk is ~20 MB), not three.
+    return b"\n,".join(chain((b"[" + items[0],), islice(items, 1, len(items) - 1), (items[-1] + b"]",)))
 
 
 def _one_node(batch: Any) -> bool:

@@ -257,21 +257,28 @@ class ControlPlane:
     def handle(self, topic: str, records: Sequence[Item]) -> list[Routed]:
         """Run the processors over records of one topic (event-time order); route the outputs."""
         out: list[Routed] = []
-        good: list[Record] = []
-        for r in records:
-            if isinstance(r, DeadLetter):
-                out.append(Routed(T.DEADLETTER.name, r.source, r))
-            else:
-                good.append(r)
+        # The types present, in one C-level pass: most calls hold neither dead letters nor
+        # node batches, and then need no per-record loop.
+        types = set(map(type, records))
+        good: Sequence[Item] = records
+        if any(issubclass(t, DeadLetter) for t in types):
+            good = []
+            for r in records:
+                if isinstance(r, DeadLetter):
+                    out.append(Routed(T.DEADLETTER.name, r.source, r))
+                else:
+                    good.append(r)
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
-            samples: list[GpuSample | FastGpuSample] = []
-            for r in good:
-                if isinstance(r, NodeBatch):
-                    samples.extend(r.samples)
-                else:
-                    samples.append(r)  # type: ignore[arg-type]
+            samples: Sequence[GpuSample | FastGpuSample] = good  # type: ignore[assignment]
+            if any(issubclass(t, NodeBatch) for t in types):
+                samples = []
+                for r in good:
+                    if isinstance(r, NodeBatch):
+                        samples.extend(r.samples)
+                    else:
+                        samples.append(r)  # type: ignore[arg-type]
             self.counts["samples_in"] += len(samples)
             out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
