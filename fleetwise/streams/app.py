@@ -24,9 +24,11 @@ belongs to the partition its input messages use (Kafka's default murmur2 partiti
 node or job) and, inside it, to one of `state_buckets` buckets (crc32 of the key). One table
 entry per (partition, bucket) holds the state of all its keys, in a compact binary form for
 the feature windows (`FeatureStateCodec`), plus the last input offset applied per input
-topic-partition. Every `checkpoint_interval_s` the worker waits for the broker to acknowledge
-the outputs sent so far, writes every bucket of each partition that changed, and only then
-acks the input offsets, so faust's offset commits never run ahead of the saved state.
+topic-partition. Checkpoints roll over the partitions: within every `checkpoint_interval_s`
+each changed partition is saved once, in its own step (steps spread evenly over the
+interval). A step waits for the broker to acknowledge the outputs sent so far, writes every
+bucket of its partition, and only then acks that partition's input offsets, so faust's
+offset commits never run ahead of the saved state.
 
 A restarted (or newly assigned) worker recovers the table from the changelog and, on first
 sight of a partition (or when the table holds entries this worker did not write, after a
@@ -79,6 +81,10 @@ STATE_BUCKETS = 64
 # Processors with at most this many keys are compared in full at every checkpoint (cheap, and
 # catches job-level state such as the action policy's that a GPU sample can change).
 SMALL_PROCESSOR_KEYS = 256
+# Longest a fetch may wait at the broker for data (see BatchConsumerThread): bounds how long
+# busy partitions can queue behind a fetch of idle ones. Kafka's Java consumer uses 500 ms;
+# an idle worker sends ~10 fetches/s at this value, a negligible load.
+FETCH_MAX_WAIT_MS = 100
 ENTRY_MAGIC = b"FWS1"  # table entry: magic, u32 header length, JSON header, binary arrays
 # (Kafka topic, [(key, value), ...], headers) -> delivery futures
 SendMany = Callable[[str, list[tuple[bytes, bytes]], list[tuple[str, bytes]]], Awaitable[list[Any]]]
@@ -428,18 +434,27 @@ class StreamProcessor:
                 if json.dumps(self.control.state(full), sort_keys=True) != self._small_text.get(full):
                     yield full
 
-    def snapshot(self) -> Snapshot:
-        """Encode the state of every bucket of each partition changed since the last snapshot
-        (synchronous: CPU only) and put it in the table's local data. The outputs sent so far
-        travel with it: `write` waits for them before the entries go to the changelog."""
-        outputs, self._pending = self._pending, []
-        dirty = set(self._dirty)
-        self._dirty = set()
+    def begin_round(self) -> list[int]:
+        """The partitions a checkpoint round must save: those changed since they were last
+        saved, and those of small processors (e.g. the action policy's job state, which a GPU
+        sample can change) whose state differs from what was last saved. Sorted."""
         for full in self._changed_small_keys():
-            dirty.add(self.place(full.partition(":")[2])[0])
+            self._dirty.add(self.place(full.partition(":")[2])[0])
+        return sorted(self._dirty)
+
+    def snapshot(self, partitions: Iterable[int] | None = None) -> Snapshot:
+        """Encode the state of every bucket of `partitions` (default: a whole round,
+        `begin_round()`) that changed since it was last saved (synchronous: CPU only) and put
+        it in the table's local data. The outputs sent so far travel with it: `write` waits
+        for them before the entries go to the changelog. Each entry carries its partition's
+        last applied offsets, so a partition's inputs may be acked once its own entries are
+        written, whatever the other partitions' state."""
+        outputs, self._pending = self._pending, []
+        wanted = set(self.begin_round() if partitions is None else partitions) & self._dirty
+        self._dirty -= wanted
         # A partition revoked at a rebalance belongs to its new owner's state now: writing
         # ours would overwrite what it saved (it restores from the changelog on first sight).
-        dirty = {partition for partition in dirty if self.owns(partition)}
+        dirty = {partition for partition in wanted if self.owns(partition)}
         entries: list[tuple[int, str, bytes]] = []
         if not dirty:
             return Snapshot(outputs, entries)
@@ -533,6 +548,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
     all.
     """
 
+    def _new_consumer_thread(self) -> BatchConsumerThread:
+        return BatchConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - needs a broker
         handlers: dict[str, BatchHandler] = self.transport.batch_handlers  # type: ignore[attr-defined]
         callback = self.callback
@@ -544,6 +562,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         try:
             while not (consumer_should_stop() or fetcher_should_stop()):
                 self.diag.set_flag(CONSUMER_FETCHING)
+                # No commit here every `broker_commit_every` acks, unlike faust's loop: that
+                # commit first flushes the producer (outputs and state entries in flight) and
+                # would hold up delivery meanwhile. faust's commit timer
+                # (`broker_commit_interval`) commits in a task of its own.
                 records, active = await self._wait_next_records(1.0)
                 # as faust: getmany may return at once for a while without yielding the loop
                 await self.sleep(0)
@@ -576,9 +598,6 @@ class BatchConsumer(faust_aiokafka.Consumer):
                             continue  # faust drops these too (already read)
                         if r_offset and offset - r_offset > 1 and acks_enabled_for(tp.topic):
                             await self._add_gap(tp, r_offset + 1, offset)
-                        if self._commit_every is not None and self._n_acked >= self._commit_every:
-                            self._n_acked = 0
-                            await self.commit()
                         if batch is not None:
                             batch.append(record)
                         else:
@@ -637,6 +656,23 @@ class BatchConsumer(faust_aiokafka.Consumer):
             finally:
                 notify(self._waiting_for_ack)
         return n
+
+
+class BatchConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    """faust's aiokafka consumer thread with a short fetch long-poll (`FETCH_MAX_WAIT_MS`).
+
+    aiokafka keeps one fetch in flight per broker, and a partition whose fetched records are
+    still buffered is left out of the next fetch. When the only partitions left in it are
+    idle ones (the steps topic, inventories, plans), the broker holds that fetch for the
+    whole `fetch_max_wait_ms` (faust hard-codes 1,500 ms) while the busy telemetry
+    partitions wait behind it: input stalled for ~1.5 s every few seconds at 25,000
+    samples/s, which was the p99 latency."""
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        # Read by AIOKafkaConsumer.start() when it builds its fetcher (no public setter).
+        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
+        return consumer
 
 
 class BatchTransport(faust_aiokafka.Transport):
@@ -783,12 +819,18 @@ def make_app(
 
     # Input messages stay un-acked (so their offsets are not committed) until a checkpoint has
     # waited for their outputs and written the state they changed; then they are acked and
-    # faust commits them. A checkpoint encodes the state under the lock (CPU, ~50 ms for
-    # 8,000 GPUs) and then waits for the broker in a task of its own, so consumption goes on
-    # meanwhile; checkpoints are written one after the other.
+    # faust commits them. Checkpoints roll: a round saves each changed partition once, one
+    # partition per step, the steps spread evenly over `checkpoint_interval_s`, and each step
+    # acks only its own partition's inputs. Saving everything at once stalled the worker for
+    # seconds every interval (8,000 GPUs' state encoded and ~25 MB sent to the changelog in
+    # one go: the p99 latency); a step is 1/N of that. A step encodes under the lock (CPU) and
+    # then waits for the broker in a task of its own, so consumption goes on meanwhile; steps
+    # are written one after the other.
     lock = asyncio.Lock()
-    held: dict[Any, list[int]] = {}  # tp -> offsets processed since the last checkpoint
-    last_checkpoint = [time.monotonic()]
+    held: dict[Any, list[int]] = {}  # tp -> offsets processed since its partition was saved
+    round_left: list[int] = []  # partitions of the current round not yet saved
+    step_s = [checkpoint_interval_s]  # time between steps in the current round
+    last_step = [time.monotonic()]
     writing: list[asyncio.Task] = []
 
     async def write_and_ack(snapshot: Snapshot, offsets: dict[Any, list[int]],
@@ -804,12 +846,7 @@ def make_app(
             if tp in assigned:
                 consumer.ack_offsets(tp, tp_offsets)
 
-    async def checkpoint_now() -> None:
-        """Call with `lock` held."""
-        snapshot = processor.snapshot()
-        offsets = dict(held)
-        held.clear()
-        last_checkpoint[0] = time.monotonic()
+    def start_write(snapshot: Snapshot, offsets: dict[Any, list[int]]) -> None:
         previous = writing.pop() if writing else None
         if previous is not None and previous.done():
             previous.result()  # a failed write raises here: the worker stops, a restart resumes
@@ -818,6 +855,27 @@ def make_app(
         task.add_done_callback(_log_failed_checkpoint)
         writing.append(task)
 
+    def checkpoint_step() -> None:
+        """Save the next partition of the round (a new round when the last one is done).
+        Call with `lock` held."""
+        if not round_left:
+            # Partitions with inputs to ack but no changed state (all re-delivered) too.
+            round_left.extend(sorted(set(processor.begin_round()) | {tp.partition for tp in held}))
+            step_s[0] = checkpoint_interval_s / max(1, len(round_left))
+        last_step[0] = time.monotonic()
+        if not round_left:
+            return
+        partition = round_left.pop(0)
+        snapshot = processor.snapshot([partition])
+        start_write(snapshot, {tp: held.pop(tp) for tp in [tp for tp in held if tp.partition == partition]})
+
+    def checkpoint_all() -> None:
+        """Save every changed partition and ack every input now (idle). Call with `lock` held."""
+        round_left.clear()
+        last_step[0] = time.monotonic()
+        start_write(processor.snapshot(), dict(held))
+        held.clear()
+
     async def consume(kafka_topic: str, batches: list[tuple[Any, list[Any]]]) -> None:
         """A fetched batch of telemetry or steps records (BatchConsumer's handler)."""
         records = batches[0][1] if len(batches) == 1 else [r for _, rs in batches for r in rs]
@@ -825,8 +883,8 @@ def make_app(
             await processor.process_messages(unprefix[kafka_topic], records)
             for tp, rs in batches:
                 held.setdefault(tp, []).extend([r.offset for r in rs])
-            if time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
-                await checkpoint_now()
+            if time.monotonic() - last_step[0] >= step_s[0]:
+                checkpoint_step()
         _update_lag(app, {tp: rs[-1].offset for tp, rs in batches})
 
     async def count_assigned(sender: Any, assigned: Any, **_kwargs: Any) -> None:
@@ -848,8 +906,8 @@ def make_app(
     @app.timer(interval=checkpoint_interval_s)
     async def checkpoint_when_idle() -> None:
         async with lock:
-            if held and time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s:
-                await checkpoint_now()
+            if held and time.monotonic() - last_step[0] >= checkpoint_interval_s:
+                checkpoint_all()
 
     @app.agent(context_topic, name="fleetwise.context")
     async def context(stream: faust.StreamT) -> None:
