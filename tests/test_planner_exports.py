@@ -545,10 +545,18 @@ def test_deepspeed_config_validates_in_real_gloo_group(tmp_path):
     (tmp_path / "ds_check.py").write_text(_DS_SCRIPT)
     (tmp_path / "spec.json").write_text(json.dumps({"world_size": 4, "cases": cases}))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "ds_check.py"), str(tmp_path / "spec.json"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    # DeepSpeed's CPU accelerator leaves its shared-memory all-reduce buffers in /dev/shm
+    # (~70 MB per rank per run); remove the ones this run made.
+    shm = Path("/dev/shm")
+    before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(tmp_path / "ds_check.py"), str(tmp_path / "spec.json"), str(tmp_path)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
+            leftover.unlink(missing_ok=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(4):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
