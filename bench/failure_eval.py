@@ -110,7 +110,7 @@ def evaluate(
     spec: TraceSpec, predictor: FailurePredictor, cache: Path
 ) -> tuple[dict, FeatureTable, list, np.ndarray]:
     raw, labels = load_raw(spec, cache)
-    table = compute_features_raw(raw)
+    table = compute_features_raw(raw, stagger=STAGGER_HOPS)
     lab = label_rows(table, labels, predictor.model.horizon_h)
     fresh = FailurePredictor(predictor.model, predictor.policy)  # no alert state from another trace
     preds, probs = fresh.process_arrays(table.keys, table.ts, table.features)
@@ -129,7 +129,7 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
     sim = FleetSimulator(SimConfig(gpus=spec.mix, days=spec.days, seed=spec.seed,
                                    sample_interval_s=spec.interval_s,
                                    failure_rate_per_1000_gpu_days=spec.failure_rate))
-    windows = GpuFeatureWindows()
+    windows = GpuFeatureWindows(stagger=STAGGER_HOPS)
     pred = FailurePredictor(predictor.model, predictor.policy)
     slot_of: dict[tuple[str, int], int] = {}
     keys: list[tuple[str, int]] = []
@@ -172,6 +172,10 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
     return metrics, None, kept, None
 
 
+# Staggered hops (`--stagger-hops`): every GPU's hop grid shifted by its phase, as
+# `fleetwise worker/replay --stagger-hops` run the windows. Set once from the command line.
+STAGGER_HOPS = False
+
 WATCH_FLOOR = 0.2  # rows at or above keep their features (policy sweeps use hi >= 0.5)
 
 
@@ -213,14 +217,14 @@ def score_hops(spec: TraceSpec, predictor: FailurePredictor, cache: Path) -> tup
     """HopScores of a trace (features computed in chunks and dropped; cached per model)."""
     from fleetwise.predictors.features import GpuFeatureWindows
 
-    path = cache / f"{spec.key()}.scores-{_model_tag(predictor)}.npz"
+    path = cache / f"{spec.key()}.scores-{_model_tag(predictor)}{'-staggered' if STAGGER_HOPS else ''}.npz"
     raw, labels = load_raw(spec, cache)
     keys = [(m["node"], int(m["gpu"])) for m in raw.meta]
     if path.exists():
         d = np.load(path)
         return HopScores(keys, d["slots"], d["ts"], d["prob"], d["rules"], d["watch"], d["watch_x"],
                          float(d["gpu_days"])), labels
-    windows = GpuFeatureWindows()
+    windows = GpuFeatureWindows(stagger=STAGGER_HOPS)
     for m in raw.meta:
         windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
     parts: list[tuple[np.ndarray, ...]] = []
@@ -413,12 +417,16 @@ def main() -> None:
     ap.add_argument("--explain", action="store_true", help="list every miss and false alarm")
     ap.add_argument("--policy", default=None, help="override the alert policy: 'hi,k,k_memory' (lo = hi/2)")
     ap.add_argument("--only", default=None, help="comma-separated trace names (e.g. fa-401)")
+    ap.add_argument("--stagger-hops", action="store_true",
+                    help="evaluate on staggered hops (fleetwise worker/replay --stagger-hops)")
     ap.add_argument("--tune", action="store_true",
                     help="sweep the alert policy on the tuning sets (--tune-sets, default val,fa-val)")
     ap.add_argument("--tune-sets", default="val,fa-val")
     ap.add_argument("--grid", default=None,
                     help="policies to sweep: 'hi,k,k_memory;...' (default POLICY_GRID)")
     args = ap.parse_args()
+    global STAGGER_HOPS
+    STAGGER_HOPS = args.stagger_hops
     predictor = FailurePredictor.load(args.model_dir)
     if args.policy:
         from dataclasses import replace

@@ -110,9 +110,11 @@ def compute_features(
     return compute_features_raw(raw_samples(samples), hop_s=hop_s, chunk=chunk)
 
 
-def compute_features_raw(raw: RawSamples, hop_s: float = 600.0, chunk: int = 20_000) -> FeatureTable:
-    """Run GpuFeatureWindows over RawSamples in chunks of `chunk` samples; collect every hop."""
-    windows = GpuFeatureWindows(hop_s=hop_s)
+def compute_features_raw(raw: RawSamples, hop_s: float = 600.0, chunk: int = 20_000,
+                         stagger: bool = False) -> FeatureTable:
+    """Run GpuFeatureWindows over RawSamples in chunks of `chunk` samples; collect every hop
+    (`stagger`: each GPU's hop grid shifted by its phase, as the stream worker may run)."""
+    windows = GpuFeatureWindows(hop_s=hop_s, stagger=stagger)
     for m in raw.meta:
         windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
