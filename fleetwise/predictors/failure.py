@@ -309,7 +309,9 @@ class FailurePredictor:
         return list(self._gpu)
 
     def state(self, key: str) -> dict:
-        return asdict(self._gpu[key])
+        # Flat fields only: a copy of the instance dict (dataclasses.asdict recurses and
+        # deep-copies; the worker saves thousands of these per checkpoint).
+        return dict(vars(self._gpu[key]))
 
     def restore(self, key: str, state: dict) -> None:
         self._gpu[key] = _GpuAlert(**state)
