@@ -147,6 +147,26 @@ def test_node_batch_keeps_good_samples_beside_a_bad_one():
     assert records[1].source == "topic:0@7#samples.1" and "gpu" in records[1].reason
 
 
+def test_handle_takes_node_batches_and_dead_letters_beside_samples():
+    # As the worker hands them over: node batches, lone samples and dead letters in one call.
+    from fleetwise.schemas import GpuSample, NodeBatch
+
+    mixed, mixed_out, flat, flat_out = ControlPlane(), [], ControlPlane(), []
+    for i in range(180):
+        ts = 1764547200.0 + 60 * i
+        pair = [GpuSample.model_validate(sample(ts, gpu=g)) for g in (0, 1)]
+        batch = NodeBatch(ts=ts, node="n1", samples=pair)
+        lone = GpuSample.model_validate(sample(ts, gpu=2))
+        dead = DeadLetter(ts=ts, source=f"t:{i}", reason="r", original="")
+        routed = mixed.handle(T.TELEMETRY_GPU.name, [batch, dead, lone])
+        assert routed[0] == (T.DEADLETTER.name, f"t:{i}", dead)
+        mixed_out += routed[1:]
+        flat_out += flat.handle(T.TELEMETRY_GPU.name, [*batch.samples, lone])
+    assert mixed.counts["samples_in"] == flat.counts["samples_in"] == 540
+    assert [(t, k, r.to_json()) for t, k, r in mixed_out] == [(t, k, r.to_json()) for t, k, r in flat_out]
+    assert any(t == T.FEATURES.name for t, _, _ in mixed_out)
+
+
 def test_features_are_emitted_per_gpu_hop_in_event_time():
     runtime = EmbeddedRuntime()
     # 3 hours of one GPU at 60 s: hops close as later samples arrive.

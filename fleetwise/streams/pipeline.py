@@ -262,23 +262,25 @@ class ControlPlane:
         types = set(map(type, records))
         good: Sequence[Item] = records
         if any(issubclass(t, DeadLetter) for t in types):
-            good = []
+            kept: list[Item] = []
             for r in records:
                 if isinstance(r, DeadLetter):
                     out.append(Routed(T.DEADLETTER.name, r.source, r))
                 else:
-                    good.append(r)
+                    kept.append(r)
+            good = kept
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
             samples: Sequence[GpuSample | FastGpuSample] = good  # type: ignore[assignment]
             if any(issubclass(t, NodeBatch) for t in types):
-                samples = []
+                flat: list[GpuSample | FastGpuSample] = []
                 for r in good:
                     if isinstance(r, NodeBatch):
-                        samples.extend(r.samples)
+                        flat.extend(r.samples)
                     else:
-                        samples.append(r)  # type: ignore[arg-type]
+                        flat.append(r)  # type: ignore[arg-type]
+                samples = flat
             self.counts["samples_in"] += len(samples)
             out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
