@@ -165,6 +165,35 @@ def test_batching_does_not_change_features() -> None:
             assert (a is None and b is None) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), name
 
 
+def test_late_and_out_of_order_samples_count_the_same_in_one_call_or_one_by_one() -> None:
+    # Arrival order decides: a sample of a hop the GPU has already left is late even when
+    # the sample that moved it on came in the same call; an older reading inside the open
+    # hop does not drive the counters. So replay chunks and Kafka fetches agree.
+    arrivals = []
+    for g in range(2):
+        arrivals += [sample(i, gpu=g, **{SBE: float(i)}) for i in range(12)]  # hop 0, then hop 1 opens
+        arrivals.append(dict(sample(4, gpu=g, **{SBE: 99.0}), ts=T0 + 270.0))  # late: hop 0 has closed
+        arrivals.append(sample(11, gpu=g, **{SBE: 11.0}))  # duplicate
+        arrivals.append(sample(14, gpu=g, **{SBE: 14.0}))
+        arrivals.append(sample(13, gpu=g, **{SBE: 50.0}))  # out of order inside hop 1
+        arrivals.append(sample(15, gpu=g, **{SBE: 15.0}))
+    results = []
+    for size in (len(arrivals), 1, 3, 7):
+        fw = windows()
+        out = []
+        for k in range(0, len(arrivals), size):
+            out += fw.process_dicts(arrivals[k:k + size])
+        out += fw.flush()
+        hops = [(o.node, o.gpu, o.ts, o.values) for o in out]
+        results.append((hops, fw.dropped_late, fw.dropped_duplicate))
+    assert all(r == results[0] for r in results[1:])
+    hops, late, duplicate = results[0]
+    assert late == 2 and duplicate == 2
+    hop1 = [v for node, gpu, ts, v in hops if ts == T0 + 1200]
+    # hop 1: samples 10, 11, 14, 13, 15; the counter moves 9 -> 10, 11, 14, 15 (not 50)
+    assert len(hop1) == 2 and all(v["samples"] == 5 and v["sbe_vol_hop"] == 6 for v in hop1)
+
+
 def test_state_round_trip_resumes_identically() -> None:
     rows = [sample(i, gpu=g, **{SBE: float(i // 5), F_XID: 13 if i == 50 else 0})
             for i in range(200) for g in range(2)]

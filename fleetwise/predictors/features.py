@@ -180,6 +180,30 @@ N_EW = E_STREAK + len(ACTIVE_GROUPS)
 _BLANK_VALUES = np.array(sorted(DCGM_BLANKS))
 
 
+def _max_of_earlier(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per element, the largest of `values` over the earlier elements (in array order) of
+    the same group; -inf where there is none."""
+    n = len(values)
+    out = np.full(n, -np.inf)
+    if n < 2:
+        return out
+    order = np.argsort(groups, kind="stable")  # groups contiguous, array order kept inside
+    g, v = groups[order], values[order]
+    first = np.r_[True, g[1:] != g[:-1]]
+    if np.all(first[1:] | (v[1:] >= v[:-1])):  # nondecreasing inside every group (the usual case)
+        earlier = np.r_[-np.inf, v[:-1]]
+    else:
+        # Running max per group in one pass: rank the values, offset each group's ranks above
+        # every earlier group's, and take the running max of the combined integer keys.
+        levels, rank = np.unique(v, return_inverse=True)
+        seg = np.cumsum(first) - 1
+        run = np.maximum.accumulate(seg * len(levels) + rank.reshape(-1))
+        earlier = np.r_[-np.inf, levels[run[:-1] - seg[1:] * len(levels)]]
+    earlier[first] = -np.inf
+    out[order] = earlier
+    return out
+
+
 def _is_blank(values: np.ndarray) -> np.ndarray:
     return np.isin(values, _BLANK_VALUES) | (values >= float(DCGM_INT64_BLANK))
 
@@ -473,37 +497,44 @@ class GpuFeatureWindows:
             idx = np.nonzero(big)
             vals = x[idx]
             x[idx[0][_is_blank(vals)], idx[1][_is_blank(vals)]] = np.nan
+        hop = np.floor((t - self.phase[s]) / self.hop_s)
+        # Late and in-order are decided in arrival order, as if the samples came one at a time:
+        # a sample is late when an earlier one of its GPU (before this call or earlier in it)
+        # had already moved the GPU on to a later hop. Deciding after sorting by time would let
+        # a late sample into a hop that a call of its own would have found closed, and the
+        # features would depend on how the samples were batched (replay vs Kafka fetches).
+        open_h = np.maximum(self.open_hop[s], _max_of_earlier(s, hop))
+        seen_ts = np.fmax(self.last_ts[s], _max_of_earlier(s, t))  # -inf: none yet
         order = np.lexsort((t, s))
-        s, t, x = s[order], t[order], x[order]
+        s, t, x, hop = s[order], t[order], x[order], hop[order]
+        open_h, seen_ts = open_h[order], seen_ts[order]
         jr: np.ndarray | None = None
         if job_ranks is not None:
             jr = np.empty(n, dtype=object)
             jr[:] = list(job_ranks)
             jr = jr[order]
-        hop = np.floor((t - self.phase[s]) / self.hop_s)
 
         # Exact duplicates inside the batch, and against the last accepted sample.
         dup = np.zeros(n, dtype=bool)
         dup[1:] = (s[1:] == s[:-1]) & (t[1:] == t[:-1])
         dup |= t == self.last_ts[s]
-        # Late: older than the GPU's open hop.
-        open_h = self.open_hop[s]
+        # Late: older than the GPU's open hop when it arrived.
         late = (open_h >= 0) & (hop < open_h) & ~dup
         # Out of order inside the open hop: check the recent-timestamp ring for a redelivery.
-        ooo = ~dup & ~late & (t < self.last_ts[s])
+        ooo = ~dup & ~late & (t < seen_ts)
         if ooo.any():
             idx = np.flatnonzero(ooo)
             dup[idx] = (self.ts_ring[s[idx]] == t[idx, None]).any(axis=1)
         self.dropped_duplicate += int(dup.sum())
         self.dropped_late += int(late.sum())
         keep = ~(dup | late)
+        in_order = t > seen_ts  # newer than every earlier arrival: may update counters and XID state
         if not keep.all():
-            s, t, x, hop = s[keep], t[keep], x[keep], hop[keep]
+            s, t, x, hop, in_order = s[keep], t[keep], x[keep], hop[keep], in_order[keep]
             if jr is not None:
                 jr = jr[keep]
         if len(s) == 0:
             return empty
-        in_order = t > self.last_ts[s]  # rows that may update counters and XID state
 
         # New GPUs open at their first hop.
         fresh = self.open_hop[s] < 0
