@@ -291,7 +291,7 @@ async def main_async(args) -> None:
     worker = subprocess.Popen(
         [sys.executable, "-c", WORKER_SCRIPT, args.bootstrap, f"bench-{prefix}", prefix, str(port),
          str(args.take_max), str(args.checkpoint_interval), "0" if args.no_failure_predictor else "1",
-         args.profile_worker or "", "1" if args.stagger_hops else "0"],
+         args.profile_worker or "", "0" if args.aligned_hops else "1"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
     )
     rows = []
@@ -327,7 +327,7 @@ async def main_async(args) -> None:
           f"python {platform.python_version()}; broker {args.bootstrap}; {nodes} nodes x "
           f"{GPUS_PER_NODE} GPUs, node batch = 1 message, take_max={args.take_max}, checkpoint every "
           f"{args.checkpoint_interval:g} s, failure predictor {'off' if args.no_failure_predictor else 'on'}"
-          f"{', staggered hops' if args.stagger_hops else ''}")
+          f"{', aligned hops' if args.aligned_hops else ', staggered hops'}")
     print("| phase | target samples/s | s | offered samples/s | processed samples/s | "
           "p50 latency ms | p99 latency ms | feature records: p50 / p99 ms (n) | "
           "worker RSS start -> end (max) MB | worker CPU us/sample "
@@ -440,8 +440,8 @@ def main() -> None:
     parser.add_argument("--ticks", type=int, default=30, help="distinct pre-encoded ticks")
     parser.add_argument("--take-max", type=int, default=500)
     parser.add_argument("--checkpoint-interval", type=float, default=5.0, help="worker state checkpoints (s)")
-    parser.add_argument("--stagger-hops", action="store_true",
-                        help="worker with staggered hop phases (fleetwise worker --stagger-hops)")
+    parser.add_argument("--aligned-hops", action="store_true",
+                        help="worker with one hop grid for all GPUs (fleetwise worker --aligned-hops)")
     parser.add_argument("--no-failure-predictor", action="store_true",
                         help="run the worker without the packaged failure model")
     parser.add_argument("--profile-worker", default=None, help="write a cProfile of the worker here")

@@ -409,7 +409,8 @@ def replay(
     features: Path | None = typer.Option(
         None, help="Also write the per-GPU feature vectors (JSON lines; kept in memory until the end)."),
     stagger_hops: bool = typer.Option(
-        False, "--stagger-hops", help="Staggered hop phases per GPU, as `fleetwise worker --stagger-hops`."),
+        True, "--stagger-hops/--aligned-hops",
+        help="Hop phases per GPU (default) or one hop grid for all, as `fleetwise worker`."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_bad_lines: int = typer.Option(20, help="How many bad lines to list (all are counted)."),
 ) -> None:
@@ -798,9 +799,10 @@ def worker(
     ),
     loglevel: str = typer.Option("warning", "--loglevel", help="faust log level."),
     stagger_hops: bool = typer.Option(
-        False, "--stagger-hops", help="Shift each GPU's hop grid by a phase from its key, so hops "
-        "close spread over the hop instead of all at once (smooths feature output; replay with "
-        "the same flag gives the same features)."),
+        True, "--stagger-hops/--aligned-hops", help="Shift each GPU's hop grid by a phase from its "
+        "key, so hops close spread over the hop instead of all at once (default; keeps the p99 "
+        "latency down), or one hop grid for all GPUs. Replay with the same choice gives the "
+        "same features."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka."""
     import importlib.util

