@@ -391,14 +391,30 @@ def same_states(a: dict[str, object], b: dict[str, object]) -> str:
     return f"{len(bad)} keys differ, e.g. {bad[:3]}" if bad else ""
 
 
+async def straight_run(events: list[StandInEvent], cuts: tuple[int, ...]) -> Recorder:
+    """The uninterrupted reference, fed in the same pieces as the run it is compared with
+    (the feature windows' dedup ring depends on batch boundaries, not the features)."""
+    straight = Recorder(StandInTable())
+    for a, b in zip((0, *cuts), (*cuts, len(events)), strict=True):
+        await straight.feed(events[a:b])
+    return straight
+
+
+def assert_resumed_like(straight: Recorder, first: Recorder, second: Recorder) -> None:
+    """The restarted worker ends in the reference's state, and both runs' features together
+    are the reference's."""
+    assert not same_states(second.states(), straight.states()), \
+        same_states(second.states(), straight.states())
+    got, want = first.features() | second.features(), straight.features()
+    assert not differences(got, want), differences(got, want)
+
+
 async def test_restored_worker_skips_redelivered_messages_and_matches_an_uninterrupted_one() -> None:
     events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=130, seed=5))
     cut = 6 * 70  # mid-way through the second hop
     # Batches start at the same messages in every run: the feature windows' dedup ring keeps
     # different (equally valid) recent timestamps for different batchings.
-    straight = Recorder(StandInTable())
-    await straight.feed(events[:cut])
-    await straight.feed(events[cut:])
+    straight = await straight_run(events, (cut,))
 
     first_table = StandInTable()
     first = Recorder(first_table)
@@ -415,19 +431,14 @@ async def test_restored_worker_skips_redelivered_messages_and_matches_an_uninter
     second = Recorder(StandInTable(first_table.data))
     await second.feed(events[cut - 60:cut])
     await second.feed(events[cut:])
-    assert not same_states(second.states(), straight.states()), \
-        same_states(second.states(), straight.states())
-    got, want = first.features() | second.features(), straight.features()
-    assert not differences(got, want), differences(got, want)
+    assert_resumed_like(straight, first, second)
     assert second.features(), "the restarted worker closed hops after the cut"
 
 
 async def test_crash_in_the_middle_of_a_checkpoint_applies_each_message_once_per_bucket() -> None:
     events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=100, seed=9))
     early, late = 6 * 50, 6 * 80
-    straight = Recorder(StandInTable())
-    for part in (events[:early], events[early:late], events[late:]):
-        await straight.feed(part)
+    straight = await straight_run(events, (early, late))
 
     table = StandInTable()
     first = Recorder(table)
@@ -443,10 +454,7 @@ async def test_crash_in_the_middle_of_a_checkpoint_applies_each_message_once_per
     second = Recorder(StandInTable(mixed))
     await second.feed(events[early:late])  # redelivered from the commit of the first checkpoint
     await second.feed(events[late:])
-    assert not same_states(second.states(), straight.states()), \
-        same_states(second.states(), straight.states())
-    got, want = first.features() | second.features(), straight.features()
-    assert not differences(got, want), differences(got, want)
+    assert_resumed_like(straight, first, second)
 
 
 async def test_rolling_checkpoint_saves_one_partition_and_a_restart_resumes_each_from_its_own() -> None:
@@ -454,9 +462,7 @@ async def test_rolling_checkpoint_saves_one_partition_and_a_restart_resumes_each
     # different times resume from different offsets, and every message is applied once.
     events = telemetry_events(node_batches(nodes=8, gpus=8, ticks=100, seed=11))
     early, late = 8 * 50, 8 * 80
-    straight = Recorder(StandInTable())
-    for part in (events[:early], events[early:late], events[late:]):
-        await straight.feed(part)
+    straight = await straight_run(events, (early, late))
 
     table = StandInTable()
     first = Recorder(table)
@@ -479,10 +485,7 @@ async def test_rolling_checkpoint_saves_one_partition_and_a_restart_resumes_each
     # From the oldest commit (the first partition's), in the reference run's batches.
     await second.feed(events[early:late])
     await second.feed(events[late:])
-    assert not same_states(second.states(), straight.states()), \
-        same_states(second.states(), straight.states())
-    got, want = first.features() | second.features(), straight.features()
-    assert not differences(got, want), differences(got, want)
+    assert_resumed_like(straight, first, second)
 
 
 async def test_messages_this_worker_already_applied_are_skipped_when_delivered_again() -> None:
