@@ -374,3 +374,26 @@ def test_staggered_hops_are_aligned_hops_shifted_by_each_gpus_phase():
     assert by_key(got, shift=False) == by_key(want, shift=True)
     # Hop ends differ between GPUs: the closes spread over the hop.
     assert len({v.ts % 600 for v in got}) == len(set(phases.values()))
+
+
+def test_decoded_samples_give_each_hops_job_and_rank_as_dicts_do() -> None:
+    # Two GPUs, job and rank changing from sample to sample, some samples out of order inside
+    # their hop: each closed hop carries the (job, rank) of its GPU's latest sample, whether the
+    # samples come as decoded structs in one call or as dicts.
+    from fleetwise.predictors.features import SAMPLE_DECODER
+
+    rows = [dict(sample(i, gpu=g), job=f"job-{(i + g) // 7}", rank=(i * 3 + g) % 5)
+            for i in range(40) for g in (0, 1)]
+    rows[5], rows[9] = rows[9], rows[5]  # out of order inside hop 0
+    rows[30], rows[28] = rows[28], rows[30]
+    structs = SAMPLE_DECODER.samples([json.dumps(r).encode() for r in rows])
+    assert structs is not None
+    fast, slow = windows(), windows()
+    got = fast.to_records(*fast.ingest_samples(structs)) + fast.flush()
+    want = slow.process_dicts(rows) + slow.flush()
+    latest = {}  # (hop end, gpu) -> (job, rank) of the GPU's latest sample in that hop
+    for r in sorted(rows, key=lambda r: r["ts"]):
+        latest[(T0 + 600.0 * ((r["ts"] - T0) // 600 + 1), r["gpu"])] = (r["job"], r["rank"])
+    assert [(v.ts, v.gpu, v.job, v.rank) for v in got] == [(v.ts, v.gpu, v.job, v.rank) for v in want]
+    assert {(v.ts, v.gpu): (v.job, v.rank) for v in got} == latest
+    assert len(set(latest.values())) > 3
