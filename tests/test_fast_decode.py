@@ -49,6 +49,22 @@ def test_decoder_reads_its_fields_and_refuses_what_the_records_might_coerce_or_r
     assert dec.samples([line(), refused[0]]) is None  # one refusal refuses the chunk
 
 
+def test_integer_metrics_give_the_float_rows_and_beyond_int64_take_the_records_path():
+    dec = SampleDecoder(["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK"])
+    ints = {"DCGM_FI_DEV_GPU_TEMP": 60, "DCGM_FI_DEV_POWER_USAGE": 2**63 - 1, "DCGM_FI_DEV_SM_CLOCK": -3}
+    floats = {name: float(value) for name, value in ints.items()}
+    rows = dec.metric_rows([dec.sample(line(metrics=ints)), dec.sample(line(metrics=floats))])
+    assert rows.dtype == np.float64 and rows[0].tolist() == rows[1].tolist() == list(floats.values())
+    for too_large in (2**63, -(2**63) - 1, 10**400):
+        raw = line(metrics={"DCGM_FI_DEV_GPU_TEMP": too_large})
+        assert dec.sample(raw) is None  # the records decide: a float as large, or not finite
+    big = EmbeddedRuntime(ControlPlane(FEATURES_ONLY))
+    big.feed_lines([line(metrics={"DCGM_FI_DEV_GPU_TEMP": value}) for value in (2**63, 10**400)], "t.jsonl")
+    (source, reason), = big.finish().bad_lines  # 2**63 is a finite float; 10**400 is not
+    assert source == "t.jsonl:2" and reason.startswith("metrics.DCGM_FI_DEV_GPU_TEMP: ")
+    assert big.summary.samples == 1
+
+
 def test_a_chunk_decodes_one_value_per_line_or_is_refused():
     # Malformed lines that would read as other values once joined into one JSON array.
     whole = line()
