@@ -213,3 +213,72 @@ def test_replay_lines_may_be_node_batches():
     runtime.finish()
     assert runtime.summary.samples == 3
     assert [source for source, _ in runtime.summary.bad_lines] == ["t:2#samples.1"]
+
+
+def test_trace_text_decodes_one_record_per_line_as_the_sample_and_step_paths_do():
+    from msgspec.structs import asdict
+
+    from fleetwise.schemas.fast import training_step
+
+    step = {"ts": 1.0, "job": "j", "rank": 0, "node": "n1", "gpu": 0, "step": 3,
+            "step_time_s": 1.2, "compute_s": 1.0, "samples": 8, "model": "h100-sxm"}
+    gpu_lines = [line(), line(gpu=5, rack="r1", job="j", rank=2),
+                 line(metrics={"DCGM_FI_DEV_XID_ERRORS": 79})]
+    step_lines = [json.dumps(step).encode(), json.dumps({**step, "rank": 1, "micro_batch": 2}).encode()]
+    lines = [gpu_lines[0], step_lines[0], gpu_lines[1], step_lines[1], gpu_lines[2]]
+    for text in (b"\n".join(lines), b"\n".join(lines) + b"\n", b"\r\n".join(lines)):
+        records, is_gpu = SAMPLE_DECODER.trace_lines(text)
+        assert is_gpu == [True, False, True, False, True]
+        samples = [r for r, g in zip(records, is_gpu, strict=True) if g]
+        for record, raw in zip(samples, gpu_lines, strict=True):
+            want = SAMPLE_DECODER.sample(raw)
+            assert [getattr(record, f) for f in want.__struct_fields__ if f != "metrics"] == \
+                [getattr(want, f) for f in want.__struct_fields__ if f != "metrics"]
+        rows, want_rows = SAMPLE_DECODER.metric_rows(samples), SAMPLE_DECODER.metric_rows(
+            [SAMPLE_DECODER.sample(raw) for raw in gpu_lines])
+        assert np.array_equal(rows, want_rows, equal_nan=True)
+        steps = [r for r, g in zip(records, is_gpu, strict=True) if not g]
+        for record, raw in zip(steps, step_lines, strict=True):
+            want = asdict(training_step(raw))
+            assert {f: getattr(record, f) for f in want} == want
+    assert SAMPLE_DECODER.trace_lines(b"") == ([], [])
+
+
+def test_trace_text_is_refused_unless_every_line_is_one_sample_or_step_the_fast_paths_take():
+    step = {"ts": 1.0, "job": "j", "rank": 0, "node": "n1", "gpu": 0, "step": 3,
+            "step_time_s": 1.2, "compute_s": 1.0}
+    good = [line(), json.dumps(step).encode()]
+
+    def text(*extra: bytes) -> bytes:
+        return b"\n".join([*good, *extra])
+
+    assert SAMPLE_DECODER.trace_lines(text(line(gpu=1))) is not None
+    refused = {
+        # two values on one line, a blank line to even the count
+        "two on a line": text(line() + b" " + line(), b""),
+        "blank line": text(b"", line()),
+        "space line": text(b"   ", line()),
+        "indented": text(b" " + line()),
+        "neither": text(json.dumps({"ts": 1.0, "node": "n1", "gpu": 0}).encode()),
+        "gpu 1024": text(line(gpu=1024)),
+        "no model": text(json.dumps({k: v for k, v in GOOD.items() if k != "model"}).encode()),
+        "empty model": text(line(model="")),
+        "rfc3339 ts": text(line(ts="2025-12-01T00:00:00Z")),
+        "string metric": text(line(metrics={"DCGM_FI_DEV_GPU_TEMP": "61"})),
+        "node batch": text(json.dumps({"ts": 1.0, "node": "n1", "samples": [GOOD]}).encode()),
+        "inventory": text(json.dumps({"ts": 1.0, "node": "n1", "gpus": []}).encode()),
+        "not json": text(b"{not json"),
+        **{f"step without {k}": text(json.dumps({f: v for f, v in step.items() if f != k}).encode())
+           for k in ("job", "rank", "step", "compute_s")},
+        "step empty job": text(json.dumps({**step, "job": ""}).encode()),
+        "step compute > 1.5x": text(json.dumps({**step, "compute_s": 2.0}).encode()),
+        "step time 0": text(json.dumps({**step, "step_time_s": 0}).encode()),
+        "metrics null": text(json.dumps({**step, "metrics": None}).encode()),
+    }
+    for name, raw in refused.items():
+        assert SAMPLE_DECODER.trace_lines(raw) is None, name
+    # Through the control plane, an unknown GPU model refuses the text too (the line path
+    # dead-letters that line and keeps the others).
+    control = ControlPlane(FEATURES_ONLY)
+    assert control.decode_trace_text(text(line(gpu=1))) is not None
+    assert control.decode_trace_text(text(line(model="NVIDIA Nonexistent 9000"))) is None

@@ -14,7 +14,7 @@ from fleetwise.cli import app
 from fleetwise.schemas import Command, DeadLetter, FeatureVector, Prediction
 from fleetwise.schemas import topics as T
 from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
-from fleetwise.streams.embedded import EmbeddedRuntime, EventBus, read_line_blocks, replay
+from fleetwise.streams.embedded import EmbeddedRuntime, EventBus, read_text_blocks, replay
 from fleetwise.streams.pipeline import ControlPlane
 
 GOOD = {"ts": 1764547200.0, "node": "n1", "gpu": 0, "model": "NVIDIA H100 80GB HBM3",
@@ -125,7 +125,8 @@ def test_chunks_and_line_numbers_do_not_depend_on_how_lines_are_read(tmp_path, m
         return decode_lines(topic, held, sources)
 
     monkeypatch.setattr(runtime.control, "decode_lines", recorded)
-    runtime.feed_line_blocks(read_line_blocks(path), str(path))
+    # The line path (what a block of other lines than GPU samples and steps takes).
+    runtime.feed_lines(b"".join(read_text_blocks(path)).split(b"\n"), str(path))
     runtime.finish()
     assert calls == decode_calls_by_rule(lines, 5)
     bad = {int(source.rsplit(":", 1)[1]): reason for source, reason in runtime.summary.bad_lines}
@@ -135,6 +136,58 @@ def test_chunks_and_line_numbers_do_not_depend_on_how_lines_are_read(tmp_path, m
     assert all("compute_s" in bad[n] for n in want if b"9.0" in lines[n - 1])
     assert runtime.summary.lines == sum(1 for line in lines if line.strip())
     assert runtime.summary.samples == 60 and runtime.summary.steps == 60
+
+
+def fed_calls(runtime: EmbeddedRuntime) -> list[tuple[str, list[tuple]]]:
+    """Record what `runtime.feed` is handed: each call's topic and its items, read by value
+    (records of either fast path and dead letters alike)."""
+    calls: list[tuple[str, list[tuple]]] = []
+    feed = runtime.feed
+
+    def recorded(topic, items):
+        calls.append((topic, [("dead", i.source, i.reason) if isinstance(i, DeadLetter) else
+                              (i.ts, i.node, i.gpu, getattr(i, "step", None), getattr(i, "job", None))
+                              for i in items]))
+        feed(topic, items)
+
+    runtime.feed = recorded  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("clean", [True, False])
+@pytest.mark.parametrize("read_bytes", [1, 700, 1 << 22])
+def test_text_blocks_decoded_whole_hand_over_what_the_line_path_does(tmp_path, monkeypatch, clean,
+                                                                    read_bytes):
+    import fleetwise.streams.embedded as embedded
+
+    lines = [line for line in mixed_lines() if not clean or b"hello" not in line and b"NaN" not in line
+             and b"9.0" not in line and b"not json" not in line and line.strip()]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setattr(embedded, "CHUNK", 5)
+    monkeypatch.setattr(embedded, "READ_BYTES", read_bytes)
+    by_line, by_text = EmbeddedRuntime(), EmbeddedRuntime()
+    line_calls, text_calls = fed_calls(by_line), fed_calls(by_text)
+    decoded_by_lines: list[int] = []
+    decode_lines = by_text.control.decode_lines
+    monkeypatch.setattr(by_text.control, "decode_lines",
+                        lambda topic, held, sources: decoded_by_lines.append(len(held)) or
+                        decode_lines(topic, held, sources))
+    by_line.feed_lines(lines, str(path))
+    by_text.feed_text_blocks(read_text_blocks(path), str(path))
+    assert text_calls == line_calls and len(line_calls) > 10
+    assert (by_text.finish(), by_text.decisions()) == (by_line.finish(), by_line.decisions())
+    if clean:  # every block went whole through the fast path, no line alone
+        assert decoded_by_lines == []
+        return
+    # blocks with a bad line went line by line, the others (if the file is read in several) whole
+    telemetry_lines = sum(b'"metrics"' in line or b'"step_time_s"' in line for line in lines)
+    assert 0 < sum(decoded_by_lines) <= telemetry_lines
+    assert (sum(decoded_by_lines) < telemetry_lines) == (read_bytes < path.stat().st_size)
+    # dead letters name their lines
+    want = {n for n, line in enumerate(lines, start=1)
+            if b"NaN" in line or b"9.0" in line or b"hello" in line or b"not json" in line}
+    assert {int(source.rsplit(":", 1)[1]) for source, _ in by_text.summary.bad_lines} == want
 
 
 def test_node_batch_keeps_good_samples_beside_a_bad_one():
@@ -207,12 +260,12 @@ def test_event_bus_rejects_unknown_topics():
 def test_gzip_and_plain_read_the_same(tmp_path, monkeypatch):
     import fleetwise.streams.embedded as embedded
 
-    monkeypatch.setattr(embedded, "BLOCK_LINES", 2)
+    monkeypatch.setattr(embedded, "READ_BYTES", 100)
     text = "\n".join(json.dumps(sample(1764547200.0 + i)) for i in range(5)) + "\n"
     (tmp_path / "a.jsonl").write_text(text)
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as fh:
         fh.write(text)
-    assert list(read_line_blocks(tmp_path / "a.jsonl")) == list(read_line_blocks(tmp_path / "a.jsonl.gz"))
+    assert list(read_text_blocks(tmp_path / "a.jsonl")) == list(read_text_blocks(tmp_path / "a.jsonl.gz"))
 
 
 def test_replay_cli(small_trace, tmp_path):

@@ -38,7 +38,7 @@ from typing import Any
 
 from fleetwise.catalog import lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
-from fleetwise.schemas.fast import FastTrainingStep
+from fleetwise.schemas.fast import FastTrainingStep, TraceLine
 
 __all__ = [
     "JOB_WIDE_NODE",
@@ -158,7 +158,7 @@ class StragglerDetector:
         jobs = self._jobs
         if not isinstance(records, list | tuple):
             records = list(records)  # read twice below
-        if not _STEP_TYPES.issuperset(map(type, records)):  # else each a validated step record
+        if not all(map(_is_step_type, set(map(type, records)))):  # else each a validated step record
             records = [_step_record(raw) for raw in records]
         name = job = None
         for rec in records:
@@ -660,7 +660,10 @@ def _row_state(rec: Any) -> dict[str, Any]:
 
 
 _RUN_KEEP = 8  # factors kept of a rank's current run beyond the slack (a raise reports the last 5)
-_STEP_TYPES = frozenset((FastTrainingStep, TrainingStep))  # validated, with the attributes we read
+def _is_step_type(kind: type) -> bool:
+    """Records of this type are validated steps, with the attributes the detector reads (a
+    `TraceLine` here is a step: the replay hands over only those as steps)."""
+    return issubclass(kind, FastTrainingStep | TrainingStep | TraceLine)
 
 
 

@@ -6,14 +6,14 @@ telemetry, and for tests. Topic names, keys and record types are those of the Ka
 
 from __future__ import annotations
 
-import io
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, islice
+from itertools import chain, compress, islice
 from operator import not_
 from pathlib import Path
+from typing import NamedTuple
 
 from isal import igzip
 
@@ -26,6 +26,9 @@ from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, R
 CHUNK = 16384
 # Lines read at a time: they are sorted per topic with C-level slices, not one by one.
 BLOCK_LINES = 8192
+# Bytes of (decompressed) trace read at a time: a block of GPU sample and step lines is
+# decoded in one msgspec call, never split into lines.
+READ_BYTES = 4 << 20
 
 
 class EventBus:
@@ -49,24 +52,30 @@ class EventBus:
         return [r for _, r in self.logs.get(topic, [])]
 
 
-def read_line_blocks(path: Path) -> Iterator[list[bytes]]:
-    """Lines of a .jsonl or .jsonl.gz file, as bytes, blank lines included (for numbering),
-    in lists of up to BLOCK_LINES consecutive lines."""
-    if path.suffix != ".gz":
-        with open(path, "rb") as fh:
-            yield from _blocks(fh)
-        return
-    # GzipFile.readline is Python per line; a buffered reader over it splits lines in C and
-    # asks gzip for a megabyte at a time (~5x faster on a large trace). ISA-L's inflate (and
-    # CRC) take half the CPU time of zlib's: 1.7 -> 0.8 s for a 97 MB trace.
-    with igzip.open(path, "rb") as raw, io.BufferedReader(raw, buffer_size=1 << 20) as fh:  # type: ignore[arg-type]
-        yield from _blocks(fh)
+def read_text_blocks(path: Path) -> Iterator[bytes]:
+    """The text of a .jsonl or .jsonl.gz file in blocks of whole lines (READ_BYTES and the rest
+    of the line it ends in; the file's last line may lack its newline)."""
+    # ISA-L's inflate (and CRC) take half the CPU time of zlib's: 1.7 -> 0.8 s for a 97 MB trace.
+    opener = igzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        while text := fh.read(READ_BYTES):
+            if not text.endswith(b"\n"):
+                text += fh.readline()
+            yield text
 
 
 def _blocks(lines: Iterable[bytes]) -> Iterator[list[bytes]]:
     """Consecutive lines in lists of up to BLOCK_LINES."""
     it = iter(lines)
     return iter(lambda: list(islice(it, BLOCK_LINES)), [])
+
+
+class DecodedLines(NamedTuple):
+    """A block of GPU sample and step lines decoded in one call (`ControlPlane.decode_trace_text`):
+    one record per line, in line order; `is_gpu[i]`: records[i] is a GPU sample, else a step."""
+
+    records: list[Item]
+    is_gpu: list[bool]
 
 
 @dataclass
@@ -104,9 +113,29 @@ class EmbeddedRuntime:
         """Replay lines in file order: `feed_line_blocks`."""
         self.feed_line_blocks(_blocks(lines), source)
 
-    def feed_line_blocks(self, blocks: Iterable[list[bytes]], source: str) -> None:
+    def feed_text_blocks(self, blocks: Iterable[bytes], source: str) -> None:
+        """Replay a file's text, given in blocks of whole lines (`read_text_blocks`), in file order.
+
+        A block of GPU sample and step lines only is decoded in one call, without splitting
+        it into lines (`ControlPlane.decode_trace_text`); any other block is split into lines.
+        Either way `feed_line_blocks` hands the same records over in the same chunks."""
+        decode = self.control.decode_trace_text
+
+        def decoded(text: bytes) -> Iterator[list[bytes] | DecodedLines]:
+            found = decode(text)
+            if found is not None:
+                yield DecodedLines(*found)
+                return
+            lines = text.split(b"\n")
+            if not lines[-1]:
+                lines.pop()  # the text ends with a newline: no line after it
+            yield from _blocks(lines)
+
+        self.feed_line_blocks(chain.from_iterable(map(decoded, blocks)), source)
+
+    def feed_line_blocks(self, blocks: Iterable[list[bytes] | DecodedLines], source: str) -> None:
         """Replay lines (samples, batches, steps, inventories, plans) in file order, given in
-        lists of consecutive lines (`read_line_blocks`).
+        lists of consecutive lines (with or without their newline) or as `DecodedLines`.
 
         GPU telemetry and step lines are buffered per topic and handed over CHUNK lines at a
         time (GPU and step lines together), GPU lines first: each topic's processors see their
@@ -115,28 +144,56 @@ class EmbeddedRuntime:
         Kafka, where each has its own consumer. Any other line first flushes both buffers,
         then goes alone. A block of GPU and step lines only is sorted into the buffers with
         C-level slices; one with any other line (or a blank one) goes line by line."""
-        gpu_lines: list[bytes] = []
+        gpu_lines: list[bytes] = []  # lines not decoded yet
         step_lines: list[bytes] = []
-        # What each line since the last flush is (True: GPU, False: step, None: blank), for
-        # the line numbers of the buffered lines, worked out only when one needs a dead letter.
+        gpu_items: list[Item] = []  # decoded, not handed over yet
+        step_items: list[Item] = []
+        # What each undecoded line is (True: GPU, False: step, None: blank), for the line
+        # numbers of the buffered lines, worked out only when one needs a dead letter.
         kinds: list[bool | None] = []
         first = 1  # line number of kinds[0]
         buffered = 0  # GPU and step lines since the last flush
 
-        def flush() -> None:
-            nonlocal buffered, kinds, first
-            for topic, held, kind in ((T.TELEMETRY_GPU.name, gpu_lines, True),
-                                      (T.TELEMETRY_STEPS.name, step_lines, False)):
+        def decode_held() -> None:
+            nonlocal kinds, first
+            for topic, held, items, kind in ((T.TELEMETRY_GPU.name, gpu_lines, gpu_items, True),
+                                             (T.TELEMETRY_STEPS.name, step_lines, step_items, False)):
                 if held:
                     sources = LineSources(source, first, kinds, kind)
-                    self.feed(topic, self.control.decode_lines(topic, held, sources))
+                    items.extend(self.control.decode_lines(topic, held, sources))
                     held.clear()
             first += len(kinds)
             kinds = []
+
+        def flush() -> None:
+            nonlocal buffered, gpu_items, step_items
+            decode_held()
+            if gpu_items:
+                self.feed(T.TELEMETRY_GPU.name, gpu_items)
+                gpu_items = []
+            if step_items:
+                self.feed(T.TELEMETRY_STEPS.name, step_items)
+                step_items = []
             buffered = 0
 
         lineno = blank = 0  # lines so far; blank ones among them
         for block in blocks:
+            if isinstance(block, DecodedLines):
+                records, is_gpu = block
+                decode_held()  # lines before these records
+                start, end = 0, len(records)
+                while start < end:
+                    stop = min(end, start + CHUNK - buffered)
+                    part, part_is_gpu = records[start:stop], is_gpu[start:stop]
+                    gpu_items.extend(compress(part, part_is_gpu))
+                    step_items.extend(compress(part, map(not_, part_is_gpu)))
+                    buffered += stop - start
+                    if buffered >= CHUNK:
+                        flush()
+                    start = stop
+                lineno += end
+                first = lineno + 1
+                continue
             # By shape: a record with "metrics" is GPU telemetry (a sample or a node batch), one
             # with "step_time_s" a training step (as `classify_line` decides).
             block_kinds = [True if b'"metrics"' in line else False if b'"step_time_s"' in line else None
@@ -145,10 +202,10 @@ class EmbeddedRuntime:
                 start, end = 0, len(block)
                 while start < end:
                     stop = min(end, start + CHUNK - buffered)
-                    lines, is_gpu = block[start:stop], block_kinds[start:stop]
-                    gpu_lines.extend(compress(lines, is_gpu))
-                    step_lines.extend(compress(lines, map(not_, is_gpu)))
-                    kinds.extend(is_gpu)
+                    lines, line_is_gpu = block[start:stop], block_kinds[start:stop]
+                    gpu_lines.extend(compress(lines, line_is_gpu))
+                    step_lines.extend(compress(lines, map(not_, line_is_gpu)))
+                    kinds.extend(line_is_gpu)
                     buffered += stop - start
                     if buffered >= CHUNK:
                         flush()
@@ -246,9 +303,9 @@ def replay(
         control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
     runtime = EmbeddedRuntime(control)
     if inventory is not None:
-        runtime.feed_line_blocks(read_line_blocks(inventory), str(inventory))
+        runtime.feed_text_blocks(read_text_blocks(inventory), str(inventory))
     for path in traces:
-        runtime.feed_line_blocks(read_line_blocks(path), str(path))
+        runtime.feed_text_blocks(read_text_blocks(path), str(path))
     runtime.finish()
     if out is not None:
         with open(out, "w") as fh:

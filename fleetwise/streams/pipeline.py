@@ -11,6 +11,7 @@ import base64
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
@@ -175,6 +176,16 @@ class ControlPlane:
         # Dead letters keep the line, not its newline.
         return [item for line, source in zip(lines, sources, strict=True)
                 for item in self._decode_one(topic, line.rstrip(b"\r\n"), source)]
+
+    def decode_trace_text(self, text: bytes) -> tuple[list[Item], list[bool]] | None:
+        """A block of replay lines that are all GPU samples or training steps, decoded in one
+        call (`SampleDecoder.trace_lines`: one record per line, True for each GPU sample);
+        None when the fast path refuses any line or a GPU model is unknown (then go line by
+        line: `decode_lines` accepts or dead-letters each one)."""
+        found = SAMPLE_DECODER.trace_lines(text)
+        if found is None or not self._models_known(compress(*found)):
+            return None
+        return found  # type: ignore[return-value]
 
     def _models_known(self, samples: Iterable[FastGpuSample]) -> bool:
         model_id = self.model_id
