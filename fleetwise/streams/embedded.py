@@ -6,6 +6,7 @@ telemetry, and for tests. Topic names, keys and record types are those of the Ka
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,7 +29,7 @@ CHUNK = 16384
 BLOCK_LINES = 8192
 # Bytes of (decompressed) trace read at a time: a block of GPU sample and step lines is
 # decoded in one msgspec call, never split into lines.
-READ_BYTES = 4 << 20
+READ_BYTES = 1 << 18
 
 
 class EventBus:
@@ -50,6 +51,21 @@ class EventBus:
 
     def records(self, topic: str) -> list[Record]:
         return [r for _, r in self.logs.get(topic, [])]
+
+
+def keep_freed_heap() -> None:
+    """Ask glibc's malloc to serve blocks up to 32 MiB from the heap and to keep freed heap
+    (up to 256 MiB) for reuse. A replay allocates and frees arrays of megabytes every chunk;
+    by default each is a fresh mmap whose every page costs a fault when first touched (~4x
+    the page faults, 0.7 -> 0.3 s of system time a simulated 512-GPU day). No-op elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+    mallopt(m_trim_threshold, 256 << 20)
 
 
 def read_text_blocks(path: Path) -> Iterator[bytes]:
