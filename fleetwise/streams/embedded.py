@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, islice
 from operator import not_
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from isal import igzip
 
@@ -29,7 +29,7 @@ CHUNK = 16384
 BLOCK_LINES = 8192
 # Bytes of (decompressed) trace read at a time: a block of GPU sample and step lines is
 # decoded in one msgspec call, never split into lines.
-READ_BYTES = 1 << 18
+READ_BYTES = 1 << 20
 
 
 class EventBus:
@@ -192,22 +192,30 @@ class EmbeddedRuntime:
                 step_items = []
             buffered = 0
 
+        def take(block: Sequence[Any], is_gpu: list[bool], decoded: bool) -> None:
+            """Consecutive GPU and step records (decoded) or lines (not yet) into the buffers,
+            with C-level slices, flushing every CHUNK of them."""
+            nonlocal buffered
+            start, end = 0, len(block)
+            while start < end:
+                stop = min(end, start + CHUNK - buffered)
+                part, part_is_gpu = block[start:stop], is_gpu[start:stop]
+                gpu_into, step_into = (gpu_items, step_items) if decoded else (gpu_lines, step_lines)
+                gpu_into.extend(compress(part, part_is_gpu))
+                step_into.extend(compress(part, map(not_, part_is_gpu)))
+                if not decoded:
+                    kinds.extend(part_is_gpu)
+                buffered += stop - start
+                if buffered >= CHUNK:
+                    flush()
+                start = stop
+
         lineno = blank = 0  # lines so far; blank ones among them
         for block in blocks:
             if isinstance(block, DecodedLines):
-                records, is_gpu = block
                 decode_held()  # lines before these records
-                start, end = 0, len(records)
-                while start < end:
-                    stop = min(end, start + CHUNK - buffered)
-                    part, part_is_gpu = records[start:stop], is_gpu[start:stop]
-                    gpu_items.extend(compress(part, part_is_gpu))
-                    step_items.extend(compress(part, map(not_, part_is_gpu)))
-                    buffered += stop - start
-                    if buffered >= CHUNK:
-                        flush()
-                    start = stop
-                lineno += end
+                take(block.records, block.is_gpu, decoded=True)
+                lineno += len(block.records)
                 first = lineno + 1
                 continue
             # By shape: a record with "metrics" is GPU telemetry (a sample or a node batch), one
@@ -215,18 +223,8 @@ class EmbeddedRuntime:
             block_kinds = [True if b'"metrics"' in line else False if b'"step_time_s"' in line else None
                            for line in block]
             if None not in block_kinds:
-                start, end = 0, len(block)
-                while start < end:
-                    stop = min(end, start + CHUNK - buffered)
-                    lines, line_is_gpu = block[start:stop], block_kinds[start:stop]
-                    gpu_lines.extend(compress(lines, line_is_gpu))
-                    step_lines.extend(compress(lines, map(not_, line_is_gpu)))
-                    kinds.extend(line_is_gpu)
-                    buffered += stop - start
-                    if buffered >= CHUNK:
-                        flush()
-                    start = stop
-                lineno += end
+                take(block, block_kinds, decoded=False)  # type: ignore[arg-type]
+                lineno += len(block)
                 continue
             for line, kind in zip(block, block_kinds, strict=True):
                 lineno += 1
