@@ -358,13 +358,7 @@ class GpuFeatureWindows:
         self, records: Sequence[NodeBatch | GpuSample | FastGpuSample]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like `process` but returns the closed hops as arrays (slots, hop ends, features)."""
-        samples: list[GpuSample | FastGpuSample] = []
-        for rec in records:
-            if isinstance(rec, NodeBatch):
-                samples.extend(rec.samples)
-            else:
-                samples.append(rec)
-        return self.ingest_samples(samples)
+        return self.ingest_samples(batch_samples(records))
 
     def ingest_samples(
         self, samples: Sequence[GpuSample | FastGpuSample]
@@ -885,6 +879,21 @@ class GpuFeatureWindows:
                 job=job_ranks[i][0], rank=job_ranks[i][1],
             ))
         return out
+
+
+def batch_samples(records: Sequence[NodeBatch | GpuSample | FastGpuSample]
+                  ) -> Sequence[GpuSample | FastGpuSample]:
+    """The samples of GPU telemetry records (samples and node batches), in order: `records`
+    itself when none is a batch (found in one C-level pass over the types, not per record)."""
+    if not any(issubclass(kind, NodeBatch) for kind in set(map(type, records))):
+        return records  # type: ignore[return-value]
+    samples: list[GpuSample | FastGpuSample] = []
+    for rec in records:
+        if isinstance(rec, NodeBatch):
+            samples.extend(rec.samples)
+        else:
+            samples.append(rec)
+    return samples
 
 
 class _SampleJobRanks(Sequence[tuple[str | None, int | None]]):

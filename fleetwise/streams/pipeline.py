@@ -20,14 +20,13 @@ from threadpoolctl import threadpool_limits
 from fleetwise.actuators import ActionPolicy, PolicyConfig
 from fleetwise.catalog import UnknownGpuError, lookup
 from fleetwise.predictors.failure import FailurePredictor
-from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows
+from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows, batch_samples
 from fleetwise.predictors.stragglers import StragglerDetector
 from fleetwise.schemas import (
     Command,
     DeadLetter,
     FeatureVector,
     GpuSample,
-    NodeBatch,
     NodeInventory,
     Plan,
     Prediction,
@@ -285,15 +284,7 @@ class ControlPlane:
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
-            samples: Sequence[GpuSample | FastGpuSample] = good  # type: ignore[assignment]
-            if any(issubclass(t, NodeBatch) for t in types):
-                flat: list[GpuSample | FastGpuSample] = []
-                for r in good:
-                    if isinstance(r, NodeBatch):
-                        flat.extend(r.samples)
-                    else:
-                        flat.append(r)  # type: ignore[arg-type]
-                samples = flat
+            samples = batch_samples(good)  # type: ignore[arg-type]
             self.counts["samples_in"] += len(samples)
             out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
