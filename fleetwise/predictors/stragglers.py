@@ -660,6 +660,8 @@ def _row_state(rec: Any) -> dict[str, Any]:
 
 
 _RUN_KEEP = 8  # factors kept of a rank's current run beyond the slack (a raise reports the last 5)
+
+
 def _is_step_type(kind: type) -> bool:
     """Records of this type are validated steps, with the attributes the detector reads (a
     `TraceLine` here is a step: the replay hands over only those as steps)."""

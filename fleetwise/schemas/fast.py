@@ -154,7 +154,7 @@ class SampleDecoder:
             return [], []
         # Every line starts with "{" and there are as many values as lines: one value a line
         # (two values on one line would leave another line with none, which cannot decode).
-        # numpy finds the newlines ~3x faster than bytes.count.
+        # (numpy checks this ~3x faster than counting newlines and "\n{" with bytes.count)
         chars = np.frombuffer(text, np.uint8)
         newlines = np.flatnonzero(chars == _NEWLINE)
         lines = len(newlines) + (chars[-1] != _NEWLINE)
