@@ -14,6 +14,7 @@ one that never stopped.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -22,14 +23,22 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from aiokafka import TopicPartition
 
 from fleetwise.schemas import topics as T
-from fleetwise.streams.app import STATE_BUCKETS, StreamProcessor, decode_entry, state_partition
+from fleetwise.streams.app import (
+    STATE_BUCKETS,
+    BatchConsumer,
+    StreamProcessor,
+    decode_entry,
+    state_partition,
+)
 from fleetwise.streams.embedded import EmbeddedRuntime
 from fleetwise.streams.kafka_io import (
     Consumed,
@@ -504,6 +513,96 @@ async def test_messages_this_worker_already_applied_are_skipped_when_delivered_a
     assert _counter_value("fleetwise_redelivered_skipped_total") - skipped_before == 50
     assert not same_states(twice.states(), once.states()), same_states(twice.states(), once.states())
     assert twice.features() == once.features()
+
+
+async def test_a_partition_back_from_a_worker_that_saved_it_resumes_from_that_save() -> None:
+    # A saves, applies more, and loses the partitions at a rebalance; B restores A's save,
+    # applies less than A had and saves; the partitions come back to A at the next rebalance.
+    # A must take B's state and offsets (not keep its own applied offsets, which are ahead of
+    # B's save): the messages after B's commit come again and are applied once.
+    events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=100, seed=23))
+    saved_a, saved_b, applied_a = 6 * 50, 6 * 50 + 2 * 37, 6 * 50 + 4 * 37  # 37: Recorder's batch
+    straight = await straight_run(events, (saved_a, saved_b, applied_a))
+
+    table_a = StandInTable()
+    a = Recorder(table_a)
+    await a.feed(events[:saved_a])
+    await a.processor.checkpoint()
+    await a.feed(events[saved_a:applied_a])
+    b = Recorder(StandInTable(table_a.data))
+    await b.feed(events[saved_a:saved_b])  # from A's commit
+    await b.processor.checkpoint()
+    table_a.data.update(b.processor.table.data)  # A's table recovers B's entries
+    await a.feed(events[saved_b:])  # from B's commit
+    assert not same_states(a.states(), straight.states()), same_states(a.states(), straight.states())
+    got, want = a.features() | b.features(), straight.features()
+    assert not differences(got, want), differences(got, want)
+
+
+async def test_a_partition_not_assigned_at_a_checkpoint_is_neither_saved_nor_acked_until_it_is_back() -> None:
+    # A checkpoint during a rebalance (the idle timer fires while the assignment is empty)
+    # must not write a revoked partition's state, nor let its offsets be acked: faust would
+    # commit past what the changelog holds, and the next owner would skip those messages.
+    events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=20, seed=29))
+    recorder = Recorder(StandInTable())
+    processor = recorder.processor
+    await recorder.feed(events)
+    partitions = sorted({e.message.partition for e in events})
+    gone = partitions[0]
+    tp = f"{T.TELEMETRY_GPU.name}:{gone}"
+    last = max(e.message.offset for e in events if e.message.partition == gone)
+    processor.owns = lambda partition: partition != gone
+    assert gone not in processor.begin_round()
+    snapshot = processor.snapshot()
+    assert {p for p, _, _ in snapshot.entries} == set(partitions) - {gone}
+    assert snapshot.ackable(tp, [0, last]) == ([], [0, last])
+    kept = f"{T.TELEMETRY_GPU.name}:{partitions[1]}"
+    assert snapshot.ackable(kept, [0, 1]) == ([0, 1], [])
+
+    processor.owns = lambda partition: True  # the partition came back (nobody else saved it)
+    assert processor.begin_round() == [gone]
+    snapshot = processor.snapshot()
+    assert {p for p, _, _ in snapshot.entries} == {gone}
+    assert snapshot.ackable(tp, [0, last, last + 1]) == ([0, last], [last + 1])
+
+
+async def test_a_fetch_that_starts_past_the_read_offset_is_dropped_and_the_partition_sought_back() -> None:
+    # Records fetched before faust's post-rebalance seek can arrive after it, and records of
+    # a partition paused for recovery are dropped while its position moves on: a batch that
+    # starts past the next offset to read would skip messages for good.
+    tp, gone = TopicPartition("t", 0), TopicPartition("t", 1)
+
+    class StandInConsumer:
+        log = logging.getLogger("test")
+
+        def __init__(self) -> None:
+            self._read_offset: dict = defaultdict(lambda: None)
+            self._reseek_at: dict = {}
+            self.sought: list[tuple] = []
+
+        def assignment(self) -> set:
+            return {tp}
+
+        async def seek(self, partition: TopicPartition, offset: int) -> None:
+            self.sought.append((partition, offset))
+            self._read_offset[partition] = offset
+
+    consumer = StandInConsumer()
+    skipped_ahead = BatchConsumer._skipped_ahead
+    assert not await skipped_ahead(consumer, tp, 500)  # nothing read yet: no expectation
+    consumer._read_offset[tp] = 269
+    assert not await skipped_ahead(consumer, tp, 269)  # faust's seek: read offset = next
+    assert not await skipped_ahead(consumer, tp, 270)  # the next one after the last read
+    assert await skipped_ahead(consumer, tp, 382)
+    assert consumer.sought == [(tp, 269)]
+    # The same gap again from the same read offset: the records are gone (retention), go on.
+    assert not await skipped_ahead(consumer, tp, 382)
+    consumer._read_offset[tp] = 400
+    assert await skipped_ahead(consumer, tp, 450)
+    assert consumer.sought == [(tp, 269), (tp, 400)]
+    consumer._read_offset[gone] = 10  # revoked meanwhile: dropped, no seek on it
+    assert await skipped_ahead(consumer, gone, 20)
+    assert consumer.sought == [(tp, 269), (tp, 400)]
 
 
 def test_state_entries_are_compressed_and_uncompressed_ones_still_read() -> None:

@@ -250,6 +250,9 @@ class StreamProcessor:
         self._place: dict[str, tuple[int, int]] = {}  # inner key -> (partition, bucket)
         self._full_place: dict[str, tuple[tuple[int, int], str]] = {}  # full key -> (place, processor)
         self._last_offset: dict[str, int] = {}  # "topic:partition" -> last offset applied
+        # "topic:partition" -> offset up to which the changelog holds every message's effect
+        # (entries this worker wrote, or restored): input offsets may be acked up to it
+        self._saved: dict[str, int] = {}
         self._written: dict[str, bytes] = {}  # table key -> entry this worker wrote / restored
         self._synced: set[int] = set()  # partitions whose state this worker holds
         # "topic:partition" -> (lo, hi, {bucket: offset}): after a restore, messages up to lo
@@ -296,12 +299,22 @@ class StreamProcessor:
         self._synced.add(partition)
         if not foreign:
             return
+        # Another worker saved this partition since this one last did (it held the partition
+        # meanwhile): the table is the truth now. Every bucket is restored, this worker's own
+        # entries too (its memory may be ahead of them), and the applied offsets become the
+        # entries' own: messages after them are re-delivered from the committed offset and
+        # applied again.
         bucket_offsets: dict[str, dict[int, int]] = {}
-        for b, value in present:  # this worker's own entries count with their offsets too
+        for b, value in present:
             for tp, offset in decode_entry(value)[0].get("offsets", {}).items():
                 bucket_offsets.setdefault(tp, {})[b] = int(offset)
+        suffix = f":{partition}"
+        for tp in [tp for tp in self._last_offset if tp.endswith(suffix)]:
+            del self._last_offset[tp]
+            self._saved.pop(tp, None)
+        self._dirty.discard(partition)
         restored = 0
-        for b, value in foreign:
+        for b, value in present:
             header, blob = decode_entry(value)
             if header.get("features") and self.codec is not None:
                 restored += len(self.codec.restore(header["features"], blob))
@@ -312,12 +325,13 @@ class StreamProcessor:
             key = self.table_key(partition, b)
             self._state_bytes += len(value) - len(self._written.get(key, b""))
             self._written[key] = value
-        log.info("restored partition %d from %d state entries (%d keys)", partition, len(foreign), restored)
+        log.info("restored partition %d from %d state entries (%d keys)", partition, len(present), restored)
         for tp, per_bucket in bucket_offsets.items():
             # A bucket without an entry for tp holds nothing of it: it needs everything.
             offsets = [per_bucket.get(b, -1) for b in range(self.state_buckets)]
             lo, hi = min(offsets), max(offsets)
-            self._last_offset[tp] = max(self._last_offset.get(tp, -1), hi)
+            self._last_offset[tp] = hi
+            self._saved[tp] = lo
             self._replay[tp] = (lo, hi, dict(enumerate(offsets)))
 
     def _keep_replayed(self, records: list[Item], replay: tuple[int, int, dict[int, int]],
@@ -451,7 +465,9 @@ class StreamProcessor:
         sample can change) whose state differs from what was last saved. Sorted."""
         for full in self._changed_small_keys():
             self._dirty.add(self.place(full.partition(":")[2])[0])
-        return sorted(self._dirty)
+        # A partition revoked at a rebalance stays dirty: if it comes back with no newer
+        # entries from another worker, this worker's memory is still its latest state.
+        return sorted(partition for partition in self._dirty if self.owns(partition))
 
     def snapshot(self, partitions: Iterable[int] | None = None) -> Snapshot:
         """Encode the state of every bucket of `partitions` (default: a whole round,
@@ -459,16 +475,17 @@ class StreamProcessor:
         it in the table's local data. The outputs sent so far travel with it: `write` waits
         for them before the entries go to the changelog. Each entry carries its partition's
         last applied offsets, so a partition's inputs may be acked once its own entries are
-        written, whatever the other partitions' state."""
+        written, whatever the other partitions' state: the snapshot's `saved` says up to which
+        offset each input topic-partition's messages are in the changelog once it is written."""
         outputs, self._pending = self._pending, []
-        wanted = set(self.begin_round() if partitions is None else partitions) & self._dirty
-        self._dirty -= wanted
         # A partition revoked at a rebalance belongs to its new owner's state now: writing
         # ours would overwrite what it saved (it restores from the changelog on first sight).
-        dirty = {partition for partition in wanted if self.owns(partition)}
+        dirty = {partition for partition in (self.begin_round() if partitions is None else partitions)
+                 if partition in self._dirty and self.owns(partition)}
+        self._dirty -= dirty
         entries: list[tuple[int, str, bytes]] = []
         if not dirty:
-            return Snapshot(outputs, entries)
+            return Snapshot(outputs, entries, dict(self._saved))
         groups: dict[tuple[int, int], dict[str, list[str]]] = {}
         placed = self._full_place
         for full in self.control.keys():  # noqa: SIM118 - ControlPlane is not a mapping
@@ -482,6 +499,7 @@ class StreamProcessor:
         for partition in sorted(dirty):
             offsets = {tp: off for tp, off in self._last_offset.items()
                        if tp.rpartition(":")[2] == str(partition)}
+            self._saved.update(offsets)
             for bucket in range(self.state_buckets):
                 by_name = groups.get((partition, bucket), {})
                 header: dict[str, Any] = {"offsets": offsets, "features": None, "other": {}}
@@ -503,7 +521,7 @@ class StreamProcessor:
                 entries.append((partition, key, value))
         M.WINDOW_STATE_KEYS.set(len(self._place))
         M.WINDOW_STATE_BYTES.set(self._state_bytes)
-        return Snapshot(outputs, entries)
+        return Snapshot(outputs, entries, dict(self._saved))
 
     async def write(self, snapshot: Snapshot) -> int:
         """Wait until the broker acknowledged the snapshot's outputs, then write its entries
@@ -526,10 +544,18 @@ class StreamProcessor:
 
 
 class Snapshot(NamedTuple):
-    """Output deliveries to wait for, then table entries (partition, key, value) to write."""
+    """Output deliveries to wait for, then table entries (partition, key, value) to write;
+    once they are (and the snapshots before it), the changelog holds the effect of every
+    message of an input "topic:partition" up to `saved[topic:partition]`."""
 
     outputs: list[asyncio.Future]
     entries: list[tuple[int, str, bytes]]
+    saved: dict[str, int]
+
+    def ackable(self, tp: str, offsets: list[int]) -> tuple[list[int], list[int]]:
+        """`offsets` of input `tp` split into (those the snapshot's state covers, the rest)."""
+        upto = self.saved.get(tp, -1)
+        return [o for o in offsets if o <= upto], [o for o in offsets if o > upto]
 
 
 def _observe(topic: str, produced: Sequence[float]) -> None:
@@ -562,6 +588,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
     cancellation (faust cancels the fetcher at a rebalance) so it is applied whole or not at
     all.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reseek_at: dict[Any, int] = {}  # tp -> read offset it was last sought back to
 
     def _new_consumer_thread(self) -> BatchConsumerThread:
         return BatchConsumerThread(self, loop=self.loop, beacon=self.beacon)
@@ -604,6 +634,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
                     batch: list[Any] | None = None
                     if tp.topic in handlers:
+                        if tp_records and await self._skipped_ahead(tp, tp_records[0].offset):
+                            continue
                         batch = []
                         batches.setdefault(tp.topic, []).append((tp, batch))
                     for record in tp_records:
@@ -649,6 +681,25 @@ class BatchConsumer(faust_aiokafka.Consumer):
             raise
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
+
+    async def _skipped_ahead(self, tp: Any, first: int) -> bool:  # pragma: no cover - needs a broker
+        """Whether a fetch of a batch topic starts past the next offset to read, and if so seek
+        the partition back to it (once per read offset). Records fetched before a seek can
+        arrive after it (faust's post-rebalance seek to the committed offsets runs while the
+        fetcher works), and records of a partition paused for table recovery are dropped
+        while its fetch position moves on: handing such a batch over would skip what lies
+        between, for good. The telemetry and steps topics have contiguous offsets; a gap
+        found again at the same read offset (retention deleted the records) is accepted."""
+        read = self._read_offset[tp]
+        if read is None or first <= read + 1 or self._reseek_at.get(tp) == read:
+            return False
+        self._reseek_at[tp] = read
+        if tp in self.assignment():
+            # `read` may be the last offset read (one is re-delivered: the worker skips what
+            # it already applied) or, after faust's seek, the committed one (the next to read).
+            self.log.warning("fetch of %s starts at %d, past read offset %d: seeking back", tp, first, read)
+            await self.seek(tp, read)
+        return True
 
     def ack_offsets(self, tp: Any, offsets: Iterable[int]) -> int:
         """`Consumer.ack` for records known by partition and offset (no message objects):
@@ -861,6 +912,18 @@ def make_app(
             if tp in assigned:
                 consumer.ack_offsets(tp, tp_offsets)
 
+    def take_ackable(snapshot: Snapshot, partitions: set[int] | None) -> dict[Any, list[int]]:
+        """The held offsets (of `partitions`, default all) whose effect the snapshot saves;
+        they leave `held`. Offsets above what it saves stay held for a later step, except
+        those of a partition not assigned now (mid-rebalance, or moved to another worker):
+        faust re-delivers them from the committed offset if the partition comes back."""
+        ackable = {}
+        for tp in [tp for tp in held if partitions is None or tp.partition in partitions]:
+            ackable[tp], rest = snapshot.ackable(f"{unprefix[tp.topic]}:{tp.partition}", held.pop(tp))
+            if rest and processor.owns(tp.partition):
+                held[tp] = rest
+        return ackable
+
     def start_write(snapshot: Snapshot, offsets: dict[Any, list[int]]) -> None:
         previous = writing.pop() if writing else None
         if previous is not None and previous.done():
@@ -882,14 +945,14 @@ def make_app(
             return
         partition = round_left.pop(0)
         snapshot = processor.snapshot([partition])
-        start_write(snapshot, {tp: held.pop(tp) for tp in [tp for tp in held if tp.partition == partition]})
+        start_write(snapshot, take_ackable(snapshot, {partition}))
 
     def checkpoint_all() -> None:
         """Save every changed partition and ack every input now (idle). Call with `lock` held."""
         round_left.clear()
         last_step[0] = time.monotonic()
-        start_write(processor.snapshot(), dict(held))
-        held.clear()
+        snapshot = processor.snapshot()
+        start_write(snapshot, take_ackable(snapshot, None))
 
     async def consume(kafka_topic: str, batches: list[tuple[Any, list[Any]]]) -> None:
         """A fetched batch of telemetry or steps records (BatchConsumer's handler)."""
