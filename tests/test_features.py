@@ -209,6 +209,24 @@ def test_state_round_trip_resumes_identically() -> None:
     assert [o.values for o in got] == [o.values for o in expected]
 
 
+def test_a_forgotten_gpu_continues_like_one_never_seen() -> None:
+    # A worker that restores a partition from older saved state starts over the GPUs that
+    # state lacks, then gets their samples again.
+    rows = [sample(i, gpu=g, **{SBE: float(i // 5), F_XID: 13 if i == 50 else 0})
+            for i in range(200) for g in range(2)]
+    later = [r for r in rows if r["ts"] >= T0 + 60.0 * 120]
+    fresh = windows()
+    fresh.process_dicts([r for r in rows if r["gpu"] == 1])  # GPU 1 only: GPU 0 never seen
+    expected = fresh.process_dicts(later)
+    fw = windows()
+    fw.process_dicts(rows)  # GPU 0 is past every later sample
+    fw.forget("n1/0")
+    assert fw.state("n1/0")["open_hop"] == -1.0
+    got = fw.process_dicts(later)
+    assert [o.values for o in got] == [o.values for o in expected]
+    assert fw.state("n1/0") == fresh.state("n1/0")
+
+
 def test_dcgm_blank_sentinel_is_a_missing_reading() -> None:
     fw = windows()
     mem = "DCGM_FI_DEV_MEMORY_TEMP"

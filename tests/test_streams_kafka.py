@@ -340,14 +340,36 @@ class StandInTable:
 
 
 class StandInMessage:
-    def __init__(self, partition: int, offset: int, value: bytes) -> None:
-        self.topic, self.partition, self.offset, self.value = T.TELEMETRY_GPU.name, partition, offset, value
+    def __init__(self, partition: int, offset: int, value: bytes, topic: str = T.TELEMETRY_GPU.name) -> None:
+        self.topic, self.partition, self.offset, self.value = topic, partition, offset, value
         self.headers, self.timestamp = None, 0.0
 
 
 class StandInEvent:
     def __init__(self, message: StandInMessage) -> None:
         self.message, self.value = message, message.value
+
+
+def step_events(jobs: dict[str, int], minutes: int, ranks: int = 8) -> list[StandInEvent]:
+    """One steps-topic event per rank step of each job (name -> first minute), a step a
+    minute, in time order; partitioned by job, with consecutive offsets per partition."""
+    next_offset: dict[int, int] = {}
+    out = []
+    for minute in range(minutes):
+        for name, first in jobs.items():
+            if minute < first:
+                continue
+            step = minute - first
+            for rank in range(ranks):
+                compute = 2.0 * (1.3 if rank == 3 else 1.0) * (1 + 0.01 * ((step * 7 + rank) % 5))
+                record = {"ts": START_TS + 60 * minute + 0.001 * rank, "job": name, "rank": rank,
+                          "node": f"{name}-node", "gpu": rank, "step": step, "model": "h100-sxm",
+                          "step_time_s": 2.9, "compute_s": round(compute, 6), "samples": 32}
+                p = state_partition(name, T.TELEMETRY_STEPS.partitions)
+                out.append(StandInEvent(StandInMessage(p, next_offset.get(p, 0), json.dumps(record).encode(),
+                                                       topic=T.TELEMETRY_STEPS.name)))
+                next_offset[p] = next_offset.get(p, 0) + 1
+    return out
 
 
 def telemetry_events(batches: list[dict]) -> list[StandInEvent]:
@@ -382,7 +404,7 @@ class Recorder:
 
     async def feed(self, events: list[StandInEvent], batch: int = 37) -> None:
         for i in range(0, len(events), batch):
-            await self.processor.process_events(T.TELEMETRY_GPU.name, events[i:i + batch])
+            await self.processor.process_events(events[i].message.topic, events[i:i + batch])
 
     def features(self) -> set[str]:
         return {canonical_text(v) for t, v in self.sent if t == T.FEATURES.name}
@@ -515,13 +537,36 @@ async def test_messages_this_worker_already_applied_are_skipped_when_delivered_a
     assert twice.features() == once.features()
 
 
-async def test_a_partition_back_from_a_worker_that_saved_it_resumes_from_that_save() -> None:
+def _late_job_name(first: str) -> str:
+    """A job name whose steps share `first`'s partition (so the partition's saved entries
+    exist and lack it)."""
+    partitions = T.TELEMETRY_STEPS.partitions
+    want = state_partition(first, partitions)
+    return next(name for i in range(100) if state_partition(name := f"late-{i}", partitions) == want)
+
+
+@pytest.mark.parametrize("case", ["same-nodes", "node-first-seen-after-b-saved",
+                                  "job-first-seen-after-b-saved"])
+async def test_a_partition_back_from_a_worker_that_saved_it_resumes_from_that_save(case: str) -> None:
     # A saves, applies more, and loses the partitions at a rebalance; B restores A's save,
     # applies less than A had and saves; the partitions come back to A at the next rebalance.
     # A must take B's state and offsets (not keep its own applied offsets, which are ahead of
-    # B's save): the messages after B's commit come again and are applied once.
-    events = telemetry_events(node_batches(nodes=6, gpus=8, ticks=100, seed=23))
-    saved_a, saved_b, applied_a = 6 * 50, 6 * 50 + 2 * 37, 6 * 50 + 4 * 37  # 37: Recorder's batch
+    # B's save): the messages after B's commit come again and are applied once. A node or job
+    # first seen between B's save and what A had applied is not in B's entries: A starts it
+    # over (a job's steps have no duplicate check: kept, they would count twice).
+    if case == "job-first-seen-after-b-saved":
+        # 8 rank steps a minute; the late job's first is the 329th event
+        events = step_events({"job-a": 0, _late_job_name("job-a"): 40}, minutes=60)
+        saved_a, first_late = 8 * 30, 8 * 40 + 8
+    else:
+        batches = node_batches(nodes=7, gpus=8, ticks=100, seed=23)
+        # node-006 joins at tick 65 (its first message is the 397th), or not at all
+        batches = [b for b in batches if b["node"] != "node-006"
+                   or (case != "same-nodes" and b["ts"] >= START_TS + 65 * TICK_S)]
+        events = telemetry_events(batches)
+        saved_a, first_late = 6 * 50, 6 * 65 + 6
+    saved_b, applied_a = saved_a + 2 * 37, saved_a + 4 * 37  # 37: Recorder's batch
+    assert case == "same-nodes" or saved_b < first_late < applied_a
     straight = await straight_run(events, (saved_a, saved_b, applied_a))
 
     table_a = StandInTable()

@@ -87,6 +87,10 @@ class ActionPolicy:
         self._jobs[key] = job
         self._drained_fleet |= job.drained
 
+    def forget(self, key: str) -> None:
+        # Its drained GPUs stay in the fleet count: those drains were issued.
+        self._jobs.pop(key, None)
+
     # -- decisions ---------------------------------------------------------------------------
     def _suppress(self, why: str) -> list[Record]:
         self.suppressed[why] = self.suppressed.get(why, 0) + 1

@@ -316,6 +316,9 @@ class FailurePredictor:
     def restore(self, key: str, state: dict) -> None:
         self._gpu[key] = _GpuAlert(**state)
 
+    def forget(self, key: str) -> None:
+        self._gpu.pop(key, None)
+
 
 def _num(value: float) -> float | None:
     return None if np.isnan(value) else round(float(value), 4)

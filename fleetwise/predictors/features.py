@@ -303,17 +303,11 @@ class GpuFeatureWindows:
             if arr is not None:
                 new[:old] = arr
             return new
-        g = getattr
-        self.acc = grow(g(self, "acc", None), (N_ACC,), 0.0)
-        self.ew = grow(g(self, "ew", None), (N_EW,), 0.0)
-        self.base = grow(g(self, "base", None), (N_COUNTER,), np.nan)  # last counter reading
-        self.last_xid = grow(g(self, "last_xid", None), (), np.nan)
-        self.open_hop = grow(g(self, "open_hop", None), (), -1.0)
-        self.closed_hop = grow(g(self, "closed_hop", None), (), -1.0)
-        self.last_ts = grow(g(self, "last_ts", None), (), -np.inf)
-        self.tdp = grow(g(self, "tdp", None), (), np.nan)
-        self.ts_ring = grow(g(self, "ts_ring", None), (DEDUP_RING,), np.nan)
-        self.phase = grow(g(self, "phase", None), (), 0.0)  # hop grid offset, s (from the key)
+        # acc, ew, base (last counter reading), last_xid, open/closed hop, last_ts, ts_ring
+        for name, (shape, fill) in _FRESH_STATE.items():
+            setattr(self, name, grow(getattr(self, name, None), shape, fill))
+        self.tdp = grow(getattr(self, "tdp", None), (), np.nan)
+        self.phase = grow(getattr(self, "phase", None), (), 0.0)  # hop grid offset, s (from the key)
         self._cap = capacity
 
     def _slot_of(self, node: str, gpu: int, model: str, rack: str | None, site: str | None) -> int:
@@ -425,6 +419,17 @@ class GpuFeatureWindows:
         slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
         for name in STATE_ARRAYS:
             getattr(self, name)[slot] = _from_json(state[name])
+
+    def forget(self, key: str) -> None:
+        """Back to the state of a GPU never seen (its slot, model and TDP stay): for a worker
+        whose memory of it is newer than the saved state it restores, before the messages
+        after that save come again."""
+        slot = self._slot.get(key)
+        if slot is None:
+            return
+        for name, (_shape, fill) in _FRESH_STATE.items():
+            getattr(self, name)[slot] = fill
+        self._job[slot] = self._rank[slot] = None
 
     def export_state(self, keys: Sequence[str]) -> tuple[list[dict], list[tuple], dict[str, np.ndarray]]:
         """`state()` of many keys at once, as arrays: (meta per key, (job, rank) per key,
@@ -927,6 +932,12 @@ def _from_json(value: Any) -> np.ndarray:
 
 # The per-slot arrays (first axis: slot) that hold a GPU's window state besides its meta and job.
 STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring")
+# The state arrays a GPU starts with (shape per GPU, fill value); `tdp` comes from its model.
+_FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
+    "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER,), np.nan),
+    "last_xid": ((), np.nan), "open_hop": ((), -1.0), "closed_hop": ((), -1.0),
+    "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
+}
 
 
 def _ridge_fit(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

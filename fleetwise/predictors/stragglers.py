@@ -205,6 +205,9 @@ class StragglerDetector:
     def restore(self, key: str, state: dict) -> None:
         self._jobs[key] = _JobState.from_state(json.loads(json.dumps(state)), self._keep_recent)
 
+    def forget(self, key: str) -> None:
+        self._jobs.pop(key, None)
+
     # ---- step groups ----
     def _close_group(self, name: str, job: _JobState) -> list[Record]:
         reported = job.pending

@@ -313,19 +313,27 @@ class StreamProcessor:
             del self._last_offset[tp]
             self._saved.pop(tp, None)
         self._dirty.discard(partition)
-        restored = 0
+        restored: set[str] = set()
         for b, value in present:
             header, blob = decode_entry(value)
             if header.get("features") and self.codec is not None:
-                restored += len(self.codec.restore(header["features"], blob))
+                restored.update(f"features:{inner}" for inner in self.codec.restore(header["features"], blob))
             for full, state in header.get("other", {}).items():
                 self.control.restore(full, state)
                 self._small_text[full] = json.dumps(state, sort_keys=True)
-                restored += 1
+                restored.add(full)
             key = self.table_key(partition, b)
             self._state_bytes += len(value) - len(self._written.get(key, b""))
             self._written[key] = value
-        log.info("restored partition %d from %d state entries (%d keys)", partition, len(present), restored)
+        # Keys of this partition the entries lack were first seen after their save: their
+        # messages come again, so they start over.
+        stale = [full for full in self.control.keys()  # noqa: SIM118 - ControlPlane is not a mapping
+                 if full not in restored and self.place(full.partition(":")[2])[0] == partition]
+        for full in stale:
+            self.control.forget(full)
+            self._small_text.pop(full, None)
+        log.info("restored partition %d from %d state entries (%d keys, %d started over)",
+                 partition, len(present), len(restored), len(stale))
         for tp, per_bucket in bucket_offsets.items():
             # A bucket without an entry for tp holds nothing of it: it needs everything.
             offsets = [per_bucket.get(b, -1) for b in range(self.state_buckets)]

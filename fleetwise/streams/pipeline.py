@@ -362,6 +362,11 @@ class ControlPlane:
         name, _, inner = key.partition(":")
         self._processors()[name].restore(inner, state)
 
+    def forget(self, key: str) -> None:
+        """Drop a key's state (back to never seen), e.g. before its inputs are re-delivered."""
+        name, _, inner = key.partition(":")
+        self._processors()[name].forget(inner)
+
 
 def _one_openmp_thread() -> None:
     """The model scores a few hundred GPU-hops per call: OpenMP threads cost more than they
