@@ -690,7 +690,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
 
-    async def _skipped_ahead(self, tp: Any, first: int) -> bool:  # pragma: no cover - needs a broker
+    async def _skipped_ahead(self, tp: Any, first: int) -> bool:
         """Whether a fetch of a batch topic starts past the next offset to read, and if so seek
         the partition back to it (once per read offset). Records fetched before a seek can
         arrive after it (faust's post-rebalance seek to the committed offsets runs while the
