@@ -350,11 +350,22 @@ class StandInEvent:
         self.message, self.value = message, message.value
 
 
-def step_events(jobs: dict[str, int], minutes: int, ranks: int = 8) -> list[StandInEvent]:
-    """One steps-topic event per rank step of each job (name -> first minute), a step a
-    minute, in time order; partitioned by job, with consecutive offsets per partition."""
+def partitioned_events(keyed: Iterable[tuple[str, bytes]], topic: T.Topic) -> list[StandInEvent]:
+    """One event per (key, value), partitioned as the default partitioner would (murmur2 of
+    the key: node or job), with consecutive offsets per partition."""
     next_offset: dict[int, int] = {}
     out = []
+    for key, value in keyed:
+        p = state_partition(key, topic.partitions)
+        out.append(StandInEvent(StandInMessage(p, next_offset.get(p, 0), value, topic=topic.name)))
+        next_offset[p] = next_offset.get(p, 0) + 1
+    return out
+
+
+def step_events(jobs: dict[str, int], minutes: int, ranks: int = 8) -> list[StandInEvent]:
+    """One steps-topic event per rank step of each job (name -> first minute), a step a
+    minute, in time order."""
+    keyed = []
     for minute in range(minutes):
         for name, first in jobs.items():
             if minute < first:
@@ -365,23 +376,13 @@ def step_events(jobs: dict[str, int], minutes: int, ranks: int = 8) -> list[Stan
                 record = {"ts": START_TS + 60 * minute + 0.001 * rank, "job": name, "rank": rank,
                           "node": f"{name}-node", "gpu": rank, "step": step, "model": "h100-sxm",
                           "step_time_s": 2.9, "compute_s": round(compute, 6), "samples": 32}
-                p = state_partition(name, T.TELEMETRY_STEPS.partitions)
-                out.append(StandInEvent(StandInMessage(p, next_offset.get(p, 0), json.dumps(record).encode(),
-                                                       topic=T.TELEMETRY_STEPS.name)))
-                next_offset[p] = next_offset.get(p, 0) + 1
-    return out
+                keyed.append((name, json.dumps(record).encode()))
+    return partitioned_events(keyed, T.TELEMETRY_STEPS)
 
 
 def telemetry_events(batches: list[dict]) -> list[StandInEvent]:
-    """One event per node batch, partitioned as the default partitioner would (murmur2 of
-    the node), with consecutive offsets per partition."""
-    next_offset: dict[int, int] = {}
-    out = []
-    for batch in batches:
-        p = state_partition(batch["node"], T.TELEMETRY_GPU.partitions)
-        out.append(StandInEvent(StandInMessage(p, next_offset.get(p, 0), encode(batch))))
-        next_offset[p] = next_offset.get(p, 0) + 1
-    return out
+    """One telemetry event per node batch."""
+    return partitioned_events(((batch["node"], encode(batch)) for batch in batches), T.TELEMETRY_GPU)
 
 
 class Recorder:
