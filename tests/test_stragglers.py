@@ -10,6 +10,7 @@ import pytest
 from fleetwise.catalog import lookup
 from fleetwise.predictors.stragglers import (
     JOB_WIDE_NODE,
+    StragglerConfig,
     StragglerDetector,
     catalog_speed,
     score_stragglers,
@@ -322,3 +323,32 @@ def test_a_silent_rank_leaves_the_group_after_stale_s():
     early = StragglerDetector()
     early.process([r for r in records if r["ts"] < silent_from + det.config.stale_s - 120.0])
     assert 2 in early.state("llm")["expected"]
+
+
+def test_a_job_silent_for_retire_s_is_retired_and_starts_over():
+    retire_s = StragglerConfig().retire_s
+    first = make_steps(["h100-sxm"] * 6, hours=1.0, seed=15, job="a", slow={2: (600.0, 3600.0, 0.85)})
+    later = T0 + 3600.0 + 1.5 * retire_s  # silent for longer than retire_s (and the sweep's period)
+    again = [dict(r, ts=r["ts"] + later - T0, step=r["step"] + 10_000)
+             for r in make_steps(["h100-sxm"] * 6, hours=1.0, seed=16, job="a")]
+    expected = [r.model_dump() for r in run(first) + run(again)]  # "a" twice, by two detectors
+    assert any(p["alert"] for p in expected if p.get("type") == "straggler")  # one left open
+
+    # By its own record: the second run's first record finds the job silent.
+    alone = StragglerDetector()
+    out = alone.process(first)
+    assert alone.keys() == ["a"]
+    out += alone.process(again) + alone.flush()
+    assert [r.model_dump() for r in out] == expected
+
+    # By the sweep: another job's records move event time on; "a" is dropped before it returns.
+    other = make_steps(["b200"] * 4, hours=(later - T0) / 3600 + 1.0, seed=17, job="b", interval_s=120.0)
+    merged = sorted(first + other + again, key=lambda r: r["ts"])
+    det, out, dropped_at = StragglerDetector(), [], None
+    for i in range(0, len(merged), 50):
+        out += det.process(merged[i:i + 50])
+        if dropped_at is None and det.keys() == ["b"]:
+            dropped_at = merged[i + 49]["ts"]
+    out += det.flush()
+    assert dropped_at is not None and first[-1]["ts"] + retire_s < dropped_at < later
+    assert [r.model_dump() for r in out if r.job == "a"] == expected

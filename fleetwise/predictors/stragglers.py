@@ -22,6 +22,9 @@ split into "network" (step time rises beyond the slowest rank's compute) and "in
 
 Processor contract: ``process`` / ``flush`` / ``keys`` / ``state`` / ``restore``; state is
 per job (key = job name), plain JSON, so a restarted worker resumes with identical output.
+A job silent for ``retire_s`` of event time (default 6 h) is retired: its open step group is
+judged, its open feature windows closed, its state dropped (a job that reports again starts
+over), so the state a long-running worker holds stays that of its recent jobs.
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ class StragglerConfig:
     min_ranks: int = 3  # fewer fresh ranks than this: no cross-rank reference
     min_group: int = 4  # same-model peers needed to use them as the reference
     stale_s: float = 900.0  # a rank silent this long leaves the reference pool
+    # A job silent this long (event time) is retired: its state is dropped, so a worker that
+    # runs for months keeps the jobs of the last hours, not every job it ever saw.
+    retire_s: float = 6 * 3600.0
     window_s: float = 300.0  # per-rank feature window
     jobwide_threshold: float = 0.05  # job-wide slowdown: >= 5% of the step time
     jobwide_records: int = 3  # step groups in a row to raise / clear a job-wide slowdown
@@ -148,6 +154,7 @@ class StragglerDetector:
         self._jobs: dict[str, _JobState] = {}
         self._keep_recent = max(5, self.config.clear_records)
         self._capabilities: dict[str | None, float | None] = {}
+        self._next_sweep = -math.inf  # event time of the next look for silent jobs (not state)
 
     # ---- processor contract ----
     def process(self, records: Sequence[Record | FastTrainingStep | Mapping[str, Any]]) -> list[Record]:
@@ -160,6 +167,7 @@ class StragglerDetector:
             records = list(records)  # read twice below
         if not all(map(_is_step_type, set(map(type, records)))):  # else each a validated step record
             records = [_step_record(raw) for raw in records]
+        retire_s = self.config.retire_s
         name = job = None
         for rec in records:
             if rec.job != name:  # runs of one job's records are common: no lookup for those
@@ -171,7 +179,15 @@ class StragglerDetector:
             if reported is not None and job.pending_step != rec.step:
                 out.extend(self._close_group(name, job))
                 reported = None
-            if reported is None:
+            if reported is None:  # a new step group
+                last = job.last_ts
+                if last is not None and rec.ts - last > retire_s:
+                    # Silent past retire_s: start over, as if the sweep below had retired it.
+                    out.extend(self._retire(name, job))
+                    job = jobs[name] = _JobState()
+                    last = None
+                if last is None or rec.ts > last:
+                    job.last_ts = rec.ts
                 reported = job.pending = {}
                 job.pending_step = rec.step
             # A rank reporting twice for one step: keep the latest.
@@ -181,18 +197,15 @@ class StragglerDetector:
             expected = job.expected
             if expected and len(reported) >= len(expected) and all(map(reported.__contains__, expected)):
                 out.extend(self._close_group(name, job))
+        if records and records[-1].ts >= self._next_sweep:
+            self._sweep(records[-1].ts, out)
         return out
 
     def flush(self) -> list[Record]:
         """End of a replay: judge open step groups and close every open feature window."""
         out: list[Record] = []
         for name in sorted(self._jobs):
-            job = self._jobs[name]
-            out.extend(self._close_group(name, job))
-            for rank in sorted(job.ranks):
-                rs = job.ranks[rank]
-                if self._end_window(name, rank, rs, out):
-                    rs.close_window()
+            out.extend(self._close_job(name, self._jobs[name]))
         return out
 
     def keys(self) -> list[str]:
@@ -208,6 +221,33 @@ class StragglerDetector:
     def forget(self, key: str) -> None:
         self._jobs.pop(key, None)
 
+    # ---- retiring silent jobs ----
+    def _close_job(self, name: str, job: _JobState) -> list[Record]:
+        """Judge the job's open step group and close its ranks' open feature windows."""
+        out = self._close_group(name, job)
+        for rank in sorted(job.ranks):
+            rs = job.ranks[rank]
+            if self._end_window(name, rank, rs, out):
+                rs.close_window()
+        return out
+
+    def _retire(self, name: str, job: _JobState) -> list[Record]:
+        """Close a silent job (`_close_job`) and drop its state. Open alerts are not cleared:
+        the job is gone, there is nothing left to rebalance."""
+        out = self._close_job(name, job)
+        self._jobs.pop(name, None)
+        return out
+
+    def _sweep(self, now: float, out: list[Record]) -> None:
+        """Retire the jobs silent for more than ``retire_s`` before ``now`` (the newest record's
+        event time), in name order; look again a tenth of ``retire_s`` later. A job that
+        reports again after that starts over, as it does when its own record finds it silent."""
+        retire_s = self.config.retire_s
+        self._next_sweep = now + retire_s / 10
+        for name in sorted(name for name, job in self._jobs.items()
+                           if job.last_ts is not None and now - job.last_ts > retire_s):
+            out.extend(self._retire(name, self._jobs[name]))
+
     # ---- step groups ----
     def _close_group(self, name: str, job: _JobState) -> list[Record]:
         reported = job.pending
@@ -219,6 +259,8 @@ class StragglerDetector:
         ranks_reported = sorted(reported)
         rows = list(map(reported.__getitem__, ranks_reported))
         ts = max([row.ts for row in rows])
+        if job.last_ts is None or ts > job.last_ts:
+            job.last_ts = ts
         out: list[Record] = []
         preds: list[Record] = []
 
@@ -582,9 +624,10 @@ class _RankState:
 class _JobState:
     """One job's detector state; ``to_state`` gives the saved JSON layout:
     ``{"ranks": {rank: ...}, "pending": {"step", "records": {rank: row}} | None, "expected": [rank],
-    "jobwide": {"base", "alert", "cause", "run", "clear"}}`` (rank keys as strings in JSON)."""
+    "jobwide": {"base", "alert", "cause", "run", "clear"}, "last_ts": ts}`` (rank keys as strings in
+    JSON)."""
 
-    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline")
+    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline", "last_ts")
 
     def __init__(self) -> None:
         self.ranks: dict[int, _RankState] = {}
@@ -594,6 +637,7 @@ class _JobState:
         self.expected: list[int] = []  # the ranks the open step group waits for
         self.jobwide: dict[str, Any] = {"base": [], "alert": False, "cause": None, "run": 0, "clear": 0}
         self.baseline: _SortedBaseline | None = None  # derived from jobwide["base"]; not saved
+        self.last_ts: float | None = None  # newest event time of the job's records (retiring)
 
     def to_state(self) -> dict[str, Any]:
         pending = None
@@ -601,7 +645,7 @@ class _JobState:
             pending = {"step": self.pending_step,
                        "records": {rank: _row_state(rec) for rank, rec in self.pending.items()}}
         return {"ranks": {rank: rs.to_state() for rank, rs in self.ranks.items()}, "pending": pending,
-                "expected": self.expected, "jobwide": self.jobwide}
+                "expected": self.expected, "jobwide": self.jobwide, "last_ts": self.last_ts}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], keep_recent: int) -> _JobState:
@@ -613,6 +657,8 @@ class _JobState:
             job.pending_step = pending["step"]
         job.expected = state["expected"]
         job.jobwide = state["jobwide"]
+        # (a state saved before jobs were retired has no last_ts: its ranks' newest record)
+        job.last_ts = state.get("last_ts", max((rs.ts for rs in job.ranks.values()), default=None))
         return job
 
 
