@@ -93,7 +93,7 @@ class ControlPlane:
         self.features = GpuFeatureWindows(stagger=self.config.stagger_hops)
         self.failure = FailurePredictor.load() if self.config.failure_predictor else None
         if self.failure is not None:
-            _one_openmp_thread()
+            _one_native_thread()
         self.stragglers = (StragglerDetector(features=self.config.publish_features)
                            if self.config.straggler_detector else None)
         self.policy = ActionPolicy(self.config.policy)
@@ -368,17 +368,19 @@ class ControlPlane:
         self._processors()[name].forget(inner)
 
 
-def _one_openmp_thread() -> None:
-    """The model scores a few hundred GPU-hops per call: OpenMP threads cost more than they
-    give there (35x slower on a busy 2-core machine) and would compete with the stream's own
-    thread. Set once per process, for scikit-learn's OpenMP runtime only."""
-    global _OPENMP_LIMITED
-    if not _OPENMP_LIMITED:
-        threadpool_limits(limits=1, user_api="openmp")
-        _OPENMP_LIMITED = True
+def _one_native_thread() -> None:
+    """The model scores a few hundred GPU-hops per call and the feature windows work on arrays
+    of one chunk: OpenMP and BLAS threads cost more than they give there (35x slower on a busy
+    2-core machine for the model; 3-4% of a replay for BLAS) and would compete with the
+    stream's own thread. Set once per process, for scikit-learn's OpenMP runtime and numpy's
+    and scipy's BLAS."""
+    global _NATIVE_LIMITED
+    if not _NATIVE_LIMITED:
+        threadpool_limits(limits=1)
+        _NATIVE_LIMITED = True
 
 
-_OPENMP_LIMITED = False
+_NATIVE_LIMITED = False
 
 
 def _route_command(cmd: Command) -> list[Routed]:
