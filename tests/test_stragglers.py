@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -352,3 +353,69 @@ def test_a_job_silent_for_retire_s_is_retired_and_starts_over():
     out += det.flush()
     assert dropped_at is not None and first[-1]["ts"] + retire_s < dropped_at < later
     assert [r.model_dump() for r in out if r.job == "a"] == expected
+
+
+@pytest.mark.parametrize("features", [True, False])
+def test_step_groups_judged_together_give_what_judging_each_as_it_closes_gives(features, monkeypatch):
+    # One call with many complete step groups judges a job's groups together (numpy over its
+    # ranks); one record per call judges each group as it closes. Same outputs in the same
+    # order and the same state, to the bit: alerts raised and cleared, a job-wide slowdown,
+    # a rank that moves to another GPU (its groups go one by one), two interleaved jobs.
+    a = make_steps(["h100-sxm"] * 6 + ["a100-sxm-80gb"] * 5, hours=3, seed=21, job="a",
+                   slow={2: (3000.0, 7000.0, 0.85), 8: (1000.0, 1600.0, 0.9)}, network=(5000.0, 6500.0, 1.5))
+    for r in a:
+        if r["rank"] == 4 and r["ts"] > T0 + 4000.0:
+            r["node"] = "node-009"
+    b = make_steps(["b200"] * 4 + ["h100-sxm"] * 3, hours=3, seed=22, job="b", interval_s=45.0,
+                   input_stall=(2000.0, 3000.0, 1.4), slow={5: (6000.0, 9000.0, 0.8)})
+    records = sorted(a + b, key=lambda r: r["ts"])
+    judged_together = []
+    together_path = StragglerDetector._close_groups_together
+
+    def counted(self, *args):
+        judged_together.append(together_path(self, *args))
+        return judged_together[-1]
+
+    monkeypatch.setattr(StragglerDetector, "_close_groups_together", counted)
+    together, alone = StragglerDetector(features=features), StragglerDetector(features=features)
+    out, expected = [], []
+    rng = np.random.default_rng(23)
+    start = 0
+    while start < len(records):  # calls of 40-400 records: runs of groups of every length
+        end = start + int(rng.integers(40, 400))
+        out += together.process(records[start:end])
+        together_count = sum(judged_together)
+        for r in records[start:end]:
+            expected += alone.process([r])
+        assert sum(judged_together) == together_count  # one record a call: each group alone
+        assert [x.model_dump() for x in out] == [x.model_dump() for x in expected]
+        assert {k: together.state(k) for k in together.keys()} == {k: alone.state(k) for k in alone.keys()}
+        start = end
+    assert sum(judged_together) > 0.8 * len(records) / 9  # most groups went together
+    out += together.flush()
+    expected += alone.flush()
+    assert [x.model_dump() for x in out] == [x.model_dump() for x in expected]
+    raised = {(p.job, p.rank) for p in rank_alerts(out)}
+    assert {("a", 2), ("b", 5)} <= raised and any(p.rank is None and p.alert for p in predictions(out))
+    assert any(p.reason == "recovered" for p in predictions(out))
+
+
+@pytest.mark.parametrize("per_call", [1, 200])
+def test_an_alerting_rank_keeps_the_run_it_was_raised_on(per_call):
+    # While a rank alerts its CUSUM and its run of records beyond the slack stand still: the
+    # saved run is the one the raise reported, whether the records come one by one or judged
+    # together.
+    records = make_steps(["h100-sxm"] * 8, hours=2, seed=24, slow={3: (1200.0, 7200.0, 0.85)})
+    det = StragglerDetector()
+    runs = []
+    for start in range(0, len(records), per_call):
+        raised = [p for p in rank_alerts(det.process(records[start:start + per_call])) if p.rank == 3]
+        rank = det.state("llm")["ranks"].get("3")  # (JSON: rank keys as strings)
+        if rank is None:
+            continue
+        if raised:
+            assert rank["alert"]
+            assert raised[0].factor == pytest.approx(statistics.median(rank["run"][-5:]), abs=1e-4)
+        if rank["alert"]:
+            runs.append(rank["run"])
+    assert len(runs) > 3 and all(run == runs[0] for run in runs)

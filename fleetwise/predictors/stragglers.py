@@ -36,8 +36,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from operator import truediv
+from operator import attrgetter, itemgetter, truediv
 from typing import Any
+
+import numpy as np
 
 from fleetwise.catalog import lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
@@ -160,14 +162,21 @@ class StragglerDetector:
     def process(self, records: Sequence[Record | FastTrainingStep | Mapping[str, Any]]) -> list[Record]:
         """Consume step records (event-time order); return FeatureVectors and Predictions.
 
-        The records of a job's open step group are kept as given (not copied) until it closes."""
-        out: list[Record] = []
+        The records of a job's open step group are kept as given (not copied) until it closes.
+        A complete group that leaves the job's ranks as they were (every rank reported, none
+        goes stale) is judged later in the call, together with the job's next such groups
+        (`_close_groups_together`: numpy over the groups' ranks); the outputs come in the order
+        judging each group as it closes gives."""
         jobs = self._jobs
         if not isinstance(records, list | tuple):
             records = list(records)  # read twice below
         if not all(map(_is_step_type, set(map(type, records)))):  # else each a validated step record
             records = [_step_record(raw) for raw in records]
-        retire_s = self.config.retire_s
+        retire_s, stale_s = self.config.retire_s, self.config.stale_s
+        # Outputs keyed by (step group's place in this call, part, rank): see _close_groups_together.
+        held: list[tuple[tuple[int, int, int], list[Record]]] = []
+        deferring: dict[str, _JobState] = {}
+        seq = 0
         name = job = None
         for rec in records:
             if rec.job != name:  # runs of one job's records are common: no lookup for those
@@ -177,13 +186,16 @@ class StragglerDetector:
                     job = jobs[name] = _JobState()
             reported = job.pending
             if reported is not None and job.pending_step != rec.step:
-                out.extend(self._close_group(name, job))
+                seq += 1
+                self._close_now(name, job, seq, held)
                 reported = None
             if reported is None:  # a new step group
                 last = job.last_ts
                 if last is not None and rec.ts - last > retire_s:
                     # Silent past retire_s: start over, as if the sweep below had retired it.
-                    out.extend(self._retire(name, job))
+                    seq += 1
+                    self._run_deferred(name, job, held)
+                    held.append(((seq, 0, -1), self._retire(name, job)))
                     job = jobs[name] = _JobState()
                     last = None
                 if last is None or rec.ts > last:
@@ -196,10 +208,59 @@ class StragglerDetector:
             # step of a job the world size is unknown until the next step).
             expected = job.expected
             if expected and len(reported) >= len(expected) and all(map(reported.__contains__, expected)):
-                out.extend(self._close_group(name, job))
+                seq += 1
+                if len(reported) == len(expected) == len(job.ranks):
+                    # Every rank reported: none goes stale unless the group spans stale_s.
+                    times = list(map(_TS, reported.values()))
+                    newest = max(times)
+                    if min(times) >= newest - stale_s:
+                        job.pending = None
+                        job.deferred.append((seq, reported))
+                        deferring[name] = job
+                        if newest > job.last_ts:
+                            job.last_ts = newest
+                        continue
+                self._close_now(name, job, seq, held)
+        for name, job in deferring.items():
+            self._run_deferred(name, job, held)
         if records and records[-1].ts >= self._next_sweep:
-            self._sweep(records[-1].ts, out)
-        return out
+            swept: list[Record] = []
+            self._sweep(records[-1].ts, swept)
+            held.append(((seq + 1, 0, -1), swept))
+        if len(held) > 1:
+            held.sort(key=_KEY)
+        return [r for _, out in held for r in out]
+
+    def _close_now(self, name: str, job: _JobState, seq: int, held: list) -> None:
+        """Judge the job's open step group now (after its deferred ones)."""
+        self._run_deferred(name, job, held)
+        out = self._close_group(name, job)
+        if out:
+            held.append(((seq, 0, -1), out))
+
+    def _run_deferred(self, name: str, job: _JobState, held: list) -> None:
+        """Judge the job's deferred step groups: runs of them together where they allow it,
+        the others one by one (a job's first groups, before every rank has a noise estimate;
+        a group where a rank moved)."""
+        groups = job.deferred
+        if not groups:
+            return
+        job.deferred = []
+        pending = job.pending
+        refused = 0  # groups in a row that could not start a run judged together
+        while groups:
+            done = 0
+            if len(groups) >= _MIN_TOGETHER and refused < _MAX_REFUSED:
+                done = self._close_groups_together(name, job, groups, held)
+            if done:
+                groups, refused = groups[done:], 0
+                continue
+            refused += 1
+            seq, job.pending = groups.pop(0)
+            out = self._close_group(name, job)
+            if out:
+                held.append(((seq, 0, -1), out))
+        job.pending = pending
 
     def flush(self) -> list[Record]:
         """End of a replay: judge open step groups and close every open feature window."""
@@ -272,8 +333,9 @@ class StragglerDetector:
                 # The rank moved to another GPU (restart, migration): close out the old one.
                 self._end_window(name, rank, rs, out)
                 if rs.alert:
-                    preds.append(self._rank_prediction(name, rank, rs, ts, raise_=False,
-                                                       reason="rank moved to another GPU"))
+                    preds.append(self._rank_prediction(
+                        name, rank, rs, ts, raise_=False, reason="rank moved to another GPU",
+                        factors=list(rs.recent)[-cfg.clear_records:]))
                 rs = None
             if rs is None:
                 rs = ranks[rank] = _RankState.new(row, self._keep_recent)
@@ -359,34 +421,18 @@ class StragglerDetector:
             rs.deficit = deficit
             rs.ref = ref[1]
 
-            # Alert state: a one-sided CUSUM over the deficit raises, a healthy run clears.
-            rs.recent.append(factor)  # a deque: keeps the last few
-            if rs.alert:
-                pred = self._check_clear(name, rank, rs, slack, limit, ts)
-                if pred is not None:
-                    preds.append(pred)
+            # Alert state: a one-sided CUSUM over the deficit raises, a healthy run clears. With
+            # no alert, the CUSUM at 0 and the deficit within the slack there is nothing to judge
+            # (as `_judge` skips such a record): the run beyond the slack is broken.
+            if not rs.alert and rs.cusum == 0.0 and not deficit > slack:
+                rs.recent.append(factor)
+                if rs.run:
+                    rs.run.clear()
                 continue
-            # Cap each increment so one outlier record cannot raise on its own. (This is
-            # cusum = max(0.0, cusum + min(deficit - slack, max_increment)) without two builtin
-            # calls per record: the same comparisons, the same values.)
-            increment = deficit - slack
-            if max_increment < increment:
-                increment = max_increment
-            cusum = rs.cusum + increment
-            if not cusum > 0.0:
-                cusum = 0.0
-            rs.cusum = cusum
-            run = rs.run  # the factors of the current run of records beyond the slack (a deque)
-            if deficit > slack:
-                run.append(factor)
-            elif run:
-                run.clear()
-            if cusum >= limit and len(run) >= cfg.min_consecutive:
-                rs.alert = True
-                rs.clear_run = 0
-                preds.append(self._rank_prediction(name, rank, rs, ts, raise_=True,
-                                                   reason="slower than its GPU model should be",
-                                                   slack=slack, limit=limit))
+            judged = self._judge(name, rank, rs, [factor], [deficit], [0] if deficit > slack else [],
+                                 [slack], [limit], [max_increment], [ts])
+            if judged:
+                preds.append(judged[0][1])
 
         jw = self._job_wide(name, job, rows, row_states, ts)
         if jw is not None:
@@ -420,28 +466,224 @@ class StragglerDetector:
             refs[model] = prior
         return refs
 
-    # ---- per-rank alerts ----
-    def _check_clear(self, name: str, rank: int, rs: _RankState, slack: float, limit: float,
-                     ts: float) -> Prediction | None:
-        """An alerting rank's clear: on the mean deficit of its last few records against half
-        the slack, so a rank hovering near the slack does not clear and re-raise (hysteresis)."""
+    def _close_groups_together(self, name: str, job: _JobState, groups: list[tuple[int, dict]],
+                               held: list) -> int:
+        """Judge the leading run of a job's deferred step groups at once, each rank's records as a
+        column of numpy arrays; returns how many groups it judged: those before the first where
+        a rank is not on the GPU or model it had or has no speed factor, or 0 (nothing changed)
+        when fewer than `_MIN_TOGETHER` or a rank has no noise estimate yet. Gives what
+        `_close_group` gives group by group, to the bit: the same float
+        operations in the same order (costs, medians, logs, the noise EWMA), the per-rank CUSUM
+        and alerts by `_judge`. Outputs go to ``held`` keyed (group, part, rank), the parts in
+        `_close_group`'s order: closed feature windows, rank predictions, the job-wide one."""
         cfg = self.config
-        rs.clear_run = min(rs.clear_run + 1, cfg.clear_records)
-        tail = [-math.log(f) for f in list(rs.recent)[-cfg.clear_records:]]
-        if rs.clear_run >= cfg.clear_records and sum(tail) / len(tail) < slack / 2:
-            pred = self._rank_prediction(name, rank, rs, ts, raise_=False, reason="recovered",
-                                         slack=slack, limit=limit)
-            rs.alert, rs.cusum, rs.clear_run = False, 0.0, 0
-            rs.run.clear()
-            return pred
-        return None
+        ranks = job.expected  # sorted; every deferred group has exactly these ranks
+        states = [job.ranks[rank] for rank in ranks]
+        n_ranks = len(ranks)
+        caps = [self._capability(rs.model) for rs in states]
+        if (n_ranks < cfg.min_ranks or not all(caps)
+                or any(rs.noise is None or rs.deficit is None for rs in states)):
+            return 0
+        # The leading groups whose ranks stay on their GPUs with their models (else one by one).
+        rows = [group[rank] for _, group in groups for rank in ranks]  # group-major
+        usable = len(groups)
+        for attribute, get in (("node", _NODE), ("gpu", _GPU), ("model", _MODEL)):
+            mine = [getattr(rs, attribute) for rs in states] * usable
+            got = list(map(get, rows[:usable * n_ranks]))
+            if got != mine:
+                usable = next(i for i, (a, b) in enumerate(zip(got, mine, strict=True)) if a != b) // n_ranks
+        if usable < _MIN_TOGETHER:
+            return 0
+        groups, rows = groups[:usable], rows[:usable * n_ranks]
+        n_groups = usable
+        shape, n = (n_groups, n_ranks), n_groups * n_ranks
+        times = np.fromiter(map(_TS, rows), np.float64, n).reshape(shape)
+        step = np.fromiter(map(_STEP_TIME, rows), np.float64, n).reshape(shape)
+        compute = np.fromiter(map(_COMPUTE, rows), np.float64, n).reshape(shape)
+        work = np.array([row.samples or row.micro_batch or 1 for row in rows], np.float64).reshape(shape)
+        costs = compute * np.array(caps) / work  # as (compute_s * cap) / work per record
+        costed = (costs > 0.0).all(axis=1)  # a record without a cost has no factor: one by one
+        if not costed.all():
+            n_groups = int(np.argmin(costed))
+            if n_groups < _MIN_TOGETHER:
+                return 0
+            groups, shape = groups[:n_groups], (n_groups, n_ranks)
+            times, step = times[:n_groups], step[:n_groups]
+            compute, costs = compute[:n_groups], costs[:n_groups]
+            n = n_groups * n_ranks
+
+        # Each group's reference cost per rank (its model's peers, or the job's median).
+        group_ts = times.max(axis=1)
+        models: dict[str, list[int]] = {}
+        for col, rs in enumerate(states):
+            models.setdefault(rs.model, []).append(col)  # type: ignore[arg-type]
+        refs = np.empty(shape)
+        labels: list[str] = [""] * n_ranks
+        prior = None
+        for cols in models.values():
+            if len(cols) >= cfg.min_group:
+                refs[:, cols] = _row_medians(costs[:, cols])[:, None]
+                label = f"{len(cols)} same-model peers"
+            else:
+                if prior is None:
+                    prior = _row_medians(costs)
+                refs[:, cols] = prior[:, None]
+                label = f"catalog prior over {n_ranks} ranks"
+            for col in cols:
+                labels[col] = label
+        factors = refs / costs
+        deficits = -np.fromiter(map(math.log, factors.ravel().tolist()), np.float64, n).reshape(shape)
+
+        # The noise EWMA (each group's sigma is the median noise before it), slack and limit.
+        previous = np.vstack([[rs.deficit for rs in states], deficits[:-1]])
+        jumps = np.abs(deficits - previous)
+        noise = np.array([rs.noise for rs in states], np.float64)
+        noise_before = np.empty(shape)
+        keep_alpha, alpha = 1 - cfg.noise_alpha, cfg.noise_alpha
+        for g in range(n_groups):
+            noise_before[g] = noise
+            noise = keep_alpha * noise + alpha * jumps[g]
+        sigma = np.maximum(cfg.noise_floor, _row_medians(noise_before) * _ABS_DIFF_TO_SIGMA)
+        slack = np.maximum(cfg.cusum_slack, cfg.noise_slack_z * sigma)
+        limit = np.maximum(cfg.cusum_limit, cfg.noise_limit_z * sigma)
+        max_increment = limit / cfg.min_consecutive
+        above = deficits > slack[:, None]
+
+        seqs = [seq for seq, _ in groups]
+        slacks, limits, max_increments, ts_list = (
+            slack.tolist(), limit.tolist(), max_increment.tolist(), group_ts.tolist())
+        window_s = cfg.window_s
+        starts = np.floor(times / window_s) * window_s  # as floor(ts / window_s) * window_s
+        shared_bounds = None
+        if (starts == starts[:, :1]).all():  # the usual case: one window start per group
+            shared_bounds = _segments(starts[:, 0])
+        f_cols, c_cols, d_cols = factors.T.tolist(), costs.T.tolist(), deficits.T.tolist()
+        step_cols, compute_cols = step.T.tolist(), compute.T.tolist()
+        which, where = np.nonzero(above.T)  # each rank's records beyond the slack, rank by rank
+        above_ends, above_all = np.cumsum(np.bincount(which, minlength=n_ranks)).tolist(), where.tolist()
+        last_times, noises = times[-1].tolist(), noise.tolist()
+        for col, (rank, rs) in enumerate(zip(ranks, states, strict=True)):
+            f_col, c_col = f_cols[col], c_cols[col]
+            segments = shared_bounds or _segments(starts[:, col])
+            if self.features:
+                self._extend_windows(name, rank, rs, segments, step_cols[col], compute_cols[col], f_col,
+                                     c_col, seqs, held)
+            else:
+                _extend_windows_quietly(rs, segments, step_cols[col], compute_cols[col], f_col, c_col)
+            rs.cap, rs.ref = caps[col], labels[col]
+            judged = self._judge(name, rank, rs, f_col, d_cols[col],
+                                 above_all[above_ends[col - 1] if col else 0:above_ends[col]],
+                                 slacks, limits, max_increments, ts_list)
+            for g, pred in judged:
+                held.append(((seqs[g], 1, rank), [pred]))
+            rs.ts, rs.cost, rs.deficit, rs.noise = last_times[col], c_col[-1], d_cols[col][-1], noises[col]
+
+        # Job-wide: each group's median cost, median step time and unhidden communication.
+        step_med = _row_medians(step).tolist()
+        comm = np.maximum(0.0, _row_medians(step) - compute.max(axis=1)).tolist()
+        cost_med = _row_medians(costs).tolist()
+        for g in range(n_groups):
+            pred = self._job_wide_step(name, job, cost_med[g], step_med[g], comm[g], ts_list[g])
+            if pred is not None:
+                held.append(((seqs[g], 2, 0), [pred]))
+        return n_groups
+
+    def _extend_windows(self, name: str, rank: int, rs: _RankState, segments: list[tuple[int, int, float]],
+                        step: list[float], compute: list[float], factors: list[float], costs: list[float],
+                        seqs: list[int], held: list) -> None:
+        """A rank's records into its feature windows, a run of records of one window at a time:
+        a record of a new window closes the previous one (its FeatureVector keyed to that group)."""
+        for first, end, start in segments:
+            if rs.win_start != start:
+                if rs.win_start is not None:
+                    closed: list[Record] = []
+                    self._end_window(name, rank, rs, closed)
+                    if closed:
+                        held.append(((seqs[first], 0, rank), closed))
+                rs.open_window(start)
+            rs.win_step.extend(step[first:end])
+            rs.win_compute.extend(compute[first:end])
+            rs.win_factor.extend(factors[first:end])
+            rs.win_cost.extend(costs[first:end])
+
+    # ---- per-rank alerts ----
+    def _judge(self, name: str, rank: int, rs: _RankState, factors: list[float], deficits: list[float],
+               above: list[int], slacks: list[float], limits: list[float], max_increments: list[float],
+               times: list[float]) -> list[tuple[int, Prediction]]:
+        """A rank's alert state over its next records, in order: a one-sided CUSUM over the
+        deficit raises (each increment capped, so one outlier record cannot raise on its own,
+        and ``min_consecutive`` records beyond the slack in a row), the mean deficit of the last
+        ``clear_records`` records under half the slack clears (hysteresis: a rank hovering near
+        the slack does not clear and re-raise). Each record comes with its step group's slack,
+        limit, increment cap and time; ``above``: the indices of the records whose deficit
+        exceeds the slack, in order. Returns (record index, prediction) pairs and leaves the
+        rank's state as after the last record.
+
+        Records where nothing can change (no alert, the CUSUM at 0, the deficit within the
+        slack: the CUSUM stays 0 and the run of records beyond the slack is broken) are skipped,
+        so a healthy rank costs a few steps per record beyond its slack."""
+        cfg = self.config
+        min_consecutive, clear_records = cfg.min_consecutive, cfg.clear_records
+        recent0, run0 = rs.recent, rs.run  # as they were before these records (updated at the end)
+        cusum, alert, clear_run = rs.cusum, rs.alert, rs.clear_run
+        run = len(run0)  # the length of the run deque: records beyond the slack in a row, <= _RUN_KEEP
+        run_end = -1  # the run's last record (-1: before these; an alert freezes the run)
+        judged: list[tuple[int, Prediction]] = []
+        n, n_above, k, i = len(factors), len(above), 0, 0
+        while i < n:
+            if not alert and cusum == 0.0:
+                while k < n_above and above[k] < i:
+                    k += 1
+                if k == n_above:  # no record beyond the slack from i on
+                    run = 0
+                    break
+                if above[k] > i:
+                    run = 0
+                i = above[k]
+            if alert:
+                clear_run = min(clear_run + 1, clear_records)
+                if clear_run >= clear_records:
+                    tail = [-math.log(f) for f in _last(recent0, factors, i, clear_records)]
+                    if sum(tail) / len(tail) < slacks[i] / 2:
+                        judged.append((i, self._rank_prediction(
+                            name, rank, rs, times[i], raise_=False, reason="recovered",
+                            factors=_last(recent0, factors, i, clear_records),
+                            slack=slacks[i], limit=limits[i])))
+                        alert, cusum, clear_run, run = False, 0.0, 0, 0
+                i += 1
+                continue
+            deficit, slack = deficits[i], slacks[i]
+            increment = deficit - slack
+            if max_increments[i] < increment:
+                increment = max_increments[i]
+            cusum += increment
+            if not cusum > 0.0:
+                cusum = 0.0
+            run, run_end = (min(run + 1, _RUN_KEEP) if deficit > slack else 0), i
+            if cusum >= limits[i] and run >= min_consecutive:
+                alert, clear_run = True, 0
+                judged.append((i, self._rank_prediction(
+                    name, rank, rs, times[i], raise_=True, reason="slower than its GPU model should be",
+                    factors=_last(run0, factors, i, min(run, 5)), cusum=cusum,
+                    slack=slack, limit=limits[i])))
+            i += 1
+        rs.cusum, rs.alert, rs.clear_run = cusum, alert, clear_run
+        if not run:
+            run0.clear()
+        elif run_end >= 0:  # (else the run is as before: an alert froze it)
+            run_now = _last(run0, factors, run_end, run)
+            run0.clear()
+            run0.extend(run_now)
+        recent0.extend(factors)  # (a deque of the last few)
+        return judged
 
     def _rank_prediction(self, name: str, rank: int, rs: _RankState, ts: float, *, raise_: bool,
-                         reason: str, slack: float | None = None, limit: float | None = None
-                         ) -> Prediction:
-        recent = list(rs.run)[-5:] if raise_ and rs.run else list(rs.recent)[-self.config.clear_records:]
-        factor = round(_median(recent), 4) if recent else None
-        probability = min(1.0, rs.cusum / limit) if raise_ and limit else 0.0
+                         reason: str, factors: list[float], cusum: float = 0.0,
+                         slack: float | None = None, limit: float | None = None) -> Prediction:
+        """``factors``: the records the reported factor is the median of (a raise: the run beyond
+        the slack, at most 5; a clear: the last few)."""
+        factor = round(_median(factors), 4) if factors else None
+        probability = min(1.0, cusum / limit) if raise_ and limit else 0.0
         signals = [
             Signal(name="speed_factor", value=factor, weight=1.0),
             Signal(name="model", value=rs.model),
@@ -467,7 +709,14 @@ class StragglerDetector:
         # Communication the slowest rank could not hide: a straggler raises step time and
         # the slowest compute together (unchanged), a slow network raises only this.
         comm = max(0.0, step - max([row.compute_s for row in rows]))
-        cost = _median(costs)
+        return self._job_wide_step(name, job, _median(costs), step, comm, ts)
+
+    def _job_wide_step(self, name: str, job: _JobState, cost: float, step: float, comm: float,
+                       ts: float) -> Prediction | None:
+        """One step group's median cost, median step time and communication time against the
+        job's rolling baseline: a raise after ``jobwide_records`` slow groups, a clear after as
+        many healthy ones."""
+        cfg = self.config
         jw = job.jobwide
         base = jw["base"]
         baseline = job.baseline
@@ -522,7 +771,7 @@ class StragglerDetector:
         step, compute = rs.win_step, rs.win_compute
         if rs.win_start is None or not step:
             return False
-        cost = _median(rs.win_cost) if rs.win_cost else None
+        cost = _window_cost(rs.win_cost)
         trend = cost / rs.prev_cost - 1.0 if cost and rs.prev_cost else None
         rs.prev_cost = cost
         if not self.features:
@@ -627,7 +876,7 @@ class _JobState:
     "jobwide": {"base", "alert", "cause", "run", "clear"}, "last_ts": ts}`` (rank keys as strings in
     JSON)."""
 
-    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline", "last_ts")
+    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline", "last_ts", "deferred")
 
     def __init__(self) -> None:
         self.ranks: dict[int, _RankState] = {}
@@ -638,6 +887,8 @@ class _JobState:
         self.jobwide: dict[str, Any] = {"base": [], "alert": False, "cause": None, "run": 0, "clear": 0}
         self.baseline: _SortedBaseline | None = None  # derived from jobwide["base"]; not saved
         self.last_ts: float | None = None  # newest event time of the job's records (retiring)
+        # complete step groups judged later in the same `process` call: (place, rank -> record)
+        self.deferred: list[tuple[int, dict[int, Any]]] = []
 
     def to_state(self) -> dict[str, Any]:
         pending = None
@@ -708,7 +959,64 @@ def _row_state(rec: Any) -> dict[str, Any]:
     }
 
 
+_MIN_TOGETHER = 4  # deferred step groups of a job from which judging them together pays off
+_MAX_REFUSED = 3  # groups one by one in a row after which the rest of a call's go one by one
+_KEY = itemgetter(0)
+_TS, _NODE, _GPU, _MODEL = attrgetter("ts"), attrgetter("node"), attrgetter("gpu"), attrgetter("model")
+_STEP_TIME, _COMPUTE = attrgetter("step_time_s"), attrgetter("compute_s")
+
+
+def _window_cost(costs: list[float]) -> float | None:
+    """A closed window's median cost (the next window's trend is against it)."""
+    return _median(costs) if costs else None
+
+
+def _extend_windows_quietly(rs: _RankState, segments: list[tuple[int, int, float]], step: list[float],
+                            compute: list[float], factors: list[float], costs: list[float]) -> None:
+    """`StragglerDetector._extend_windows` without FeatureVectors: the same state, reached
+    without the windows that open and close within these records, of which only the last
+    closed one's median cost stays (as ``prev_cost``)."""
+    carried = rs.win_start == segments[0][2]  # the first records continue the open window
+    if not carried and rs.win_start is not None and rs.win_step:
+        rs.prev_cost = _window_cost(rs.win_cost)
+    if len(segments) > 1:
+        first, end, _ = segments[-2]
+        last_closed = costs[first:end]
+        in_window = rs.win_cost + last_closed if carried and len(segments) == 2 else last_closed
+        rs.prev_cost = _window_cost(in_window)
+        carried = False
+    first, end, start = segments[-1]
+    if not carried:
+        rs.open_window(start)
+    rs.win_step.extend(step[first:end])
+    rs.win_compute.extend(compute[first:end])
+    rs.win_factor.extend(factors[first:end])
+    rs.win_cost.extend(costs[first:end])
+
+
+def _row_medians(values: np.ndarray) -> np.ndarray:
+    """Each row's median as `_median` gives it: the middle value, or (lower + upper) / 2."""
+    ordered = np.sort(values, axis=1)
+    mid = ordered.shape[1] // 2
+    return ordered[:, mid] if ordered.shape[1] % 2 else (ordered[:, mid - 1] + ordered[:, mid]) / 2.0
+
+
+def _segments(starts: np.ndarray) -> list[tuple[int, int, float]]:
+    """(first, end, value) of each run of equal values."""
+    cuts = [0, *(np.flatnonzero(starts[1:] != starts[:-1]) + 1).tolist(), len(starts)]
+    values = starts.tolist()
+    return [(a, b, values[a]) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
 _RUN_KEEP = 8  # factors kept of a rank's current run beyond the slack (a raise reports the last 5)
+
+
+def _last(head: Iterable[float], values: list[float], i: int, k: int) -> list[float]:
+    """The last ``k`` of ``head`` followed by ``values[:i + 1]`` (all of them when fewer),
+    without reading ``head`` when ``values`` has enough."""
+    if k <= i + 1:
+        return values[i + 1 - k:i + 1]
+    return (list(head) + values[:i + 1])[-k:]
 
 
 def _is_step_type(kind: type) -> bool:
