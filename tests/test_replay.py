@@ -293,3 +293,27 @@ def test_replay_cli_writes_features_with_staggered_hops_unless_aligned_asked(sma
         ends[bool(flag)] = {v["ts"] % 600 for v in gpu}
     assert ends[True] == {0.0}  # aligned: every GPU's hop ends on the 600 s grid
     assert len(ends[False]) > 3  # staggered (default): hop ends spread over the hop
+
+
+def test_step_records_go_in_calls_of_step_chunk_until_another_line_flushes_them(monkeypatch):
+    # GPU records are handed over at every CHUNK of lines; step records wait for STEP_CHUNK of
+    # them (the straggler detector judges a call's step groups together), except where a line
+    # of neither topic or the end of the input flushes both. Each topic keeps its file order.
+    import fleetwise.streams.embedded as embedded
+
+    monkeypatch.setattr(embedded, "CHUNK", 5)
+    monkeypatch.setattr(embedded, "STEP_CHUNK", 12)
+    lines = [line for line in mixed_lines() if b"hello" not in line and b"not json" not in line]
+    other = len(lines) // 2
+    lines.insert(other, json.dumps({"kind": "inventory", "node": "n1", "gpus": []}).encode())
+    runtime = EmbeddedRuntime()
+    calls = fed_calls(runtime)
+    runtime.feed_lines(lines, "t")
+    runtime.finish()
+    steps = [items for topic, items in calls if topic == T.TELEMETRY_STEPS.name]
+    gpu = [items for topic, items in calls if topic == T.TELEMETRY_GPU.name]
+    assert all(len(items) <= 5 for items in gpu) and len(gpu) > 10
+    # Step calls: at least 12 each but the one flushed by the inventory line and the last.
+    assert sum(len(items) < 12 for items in steps) <= 2 and len(steps) >= 4
+    numbers = [i[3] for items in steps for i in items if i[0] != "dead"]
+    assert numbers == sorted(numbers) and len(numbers) == 60

@@ -25,6 +25,9 @@ from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, R
 # Consecutive records of one topic are handed over in chunks: Python overhead per chunk,
 # not per record (the processors vectorise inside a chunk).
 CHUNK = 16384
+# Step records are handed over in larger calls: the straggler detector judges a job's step
+# groups of one call together (numpy over its ranks), which pays off from ~30 groups a job.
+STEP_CHUNK = 32768
 # Lines read at a time: they are sorted per topic with C-level slices, not one by one.
 BLOCK_LINES = 8192
 # Bytes of (decompressed) trace read at a time: a block of GPU sample and step lines is
@@ -153,13 +156,15 @@ class EmbeddedRuntime:
         """Replay lines (samples, batches, steps, inventories, plans) in file order, given in
         lists of consecutive lines (with or without their newline) or as `DecodedLines`.
 
-        GPU telemetry and step lines are buffered per topic and handed over CHUNK lines at a
-        time (GPU and step lines together), GPU lines first: each topic's processors see their
+        GPU telemetry and step lines are buffered per topic and decoded CHUNK lines at a time
+        (GPU and step lines together), GPU lines first; the GPU records are handed over then,
+        the step records once STEP_CHUNK of them are held: each topic's processors see their
         records in file order, in calls large enough for the fast path (one msgspec call per
-        buffer) and the vectorised windows to pay off. The two topics are independent, as on
-        Kafka, where each has its own consumer. Any other line first flushes both buffers,
-        then goes alone. A block of GPU and step lines only is sorted into the buffers with
-        C-level slices; one with any other line (or a blank one) goes line by line."""
+        buffer), the vectorised windows and the straggler detector's step groups to pay off.
+        The two topics are independent, as on Kafka, where each has its own consumer. Any
+        other line first flushes both buffers (step records too), then goes alone. A block of
+        GPU and step lines only is sorted into the buffers with C-level slices; one with any
+        other line (or a blank one) goes line by line."""
         gpu_lines: list[bytes] = []  # lines not decoded yet
         step_lines: list[bytes] = []
         gpu_items: list[Item] = []  # decoded, not handed over yet
@@ -181,13 +186,13 @@ class EmbeddedRuntime:
             first += len(kinds)
             kinds = []
 
-        def flush() -> None:
+        def flush(steps: bool = True) -> None:
             nonlocal buffered, gpu_items, step_items
             decode_held()
             if gpu_items:
                 self.feed(T.TELEMETRY_GPU.name, gpu_items)
                 gpu_items = []
-            if step_items:
+            if step_items and (steps or len(step_items) >= STEP_CHUNK):
                 self.feed(T.TELEMETRY_STEPS.name, step_items)
                 step_items = []
             buffered = 0
@@ -207,7 +212,7 @@ class EmbeddedRuntime:
                     kinds.extend(part_is_gpu)
                 buffered += stop - start
                 if buffered >= CHUNK:
-                    flush()
+                    flush(steps=False)
                 start = stop
 
         lineno = blank = 0  # lines so far; blank ones among them
@@ -233,7 +238,7 @@ class EmbeddedRuntime:
                     kinds.append(kind)
                     buffered += 1
                     if buffered >= CHUNK:
-                        flush()
+                        flush(steps=False)
                     continue
                 if line.isspace() or not line:
                     blank += 1
