@@ -269,7 +269,7 @@ def test_trace_text_is_refused_unless_every_line_is_one_sample_or_step_the_fast_
         "inventory": text(json.dumps({"ts": 1.0, "node": "n1", "gpus": []}).encode()),
         "not json": text(b"{not json"),
         **{f"step without {k}": text(json.dumps({f: v for f, v in step.items() if f != k}).encode())
-           for k in ("job", "rank", "step", "compute_s")},
+           for k in ("job", "rank", "step", "compute_s", "step_time_s")},
         "step empty job": text(json.dumps({**step, "job": ""}).encode()),
         "step compute > 1.5x": text(json.dumps({**step, "compute_s": 2.0}).encode()),
         "step time 0": text(json.dumps({**step, "step_time_s": 0}).encode()),

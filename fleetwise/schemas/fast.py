@@ -173,8 +173,7 @@ class SampleDecoder:
             models = set(map(_MODEL, samples))
             if None in models or "" in models or max(map(_GPU, samples)) > MAX_GPU_INDEX:
                 return None
-        steps = compress(records, map(not_, is_sample))
-        if len(samples) < len(records) and not all(map(_trace_step_ok, steps)):
+        if len(samples) < len(records) and not _trace_steps_ok(list(compress(records, map(not_, is_sample)))):
             return None
         return records, is_sample
 
@@ -203,10 +202,21 @@ _GPU = attrgetter("gpu")
 MAX_GPU_INDEX = 1023  # as `GpuSample.gpu`
 
 
-def _trace_step_ok(line: TraceLine) -> bool:
-    """A step line decoded as a `TraceLine`: has what `FastTrainingStep` requires, and its rule."""
-    return (bool(line.job) and line.rank is not None and line.step is not None
-            and line.compute_s is not msgspec.UNSET and _step_ok(line))  # type: ignore[arg-type]
+def _trace_steps_ok(steps: list[TraceLine]) -> bool:
+    """Step lines decoded as `TraceLine`s: each has what `FastTrainingStep` requires (a step
+    time, a compute time, a job, a rank, a step) and `_step_ok`'s rule, checked column by column."""
+    step_times, computes = list(map(_STEP_TIME, steps)), list(map(_COMPUTE, steps))
+    if msgspec.UNSET in step_times or msgspec.UNSET in computes:
+        return False
+    jobs = list(map(_JOB, steps))
+    if None in jobs or "" in jobs or None in map(_RANK, steps) or None in map(_STEP_NUMBER, steps):
+        return False
+    # (the same comparison as _step_ok's, on the same doubles)
+    return bool((np.array(computes) <= np.array(step_times) * 1.5).all())
+
+
+_STEP_TIME, _COMPUTE = attrgetter("step_time_s"), attrgetter("compute_s")
+_JOB, _RANK, _STEP_NUMBER = attrgetter("job"), attrgetter("rank"), attrgetter("step")
 
 
 def _json_list(items: Sequence[bytes]) -> bytes:
