@@ -472,10 +472,10 @@ class StragglerDetector:
         column of numpy arrays; returns how many groups it judged: those before the first where
         a rank is not on the GPU or model it had or has no speed factor, or 0 (nothing changed)
         when fewer than `_MIN_TOGETHER` or a rank has no noise estimate yet. Gives what
-        `_close_group` gives group by group, to the bit: the same float
-        operations in the same order (costs, medians, logs, the noise EWMA), the per-rank CUSUM
-        and alerts by `_judge`. Outputs go to ``held`` keyed (group, part, rank), the parts in
-        `_close_group`'s order: closed feature windows, rank predictions, the job-wide one."""
+        `_close_group` gives group by group, to the bit: the same float operations in the same
+        order (costs, medians, logs, the noise EWMA), the per-rank CUSUM and alerts by `_judge`.
+        Outputs go to ``held`` keyed (group, part, rank), the parts in `_close_group`'s order:
+        closed feature windows, rank predictions, the job-wide one."""
         cfg = self.config
         ranks = job.expected  # sorted; every deferred group has exactly these ranks
         states = [job.ranks[rank] for rank in ranks]
