@@ -226,22 +226,37 @@ def test_trace_text_decodes_one_record_per_line_as_the_sample_and_step_paths_do(
                  line(metrics={"DCGM_FI_DEV_XID_ERRORS": 79})]
     step_lines = [json.dumps(step).encode(), json.dumps({**step, "rank": 1, "micro_batch": 2}).encode()]
     lines = [gpu_lines[0], step_lines[0], gpu_lines[1], step_lines[1], gpu_lines[2]]
+    want_samples = SAMPLE_DECODER.columns([SAMPLE_DECODER.sample(raw) for raw in gpu_lines])
     for text in (b"\n".join(lines), b"\n".join(lines) + b"\n", b"\r\n".join(lines)):
-        records, is_gpu = SAMPLE_DECODER.trace_lines(text)
+        samples, steps, is_gpu = SAMPLE_DECODER.trace_lines(text)
         assert is_gpu == [True, False, True, False, True]
-        samples = [r for r, g in zip(records, is_gpu, strict=True) if g]
-        for record, raw in zip(samples, gpu_lines, strict=True):
-            want = SAMPLE_DECODER.sample(raw)
-            assert [getattr(record, f) for f in want.__struct_fields__ if f != "metrics"] == \
-                [getattr(want, f) for f in want.__struct_fields__ if f != "metrics"]
-        rows, want_rows = SAMPLE_DECODER.metric_rows(samples), SAMPLE_DECODER.metric_rows(
-            [SAMPLE_DECODER.sample(raw) for raw in gpu_lines])
-        assert np.array_equal(rows, want_rows, equal_nan=True)
-        steps = [r for r, g in zip(records, is_gpu, strict=True) if not g]
+        for name in ("node", "gpu", "model", "rack", "site", "job", "rank"):
+            assert getattr(samples, name) == getattr(want_samples, name), name
+        assert samples.rack == [None, "r1", None] and samples.job == [None, "j", None]
+        assert np.array_equal(samples.ts, want_samples.ts)
+        assert np.array_equal(samples.metrics, want_samples.metrics, equal_nan=True)
         for record, raw in zip(steps, step_lines, strict=True):
             want = asdict(training_step(raw))
             assert {f: getattr(record, f) for f in want} == want
-    assert SAMPLE_DECODER.trace_lines(b"") == ([], [])
+    empty = SAMPLE_DECODER.trace_lines(b"")
+    assert (len(empty.samples), empty.steps, empty.is_sample) == (0, [], [])
+
+
+def test_sample_columns_slice_and_join_in_order():
+    from fleetwise.schemas.fast import SampleColumns
+
+    raws = [line(gpu=g, job=f"j{g % 2}", rank=g) for g in range(5)]
+    cols = SAMPLE_DECODER.columns([SAMPLE_DECODER.sample(raw) for raw in raws], intern=True)
+    assert cols.gpu == [0, 1, 2, 3, 4] and cols.job == ["j0", "j1", "j0", "j1", "j0"]
+    assert cols.job[0] is cols.job[2]  # interned: one string for all its samples
+    joined = SampleColumns.concat([cols[:2], cols[2:3], cols[3:]])
+    for name in ("node", "gpu", "model", "rack", "site", "job", "rank"):
+        assert getattr(joined, name) == getattr(cols, name), name
+    assert np.array_equal(joined.ts, cols.ts)
+    assert np.array_equal(joined.metrics, cols.metrics, equal_nan=True)
+    # Pydantic records give the same columns as the structs.
+    records = SAMPLE_DECODER.columns([GpuSample.model_validate_json(raw) for raw in raws])
+    assert records.node == cols.node and np.array_equal(records.metrics, cols.metrics, equal_nan=True)
 
 
 def test_trace_text_is_refused_unless_every_line_is_one_sample_or_step_the_fast_paths_take():
@@ -259,6 +274,10 @@ def test_trace_text_is_refused_unless_every_line_is_one_sample_or_step_the_fast_
         "blank line": text(b"", line()),
         "space line": text(b"   ", line()),
         "indented": text(b" " + line()),
+        "trailing space": text(line() + b" "),
+        # A value running on into the next line, whose own value makes up the count: each
+        # line alone is not JSON (the line path dead-letters both).
+        "value across lines": text(line()[:-1] + b', "metrics":', line() + b"} " + line()),
         "neither": text(json.dumps({"ts": 1.0, "node": "n1", "gpu": 0}).encode()),
         "gpu 1024": text(line(gpu=1024)),
         "no model": text(json.dumps({k: v for k, v in GOOD.items() if k != "model"}).encode()),

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from fleetwise.cli import app
 from fleetwise.schemas import Command, DeadLetter, FeatureVector, Prediction
 from fleetwise.schemas import topics as T
+from fleetwise.schemas.fast import SampleColumns
 from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
 from fleetwise.streams.embedded import EmbeddedRuntime, EventBus, read_text_blocks, replay
 from fleetwise.streams.pipeline import ControlPlane
@@ -140,14 +141,19 @@ def test_chunks_and_line_numbers_do_not_depend_on_how_lines_are_read(tmp_path, m
 
 def fed_calls(runtime: EmbeddedRuntime) -> list[tuple[str, list[tuple]]]:
     """Record what `runtime.feed` is handed: each call's topic and its items, read by value
-    (records of either fast path and dead letters alike)."""
+    (records of either fast path, samples as columns, and dead letters alike)."""
     calls: list[tuple[str, list[tuple]]] = []
     feed = runtime.feed
 
+    def by_value(item) -> list[tuple]:
+        if isinstance(item, SampleColumns):
+            return list(zip(item.ts.tolist(), item.node, item.gpu, [None] * len(item), item.job, strict=True))
+        if isinstance(item, DeadLetter):
+            return [("dead", item.source, item.reason)]
+        return [(item.ts, item.node, item.gpu, getattr(item, "step", None), getattr(item, "job", None))]
+
     def recorded(topic, items):
-        calls.append((topic, [("dead", i.source, i.reason) if isinstance(i, DeadLetter) else
-                              (i.ts, i.node, i.gpu, getattr(i, "step", None), getattr(i, "job", None))
-                              for i in items]))
+        calls.append((topic, [value for item in items for value in by_value(item)]))
         feed(topic, items)
 
     runtime.feed = recorded  # type: ignore[method-assign]

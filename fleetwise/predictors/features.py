@@ -29,7 +29,6 @@ import math
 import zlib
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,7 @@ from scipy.special import gammainc
 
 from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
 from fleetwise.schemas._base import DCGM_BLANKS, DCGM_INT32_BLANK, DCGM_INT64_BLANK
-from fleetwise.schemas.fast import FastGpuSample, SampleDecoder
+from fleetwise.schemas.fast import FastGpuSample, SampleColumns, SampleDecoder
 
 # ---- input fields ---------------------------------------------------------------------------
 # DCGM field names (REFERENCE.md "Telemetry"; ../shared/data/dcgm/default-counters.csv).
@@ -246,9 +245,6 @@ _PERSISTENT_COLS = np.array([_CI[c] for c in ("sbe_agg", "dbe_agg", "remap_corr"
                                               "retired_sbe", "retired_dbe")])
 
 
-_TS, _NODE_GPU = attrgetter("ts"), attrgetter("node", "gpu")
-
-
 @lru_cache(maxsize=256)
 def resolve_model(model: str) -> tuple[str, float]:
     """Catalog id and TDP (W) for a model name as NVML/dcgm-exporter report it."""
@@ -346,34 +342,30 @@ class GpuFeatureWindows:
     # ---- public processor contract ----
     def process(self, records: Sequence[NodeBatch | GpuSample]) -> list[FeatureVector]:
         """Feed samples (or node batches) in event-time order; return features of closed hops."""
-        return self.to_records(*self.ingest_records(records))
-
-    def ingest_records(
-        self, records: Sequence[NodeBatch | GpuSample | FastGpuSample]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Like `process` but returns the closed hops as arrays (slots, hop ends, features)."""
-        return self.ingest_samples(batch_samples(records))
+        return self.to_records(*self.ingest_samples(records))
 
     def ingest_samples(
-        self, samples: Sequence[GpuSample | FastGpuSample]
+        self, samples: SampleColumns | Sequence[GpuSample | FastGpuSample | NodeBatch | SampleColumns]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Validated samples (pydantic records or `SAMPLE_DECODER`'s structs) -> closed hops as
-        arrays; per sample only a slot lookup, the rest is one matrix per call."""
+        """Validated samples (pydantic records, `SAMPLE_DECODER`'s structs or columns, node
+        batches) -> closed hops as arrays; per sample only a slot lookup, the rest is one matrix
+        per call."""
+        cols = samples if isinstance(samples, SampleColumns) else sample_columns(samples)
         slot_by_gpu = self._slot_by_gpu
-        slots = list(map(slot_by_gpu.get, map(_NODE_GPU, samples)))
+        slots = list(map(slot_by_gpu.get, zip(cols.node, cols.gpu, strict=True)))
         if None in slots:  # GPUs not looked up this way before
-            for i, s in enumerate(samples):
-                if slots[i] is None:
-                    slot = self._slot_of(s.node, s.gpu, s.model, s.rack, s.site)
-                    slots[i] = slot_by_gpu[s.node, s.gpu] = slot
-        x = SAMPLE_DECODER.metric_rows(samples)
+            for i in [i for i, slot in enumerate(slots) if slot is None]:
+                node, gpu = cols.node[i], cols.gpu[i]
+                slot = self._slot_of(node, gpu, cols.model[i], cols.rack[i], cols.site[i])
+                slots[i] = slot_by_gpu[node, gpu] = slot
+        x = cols.metrics
         # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
         old = x[:, N_INPUT]
         fill = np.isnan(x[:, COL_REASONS]) & ~np.isnan(old)
         if fill.any():
+            x = x.copy()  # (the columns are the caller's)
             x[fill, COL_REASONS] = old[fill]
-        return self.ingest(slots, np.fromiter(map(_TS, samples), np.float64, len(samples)),  # type: ignore[arg-type]
-                           x[:, :N_INPUT], job_ranks=_SampleJobRanks(samples))
+        return self.ingest(slots, cols.ts, x[:, :N_INPUT], job_ranks=_JobRanks(cols.job, cols.rank))
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
@@ -886,33 +878,46 @@ class GpuFeatureWindows:
         return out
 
 
-def batch_samples(records: Sequence[NodeBatch | GpuSample | FastGpuSample]
-                  ) -> Sequence[GpuSample | FastGpuSample]:
-    """The samples of GPU telemetry records (samples and node batches), in order: `records`
-    itself when none is a batch (found in one C-level pass over the types, not per record)."""
-    if not any(issubclass(kind, NodeBatch) for kind in set(map(type, records))):
-        return records  # type: ignore[return-value]
-    samples: list[GpuSample | FastGpuSample] = []
+def sample_columns(
+    records: Sequence[NodeBatch | GpuSample | FastGpuSample | SampleColumns],
+) -> SampleColumns:
+    """The samples of GPU telemetry records (samples, node batches, `SampleColumns`) as one
+    `SampleColumns`, in order; the types present are found in one C-level pass, so a call of
+    columns only (a replay) or of samples only (a Kafka fetch) has no loop per record."""
+    types = set(map(type, records))
+    if SampleColumns not in types and not any(issubclass(kind, NodeBatch) for kind in types):
+        return SAMPLE_DECODER.columns(records)
+    if types == {SampleColumns}:
+        return SampleColumns.concat(records)  # type: ignore[arg-type]
+    parts: list[SampleColumns] = []
+    run: list[GpuSample | FastGpuSample] = []  # samples since the last columns
     for rec in records:
-        if isinstance(rec, NodeBatch):
-            samples.extend(rec.samples)
+        if isinstance(rec, SampleColumns):
+            if run:
+                parts.append(SAMPLE_DECODER.columns(run))
+                run = []
+            parts.append(rec)
+        elif isinstance(rec, NodeBatch):
+            run.extend(rec.samples)
         else:
-            samples.append(rec)
-    return samples
+            run.append(rec)
+    if run or not parts:
+        parts.append(SAMPLE_DECODER.columns(run))
+    return SampleColumns.concat(parts)
 
 
-class _SampleJobRanks(Sequence[tuple[str | None, int | None]]):
-    """(job, rank) of each of `samples`, made only for the rows asked for (a hop's last)."""
+class _JobRanks(Sequence[tuple[str | None, int | None]]):
+    """(job, rank) of each sample from the job and rank columns, made only for the rows asked
+    for (a hop's last)."""
 
-    def __init__(self, samples: Sequence[GpuSample | FastGpuSample]) -> None:
-        self.samples = samples
+    def __init__(self, jobs: list[str | None], ranks: list[int | None]) -> None:
+        self.jobs, self.ranks = jobs, ranks
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.jobs)
 
     def __getitem__(self, i: int) -> tuple[str | None, int | None]:  # type: ignore[override]
-        sample = self.samples[i]
-        return sample.job, sample.rank
+        return self.jobs[i], self.ranks[i]
 
 
 def _to_json(value: Any) -> Any:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, islice
 from operator import not_
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from isal import igzip
 
 from fleetwise.schemas import Command, DeadLetter, Prediction, Record
 from fleetwise.schemas import topics as T
+from fleetwise.schemas.fast import TraceBlock
 from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, Routed
 
 # Consecutive records of one topic are handed over in chunks: Python overhead per chunk,
@@ -89,14 +89,6 @@ def _blocks(lines: Iterable[bytes]) -> Iterator[list[bytes]]:
     return iter(lambda: list(islice(it, BLOCK_LINES)), [])
 
 
-class DecodedLines(NamedTuple):
-    """A block of GPU sample and step lines decoded in one call (`ControlPlane.decode_trace_text`):
-    one record per line, in line order; `is_gpu[i]`: records[i] is a GPU sample, else a step."""
-
-    records: list[Item]
-    is_gpu: list[bool]
-
-
 @dataclass
 class ReplaySummary:
     lines: int = 0
@@ -140,10 +132,10 @@ class EmbeddedRuntime:
         Either way `feed_line_blocks` hands the same records over in the same chunks."""
         decode = self.control.decode_trace_text
 
-        def decoded(text: bytes) -> Iterator[list[bytes] | DecodedLines]:
+        def decoded(text: bytes) -> Iterator[list[bytes] | TraceBlock]:
             found = decode(text)
             if found is not None:
-                yield DecodedLines(*found)
+                yield found
                 return
             lines = text.split(b"\n")
             if not lines[-1]:
@@ -152,9 +144,9 @@ class EmbeddedRuntime:
 
         self.feed_line_blocks(chain.from_iterable(map(decoded, blocks)), source)
 
-    def feed_line_blocks(self, blocks: Iterable[list[bytes] | DecodedLines], source: str) -> None:
+    def feed_line_blocks(self, blocks: Iterable[list[bytes] | TraceBlock], source: str) -> None:
         """Replay lines (samples, batches, steps, inventories, plans) in file order, given in
-        lists of consecutive lines (with or without their newline) or as `DecodedLines`.
+        lists of consecutive lines (with or without their newline) or decoded (`TraceBlock`).
 
         GPU telemetry and step lines are buffered per topic and decoded CHUNK lines at a time
         (GPU and step lines together), GPU lines first; the GPU records are handed over then,
@@ -197,19 +189,35 @@ class EmbeddedRuntime:
                 step_items = []
             buffered = 0
 
-        def take(block: Sequence[Any], is_gpu: list[bool], decoded: bool) -> None:
-            """Consecutive GPU and step records (decoded) or lines (not yet) into the buffers,
-            with C-level slices, flushing every CHUNK of them."""
+        def take(block: list[bytes], is_gpu: list[bool]) -> None:
+            """Consecutive GPU and step lines into the buffers, with C-level slices, flushing
+            every CHUNK of them."""
             nonlocal buffered
             start, end = 0, len(block)
             while start < end:
                 stop = min(end, start + CHUNK - buffered)
                 part, part_is_gpu = block[start:stop], is_gpu[start:stop]
-                gpu_into, step_into = (gpu_items, step_items) if decoded else (gpu_lines, step_lines)
-                gpu_into.extend(compress(part, part_is_gpu))
-                step_into.extend(compress(part, map(not_, part_is_gpu)))
-                if not decoded:
-                    kinds.extend(part_is_gpu)
+                gpu_lines.extend(compress(part, part_is_gpu))
+                step_lines.extend(compress(part, map(not_, part_is_gpu)))
+                kinds.extend(part_is_gpu)
+                buffered += stop - start
+                if buffered >= CHUNK:
+                    flush(steps=False)
+                start = stop
+
+        def take_decoded(block: TraceBlock) -> None:
+            """A decoded block's samples and steps into the buffers, flushing every CHUNK lines."""
+            nonlocal buffered
+            start, end = 0, len(block.is_sample)
+            samples = steps = 0  # taken so far
+            while start < end:
+                stop = min(end, start + CHUNK - buffered)
+                whole = start == 0 and stop == end  # (the usual case)
+                n_gpu = len(block.samples) if whole else block.is_sample[start:stop].count(True)
+                if n_gpu:
+                    gpu_items.append(block.samples if whole else block.samples[samples:samples + n_gpu])
+                step_items.extend(block.steps[steps:steps + stop - start - n_gpu])
+                samples, steps = samples + n_gpu, steps + stop - start - n_gpu
                 buffered += stop - start
                 if buffered >= CHUNK:
                     flush(steps=False)
@@ -217,10 +225,10 @@ class EmbeddedRuntime:
 
         lineno = blank = 0  # lines so far; blank ones among them
         for block in blocks:
-            if isinstance(block, DecodedLines):
+            if isinstance(block, TraceBlock):
                 decode_held()  # lines before these records
-                take(block.records, block.is_gpu, decoded=True)
-                lineno += len(block.records)
+                take_decoded(block)
+                lineno += len(block.is_sample)
                 first = lineno + 1
                 continue
             # By shape: a record with "metrics" is GPU telemetry (a sample or a node batch), one
@@ -228,7 +236,7 @@ class EmbeddedRuntime:
             block_kinds = [True if b'"metrics"' in line else False if b'"step_time_s"' in line else None
                            for line in block]
             if None not in block_kinds:
-                take(block, block_kinds, decoded=False)  # type: ignore[arg-type]
+                take(block, block_kinds)  # type: ignore[arg-type]
                 lineno += len(block)
                 continue
             for line, kind in zip(block, block_kinds, strict=True):

@@ -11,7 +11,7 @@ import base64
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
@@ -20,7 +20,7 @@ from threadpoolctl import threadpool_limits
 from fleetwise.actuators import ActionPolicy, PolicyConfig
 from fleetwise.catalog import UnknownGpuError, lookup
 from fleetwise.predictors.failure import FailurePredictor
-from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows, batch_samples
+from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows, sample_columns
 from fleetwise.predictors.stragglers import StragglerDetector
 from fleetwise.schemas import (
     Command,
@@ -35,10 +35,18 @@ from fleetwise.schemas import (
     describe_error,
 )
 from fleetwise.schemas import topics as T
-from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep, training_step, training_steps
+from fleetwise.schemas.fast import (
+    FastGpuSample,
+    FastTrainingStep,
+    SampleColumns,
+    TraceBlock,
+    training_step,
+    training_steps,
+)
 
 # What decoding yields: records, or GPU samples validated on the fast path.
-Item = Record | FastGpuSample | FastTrainingStep
+Item = Record | FastGpuSample | FastTrainingStep | SampleColumns
+_MODEL = attrgetter("model")
 
 
 class Routed(NamedTuple):
@@ -153,10 +161,10 @@ class ControlPlane:
                 return [[s] for s in steps]
         if topic == T.TELEMETRY_GPU.name and raws and None not in raws:
             found = SAMPLE_DECODER.batches(raws)  # type: ignore[arg-type]
-            if found is not None and self._models_known(s for items in found for s in items):
+            if found is not None and self._models_known(s.model for items in found for s in items):
                 return found  # type: ignore[return-value]
             flat = SAMPLE_DECODER.samples(raws)  # type: ignore[arg-type]
-            if flat is not None and self._models_known(flat):
+            if flat is not None and self._models_known(map(_MODEL, flat)):
                 return [[s] for s in flat]
         return [self._decode_one(topic, raw, source) for raw, source in zip(raws, sources, strict=True)]
 
@@ -166,7 +174,7 @@ class ControlPlane:
         line still on the fast path first), never whole again."""
         if topic == T.TELEMETRY_GPU.name and lines:
             flat = SAMPLE_DECODER.samples(lines)
-            if flat is not None and self._models_known(flat):
+            if flat is not None and self._models_known(map(_MODEL, flat)):
                 return flat  # type: ignore[return-value]
         elif topic == T.TELEMETRY_STEPS.name and lines:
             steps = training_steps(lines)
@@ -176,19 +184,18 @@ class ControlPlane:
         return [item for line, source in zip(lines, sources, strict=True)
                 for item in self._decode_one(topic, line.rstrip(b"\r\n"), source)]
 
-    def decode_trace_text(self, text: bytes) -> tuple[list[Item], list[bool]] | None:
+    def decode_trace_text(self, text: bytes) -> TraceBlock | None:
         """A block of replay lines that are all GPU samples or training steps, decoded in one
-        call (`SampleDecoder.trace_lines`: one record per line, True for each GPU sample);
-        None when the fast path refuses any line or a GPU model is unknown (then go line by
-        line: `decode_lines` accepts or dead-letters each one)."""
+        call (`SampleDecoder.trace_lines`); None when the fast path refuses any line or a GPU
+        model is unknown (then go line by line: `decode_lines` accepts or dead-letters each one)."""
         found = SAMPLE_DECODER.trace_lines(text)
-        if found is None or not self._models_known(compress(*found)):
+        if found is None or not self._models_known(found.samples.model):
             return None
-        return found  # type: ignore[return-value]
+        return found
 
-    def _models_known(self, samples: Iterable[FastGpuSample]) -> bool:
+    def _models_known(self, models: Iterable[str]) -> bool:
         model_id = self.model_id
-        return all(model_id(m) is not None for m in {s.model for s in samples})
+        return all(model_id(m) is not None for m in set(models))
 
     def _decode_one(self, topic: str, raw: bytes | None, source: str) -> list[Item]:
         if raw is None:
@@ -199,7 +206,7 @@ class ControlPlane:
             else:
                 one = SAMPLE_DECODER.sample(raw)
                 found = None if one is None else [one]
-            if found is not None and self._models_known(found):
+            if found is not None and self._models_known(map(_MODEL, found)):
                 return found  # type: ignore[return-value]
         elif topic == T.TELEMETRY_STEPS.name:
             step = training_step(raw)
@@ -284,7 +291,7 @@ class ControlPlane:
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
-            samples = batch_samples(good)  # type: ignore[arg-type]
+            samples = sample_columns(good)  # type: ignore[arg-type]
             self.counts["samples_in"] += len(samples)
             out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
