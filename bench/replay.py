@@ -99,11 +99,11 @@ def trace_main(path: str, floor_lines: int) -> None:
     from itertools import islice
     from pathlib import Path
 
-    from fleetwise.streams.embedded import keep_freed_heap, read_text_blocks, replay
+    from fleetwise.streams.embedded import prepare_replay_process, read_text_blocks, replay
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
-    keep_freed_heap()  # as `fleetwise replay`
     control = ControlPlane(ControlPlaneConfig(publish_features=False))
+    prepare_replay_process()  # as `fleetwise replay`
     wall, cpu = time.perf_counter(), time.process_time()
     summary = replay([Path(path)], None, control=control).summary
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu

@@ -28,10 +28,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=0, help="replay the whole trace this many times")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from fleetwise.streams.embedded import EmbeddedRuntime, keep_freed_heap, read_text_blocks, replay
+    from fleetwise.streams.embedded import EmbeddedRuntime, prepare_replay_process, read_text_blocks, replay
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
-    keep_freed_heap()  # as `fleetwise replay`
+    prepare_replay_process()  # as `fleetwise replay`
     path = Path(args.trace)
 
     def control() -> ControlPlane:

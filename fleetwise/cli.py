@@ -415,7 +415,7 @@ def replay(
     max_bad_lines: int = typer.Option(20, help="How many bad lines to list (all are counted)."),
 ) -> None:
     """Run the whole control plane, embedded, over recorded telemetry; write its decisions."""
-    from fleetwise.streams.embedded import keep_freed_heap
+    from fleetwise.streams.embedded import prepare_replay_process
     from fleetwise.streams.embedded import replay as run_replay
 
     _existing(traces, "trace")
@@ -424,8 +424,9 @@ def replay(
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops)
-    keep_freed_heap()
-    runtime = run_replay(traces, out, inventory=inventory, features=features, control=ControlPlane(config))
+    control = ControlPlane(config)
+    prepare_replay_process()
+    runtime = run_replay(traces, out, inventory=inventory, features=features, control=control)
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:

@@ -7,6 +7,7 @@ telemetry, and for tests. Topic names, keys and record types are those of the Ka
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -56,11 +57,18 @@ class EventBus:
         return [r for _, r in self.logs.get(topic, [])]
 
 
-def keep_freed_heap() -> None:
-    """Ask glibc's malloc to serve blocks up to 32 MiB from the heap and to keep freed heap
-    (up to 256 MiB) for reuse. A replay allocates and frees arrays of megabytes every chunk;
-    by default each is a fresh mmap whose every page costs a fault when first touched (~4x
-    the page faults, 0.7 -> 0.3 s of system time a simulated 512-GPU day). No-op elsewhere."""
+def prepare_replay_process() -> None:
+    """Set up this process for a long replay, once the control plane is built:
+
+    - the objects alive now (modules, the failure model) are moved out of the garbage
+      collector's view (`gc.freeze`): they live to the end anyway, and full collections then
+      scan only what the replay makes (their time a replayed day 0.10 -> 0.02 s);
+    - glibc's malloc serves blocks up to 32 MiB from the heap and keeps freed heap (up to
+      256 MiB) for reuse. A replay allocates and frees arrays of megabytes every chunk; by
+      default each is a fresh mmap whose every page costs a fault when first touched (~4x the
+      page faults, 0.7 -> 0.3 s of system time a simulated 512-GPU day). Skipped without glibc."""
+    gc.collect()  # (garbage frozen would never be freed)
+    gc.freeze()
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
