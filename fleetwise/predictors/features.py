@@ -286,8 +286,9 @@ class GpuFeatureWindows:
         self._cap = 0
         self._grow(capacity)
         self.dropped_late = 0
-        # (job, rank) per row of the last ingest/flush result, as of each hop's close
-        self.closed_job_ranks: list[tuple[str | None, int | None]] = []
+        # (job, rank) per row of the last ingest/flush result, as of each hop's close (two
+        # lists: the failure predictor reads only the rows it emits)
+        self.closed_job_ranks = _JobRanks([], [])
         self.dropped_duplicate = 0
         self.samples_in = 0
 
@@ -393,7 +394,7 @@ class GpuFeatureWindows:
     def flush_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(self._meta)
         open_slots = np.flatnonzero(self.open_hop[:n] >= 0)
-        self.closed_job_ranks = []
+        self.closed_job_ranks = _JobRanks([], [])
         out = self._close(open_slots)
         self.open_hop[open_slots] = -1.0
         return out
@@ -479,7 +480,7 @@ class GpuFeatureWindows:
         of those rows is in `closed_job_ranks` (for `FailurePredictor.process_arrays`)."""
         n = len(slots)
         empty = (np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES))))
-        self.closed_job_ranks = []
+        self.closed_job_ranks = _JobRanks([], [])
         if n == 0:
             return empty
         self.samples_in += n
@@ -665,7 +666,9 @@ class GpuFeatureWindows:
         k = len(slots)
         if k == 0:
             return np.empty(0, np.int64), np.empty(0), np.empty((0, len(FEATURE_NAMES)))
-        self.closed_job_ranks += self.job_ranks(slots.tolist())
+        listed = slots.tolist()
+        self.closed_job_ranks.jobs += map(self._job.__getitem__, listed)
+        self.closed_job_ranks.ranks += map(self._rank.__getitem__, listed)
         a = self.acc[slots]
         ew = self.ew[slots]
         hop = self.open_hop[slots]
