@@ -910,8 +910,8 @@ def sample_columns(
 
 
 class _JobRanks(Sequence[tuple[str | None, int | None]]):
-    """(job, rank) of each sample from the job and rank columns, made only for the rows asked
-    for (a hop's last)."""
+    """(job, rank) pairs held as two lists (samples' columns, closed hops), each pair made only
+    when asked for: readers want few rows (a hop's last sample, the predictions emitted)."""
 
     def __init__(self, jobs: list[str | None], ranks: list[int | None]) -> None:
         self.jobs, self.ranks = jobs, ranks
