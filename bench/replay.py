@@ -99,14 +99,14 @@ def trace_main(path: str, floor_lines: int) -> None:
     from itertools import islice
     from pathlib import Path
 
-    from fleetwise.streams.embedded import prepare_replay_process, read_text_blocks, replay
+    from fleetwise.streams.embedded import read_text_blocks, replay, replay_process
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     control = ControlPlane(ControlPlaneConfig(publish_features=False))
-    prepare_replay_process()  # as `fleetwise replay`
-    wall, cpu = time.perf_counter(), time.process_time()
-    summary = replay([Path(path)], None, control=control).summary
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    with replay_process():  # as `fleetwise replay`
+        wall, cpu = time.perf_counter(), time.process_time()
+        summary = replay([Path(path)], None, control=control).summary
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     records = summary.samples + summary.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor's lines
     lines = list(islice((line for text in read_text_blocks(Path(path)) for line in text.splitlines()),

@@ -28,10 +28,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=0, help="replay the whole trace this many times")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from fleetwise.streams.embedded import EmbeddedRuntime, prepare_replay_process, read_text_blocks, replay
+    from fleetwise.streams.embedded import replay_process
+
+    with replay_process():  # as `fleetwise replay`
+        replay_parts(args)
+
+
+def replay_parts(args: argparse.Namespace) -> None:
+    from fleetwise.streams.embedded import EmbeddedRuntime, read_text_blocks, replay
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
-    prepare_replay_process()  # as `fleetwise replay`
     path = Path(args.trace)
 
     def control() -> ControlPlane:

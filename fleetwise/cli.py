@@ -415,8 +415,8 @@ def replay(
     max_bad_lines: int = typer.Option(20, help="How many bad lines to list (all are counted)."),
 ) -> None:
     """Run the whole control plane, embedded, over recorded telemetry; write its decisions."""
-    from fleetwise.streams.embedded import prepare_replay_process
     from fleetwise.streams.embedded import replay as run_replay
+    from fleetwise.streams.embedded import replay_process
 
     _existing(traces, "trace")
     if inventory is not None:
@@ -425,8 +425,8 @@ def replay(
 
     config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops)
     control = ControlPlane(config)
-    prepare_replay_process()
-    runtime = run_replay(traces, out, inventory=inventory, features=features, control=control)
+    with replay_process():
+        runtime = run_replay(traces, out, inventory=inventory, features=features, control=control)
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:
