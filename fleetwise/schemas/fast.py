@@ -17,7 +17,7 @@ exact reason. Differences, by design:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, is_not, not_
 from typing import Annotated, Any, NamedTuple
@@ -188,20 +188,24 @@ class SampleDecoder:
 
     def columns(self, samples: Sequence[Any], intern: bool = False) -> SampleColumns:
         """`SampleColumns` of samples (`FastGpuSample`s of this decoder or pydantic `GpuSample`s).
-        With `intern`, the strings are shared ones (bounded cache): the samples' own strings
-        are freed with them instead of living on in the columns."""
-        node, model, rack, site, job = (list(map(get, samples)) for get in _STRING_FIELDS)
-        if intern:
-            strings = self._strings
-            if len(strings) > _MAX_INTERNED:
-                strings.clear()
-            node, model, rack, site, job = (list(map(strings.setdefault, column, column))
-                                            for column in (node, model, rack, site, job))
-        return SampleColumns(
-            node=node, gpu=list(map(_GPU, samples)), model=model, rack=rack, site=site, job=job,
-            rank=list(map(_RANK, samples)), ts=np.fromiter(map(_TS, samples), np.float64, len(samples)),
-            metrics=self.metric_rows(samples),
-        )
+
+        With `intern`, every column is a list and its strings are shared ones (bounded cache):
+        the samples can be freed at once, their own strings with them. Without, the columns
+        other than `ts` and `metrics` stay views of the samples, read when asked for (the
+        feature windows read node and gpu once, the others for a few rows only)."""
+        ts = np.fromiter(map(_TS, samples), np.float64, len(samples))
+        if not intern:
+            node, gpu, model, rack, site, job, rank = (_Attribute(samples, get) for get in _COLUMN_FIELDS)
+            return SampleColumns(node=node, gpu=gpu, model=model, rack=rack, site=site, job=job, rank=rank,
+                                 ts=ts, metrics=self.metric_rows(samples))
+        gpu = list(map(_GPU, samples))
+        strings = self._strings
+        if len(strings) > _MAX_INTERNED:
+            strings.clear()
+        node, model, rack, site, job = (list(map(strings.setdefault, column, column))
+                                        for column in (list(map(get, samples)) for get in _STRING_FIELDS))
+        return SampleColumns(node=node, gpu=gpu, model=model, rack=rack, site=site, job=job,
+                             rank=list(map(_RANK, samples)), ts=ts, metrics=self.metric_rows(samples))
 
     def metric_rows(self, samples: Sequence[Any]) -> np.ndarray:
         """Float matrix (samples x metric_fields), NaN where missing. Takes `FastGpuSample`s
@@ -230,9 +234,9 @@ class SampleColumns:
     __slots__ = ("node", "gpu", "model", "rack", "site", "job", "rank", "ts", "metrics")
 
     def __init__(
-        self, *, node: list[str], gpu: list[int], model: list[str], rack: list[str | None],
-        site: list[str | None], job: list[str | None], rank: list[int | None], ts: np.ndarray,
-        metrics: np.ndarray,
+        self, *, node: Sequence[str], gpu: Sequence[int], model: Sequence[str], rack: Sequence[str | None],
+        site: Sequence[str | None], job: Sequence[str | None], rank: Sequence[int | None],
+        ts: np.ndarray, metrics: np.ndarray,
     ) -> None:
         self.node, self.gpu, self.model, self.rack, self.site = node, gpu, model, rack, site
         self.job, self.rank, self.ts, self.metrics = job, rank, ts, metrics
@@ -253,6 +257,24 @@ class SampleColumns:
         return cls(**lists, **{name: np.concatenate([getattr(p, name) for p in parts]) for name in arrays})
 
 
+class _Attribute(Sequence[Any]):
+    """One attribute of each of `items`, read when asked for (a column of `SampleColumns`)."""
+
+    def __init__(self, items: Sequence[Any], get: attrgetter) -> None:
+        self.items, self.get = items, get
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return _Attribute(self.items[i], self.get)
+        return self.get(self.items[i])
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self.get, self.items)
+
+
 class TraceBlock(NamedTuple):
     """A block of GPU sample and step lines decoded in one call (`SampleDecoder.trace_lines`):
     the samples, the steps, and for each line in order whether it is a sample (True) or a step."""
@@ -266,6 +288,7 @@ _METRICS = attrgetter("metrics")
 _NEWLINE, _CR, _BRACE, _CLOSE = ord("\n"), ord("\r"), ord("{"), ord("}")
 _GPU, _RANK, _TS = attrgetter("gpu"), attrgetter("rank"), attrgetter("ts")
 _STRING_FIELDS = tuple(map(attrgetter, ("node", "model", "rack", "site", "job")))
+_COLUMN_FIELDS = tuple(map(attrgetter, ("node", "gpu", "model", "rack", "site", "job", "rank")))
 _MAX_INTERNED = 1 << 16  # strings kept by `SampleDecoder.columns(intern=True)` before starting over
 MAX_GPU_INDEX = 1023  # as `GpuSample.gpu`
 
