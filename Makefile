@@ -15,13 +15,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 
-# Installs are stamped by pyproject.toml so an unchanged checkout skips pip.
-$(VENV)/.installed-core: pyproject.toml | $(PY)
-	$(PIP) install -q -e .
+CONSTRAINTS := deploy/constraints.txt
+
+# Installs are stamped by pyproject.toml and the pinned versions (deploy/constraints.txt, why
+# there) so an unchanged checkout skips pip.
+$(VENV)/.installed-core: pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PIP) install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
-$(VENV)/.installed-all: pyproject.toml | $(PY)
-	$(PIP) install -q -e '.[all]'
+$(VENV)/.installed-all: pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[all]'
 	touch $@ $(VENV)/.installed-core
 
 venv: $(VENV)/.installed-core
