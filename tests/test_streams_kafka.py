@@ -42,6 +42,7 @@ from fleetwise.streams.app import (
 from fleetwise.streams.embedded import EmbeddedRuntime
 from fleetwise.streams.kafka_io import (
     Consumed,
+    ConsumeTimeout,
     consume_until,
     ensure_topics,
     produce_records,
@@ -143,7 +144,7 @@ class Worker:
             [sys.executable, "-m", "fleetwise.cli", "worker", "--bootstrap", self.bootstrap,
              "--app-id", self.app_id, "--topic-prefix", self.prefix,
              "--metrics-port", str(self.metrics_port), "--checkpoint-interval", "1",
-             "--loglevel", os.environ.get("FLEETWISE_TEST_LOGLEVEL", "warning")],
+             "--loglevel", os.environ.get("FLEETWISE_TEST_LOGLEVEL", "info")],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         return self
@@ -180,7 +181,43 @@ class Worker:
         return True
 
     def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        """The worker's log lines that tell a failure's story (warnings, errors, group
+        generations, assignments, recoveries, seeks), without faust's tables, last 6,000 chars."""
+        keep = [line for line in self.log_path.read_text(errors="replace").splitlines()
+                if line.startswith("[") and (
+                    "[WARNING]" in line or "[ERROR]" in line or "Traceback" in line
+                    or any(w in line for w in _TELLING_INFO))]
+        return f"--- {self.log_path.name}\n" + "\n".join(keep)[-6000:]
+
+    def report(self) -> str:
+        """The worker's own view for a failure message: partitions held, messages read and lag
+        per partition, re-deliveries skipped (its /metrics, or why they could not be read)."""
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
+        except OSError as exc:
+            return f"--- {self.log_path.name}: no /metrics ({exc})"
+        names = ("fleetwise_assigned_partitions", "fleetwise_messages_in_total",
+                 "fleetwise_consumer_lag_messages", "fleetwise_redelivered_skipped_total")
+        lines = [line for line in text.decode().splitlines() if line.startswith(names)]
+        return f"--- {self.log_path.name} metrics\n" + "\n".join(lines)
+
+
+_TELLING_INFO = ("generation", "assigned partitions", "Revoking", "Recovery", "restored partition",
+                 "seeking back", "Seek", "Resuming", "Pausing")
+
+
+def explain_missing(got: list[Consumed], expected: set[str], workers: list[Worker]) -> str:
+    """Which expected feature records never came, by node and by the telemetry partition the
+    node's batches went to, and each worker's metrics and telling log lines."""
+    have = ids(got)
+    missing = [json.loads(t) for t in expected if record_id(json.loads(t)) not in have]
+    by_node: dict[str, list[float]] = defaultdict(list)
+    for d in missing:
+        by_node[d["node"]].append(d["ts"])
+    where = [f"{node} (partition {state_partition(node, T.TELEMETRY_GPU.partitions)}): "
+             f"{len(ts)} missing, window ends {min(ts)}..{max(ts)}" for node, ts in sorted(by_node.items())]
+    return "\n".join([f"{len(missing)} of {len(expected)} expected feature records missing", *where,
+                      *(w.report() for w in workers), *(w.log_tail() for w in workers)])
 
 
 def wait_for_metric(worker: Worker, name: str, at_least: float, timeout_s: float = 90, **labels: str) -> None:
@@ -853,8 +890,8 @@ async def test_two_workers_share_the_partitions_and_give_the_same_features(
         got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=90,
                                   until=lambda ms: all(w.check_alive() for w in workers)
                                   and len(ids(ms)) >= len(expected))
-    except TimeoutError as exc:
-        pytest.fail(f"{exc}\n{workers[0].log_tail()}\n{workers[1].log_tail()}")
+    except ConsumeTimeout as exc:
+        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
     got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
     assert not differences(as_set(got), expected), differences(as_set(got), expected)
     consumed = [w.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) for w in workers]
@@ -887,8 +924,8 @@ async def test_a_worker_joining_mid_stream_takes_over_partitions_with_their_stat
         got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=120,
                                   until=lambda ms: all(w.check_alive() for w in workers)
                                   and len(ids(ms)) >= len(expected))
-    except TimeoutError as exc:
-        pytest.fail(f"{exc}\n{first.log_tail()}\n{second.log_tail()}")
+    except ConsumeTimeout as exc:
+        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
     got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
     assert not differences(as_set(got), expected), differences(as_set(got), expected)
     assert second.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) > 0

@@ -234,6 +234,14 @@ class Consumed:
         return None
 
 
+class ConsumeTimeout(TimeoutError):
+    """`consume_until`'s condition never became true; `messages` holds what was read."""
+
+    def __init__(self, text: str, messages: list[Consumed]) -> None:
+        super().__init__(text)
+        self.messages = messages
+
+
 async def consume_until(
     bootstrap: str,
     topics: Sequence[str],
@@ -247,7 +255,8 @@ async def consume_until(
     """Read `topics` (no consumer group, no commits) until `until(messages)` is true, the
     topics stay quiet for `idle_s`, or `timeout_s` passes; returns everything read.
 
-    Raises TimeoutError when `until` is given and never became true, with the count read.
+    Raises ConsumeTimeout (a TimeoutError holding what was read) when `until` is given and
+    never became true.
     """
     from aiokafka import AIOKafkaConsumer
 
@@ -273,8 +282,8 @@ async def consume_until(
             if now > deadline:
                 if until is None:
                     return messages
-                raise TimeoutError(f"condition not met after {timeout_s}s on {list(topics)}; "
-                                   f"read {len(messages)} messages")
+                raise ConsumeTimeout(f"condition not met after {timeout_s}s on {list(topics)}; "
+                                     f"read {len(messages)} messages", messages)
             if idle_s is not None and now - last_new > idle_s and until is None:
                 return messages
             batch = await consumer.getmany(timeout_ms=200, max_records=10_000)
