@@ -575,6 +575,53 @@ async def test_messages_this_worker_already_applied_are_skipped_when_delivered_a
     assert twice.features() == once.features()
 
 
+async def test_this_workers_own_older_entries_read_back_at_a_rebalance_do_not_roll_its_state_back() -> None:
+    # faust's recovery after a rebalance re-reads a kept partition's changelog into the
+    # table (the memory store keeps no offsets), up to the high-water mark it saw when it
+    # began: a checkpoint of this worker still in flight then is not in it, and the table
+    # shows this worker's previous entries. They are not another worker's: the state in
+    # memory is newer and stays, and the input goes on where it was (restoring the older
+    # entries lost the messages between the two checkpoints once the newer one's offsets
+    # were committed).
+    events = telemetry_events(node_batches(nodes=4, gpus=8, ticks=130, seed=21))
+    cuts = (150, 300)
+    straight = await straight_run(events, cuts)
+
+    table = StandInTable()
+    worker = Recorder(table)
+    await worker.feed(events[:cuts[0]])
+    await worker.processor.checkpoint()
+    older = dict(table.data)
+    await worker.feed(events[cuts[0]:cuts[1]])
+    await worker.processor.checkpoint()
+    assert table.data != older
+    table.data.update(older)  # what the recovery read back
+    restored_before = _counter_value("fleetwise_redelivered_skipped_total")
+    await worker.feed(events[cuts[1]:])
+    assert _counter_value("fleetwise_redelivered_skipped_total") == restored_before
+    assert not same_states(worker.states(), straight.states()), \
+        same_states(worker.states(), straight.states())
+    assert not differences(worker.features(), straight.features()), \
+        differences(worker.features(), straight.features())
+
+
+async def test_another_workers_entries_still_replace_the_state_in_memory() -> None:
+    # The other side of the test above: entries written by another worker that held the
+    # partition meanwhile are the truth, and this worker restores them.
+    events = telemetry_events(node_batches(nodes=4, gpus=8, ticks=130, seed=21))
+    cut = 200
+    straight = await straight_run(events, (cut,))
+    mine = Recorder(StandInTable())
+    await mine.feed(events[:100])  # held the partitions early on, then lost them
+    other_table = StandInTable()
+    other = Recorder(other_table)
+    await other.feed(events[:cut])
+    await other.processor.checkpoint()
+    mine.processor.table.data.update(other_table.data)  # the partitions come back
+    await mine.feed(events[cut:])
+    assert not same_states(mine.states(), straight.states()), same_states(mine.states(), straight.states())
+
+
 def _late_job_name(first: str) -> str:
     """A job name whose steps share `first`'s partition (so the partition's saved entries
     exist and lack it)."""
@@ -929,3 +976,38 @@ async def test_a_worker_joining_mid_stream_takes_over_partitions_with_their_stat
     got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
     assert not differences(as_set(got), expected), differences(as_set(got), expected)
     assert second.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) > 0
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_worker_joining_and_leaving_mid_stream_loses_nothing(kafka_bootstrap: str, namespace) -> None:
+    # Three rebalances while input flows: a third worker joins (partitions move to it), then
+    # stops before it has settled (they move back). Partitions that stay put go through
+    # faust's recovery each time, which reads their changelog back into the table while a
+    # checkpoint may be in flight; this caught state rolled back to a worker's own older
+    # entries (windows short of samples, or missing).
+    import asyncio
+
+    prefix, new_worker = namespace
+    batches = node_batches(nodes=16, gpus=8, ticks=130, seed=31)
+    messages = [encode(b) for b in batches]
+    expected = embedded_outputs(messages)[T.FEATURES.name]
+    workers = [new_worker().start(), new_worker().start()]
+    wait_for_metric(workers[1], "fleetwise_assigned_partitions", 1, topic=T.TELEMETRY_GPU.name)
+    n = len(messages) // 6
+    for i in range(6):
+        await produce(kafka_bootstrap, prefix, messages[i * n:] if i == 5 else messages[i * n:(i + 1) * n])
+        if i == 1:
+            third = new_worker().start()
+        if i == 3:
+            third.stop(signal.SIGTERM)
+        await asyncio.sleep(2)
+    features_topic = topic_name(T.FEATURES, prefix)
+    try:
+        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=120,
+                                  until=lambda ms: all(w.check_alive() for w in workers)
+                                  and len(ids(ms)) >= len(expected))
+    except ConsumeTimeout as exc:
+        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
+    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
+    assert not differences(as_set(got), expected), differences(as_set(got), expected)

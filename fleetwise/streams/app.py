@@ -46,6 +46,7 @@ import logging
 import os
 import struct
 import time
+import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
@@ -254,6 +255,13 @@ class StreamProcessor:
         # (entries this worker wrote, or restored): input offsets may be acked up to it
         self._saved: dict[str, int] = {}
         self._written: dict[str, bytes] = {}  # table key -> entry this worker wrote / restored
+        # Entries are stamped (writer, seq): this process's id and a counter. table key ->
+        # {writer: highest seq this worker wrote or restored}: an entry at or below it is an
+        # older state its memory has moved on from (the table shows one when faust's
+        # recovery reads the changelog back while a newer checkpoint is still in flight).
+        self.writer = uuid.uuid4().hex  # an identity, not a decision: outputs do not depend on it
+        self._seq = 0
+        self._known: dict[str, dict[str, int]] = {}
         self._synced: set[int] = set()  # partitions whose state this worker holds
         # "topic:partition" -> (lo, hi, {bucket: offset}): after a restore, messages up to lo
         # are in every bucket's state, those in (lo, hi] in some buckets' only.
@@ -290,10 +298,13 @@ class StreamProcessor:
             key = self.table_key(partition, b)
             value = data.get(key)
             mine = self._written.get(key)
+            if value is not None and value is not mine and value != mine:
+                if mine is not None and self._superseded(key, value):
+                    value = data[key] = mine  # the newer entry is this worker's (or on its way)
+                else:
+                    foreign.append((b, value))
             if value is not None:
                 present.append((b, value))
-                if value is not mine and value != mine:
-                    foreign.append((b, value))
         if partition in self._synced and not foreign:
             return
         self._synced.add(partition)
@@ -316,6 +327,7 @@ class StreamProcessor:
         restored: set[str] = set()
         for b, value in present:
             header, blob = decode_entry(value)
+            self._remember(self.table_key(partition, b), header)
             if header.get("features") and self.codec is not None:
                 restored.update(f"features:{inner}" for inner in self.codec.restore(header["features"], blob))
             for full, state in header.get("other", {}).items():
@@ -341,6 +353,23 @@ class StreamProcessor:
             self._last_offset[tp] = hi
             self._saved[tp] = lo
             self._replay[tp] = (lo, hi, dict(enumerate(offsets)))
+
+    def _superseded(self, key: str, value: Any) -> bool:
+        """Whether table entry `value` of `key` is one this worker already wrote or restored,
+        or an older one of the same writer: its memory holds that state and more."""
+        try:
+            header = decode_entry(value)[0]
+        except ValueError:
+            return False
+        writer, seq = header.get("writer"), header.get("seq")
+        known = self._known.get(key, {})
+        return writer in known and isinstance(seq, int) and seq <= known[writer]
+
+    def _remember(self, key: str, header: dict) -> None:
+        writer, seq = header.get("writer"), header.get("seq")
+        if isinstance(writer, str) and isinstance(seq, int):
+            known = self._known.setdefault(key, {})
+            known[writer] = max(seq, known.get(writer, seq))
 
     def _keep_replayed(self, records: list[Item], replay: tuple[int, int, dict[int, int]],
                        offset: int) -> list[Item]:
@@ -504,13 +533,15 @@ class StreamProcessor:
             where, name = known
             if where[0] in dirty:
                 groups.setdefault(where, {}).setdefault(name, []).append(full)
+        self._seq += 1
         for partition in sorted(dirty):
             offsets = {tp: off for tp, off in self._last_offset.items()
                        if tp.rpartition(":")[2] == str(partition)}
             self._saved.update(offsets)
             for bucket in range(self.state_buckets):
                 by_name = groups.get((partition, bucket), {})
-                header: dict[str, Any] = {"offsets": offsets, "features": None, "other": {}}
+                header: dict[str, Any] = {"offsets": offsets, "features": None, "other": {},
+                                          "writer": self.writer, "seq": self._seq}
                 blob = b""
                 for name, fulls in by_name.items():
                     if name == "features" and self.codec is not None:
@@ -523,6 +554,7 @@ class StreamProcessor:
                             self._small_text[full] = json.dumps(state, sort_keys=True)
                 value = encode_entry(header, blob)
                 key = self.table_key(partition, bucket)
+                self._remember(key, header)
                 self._state_bytes += len(value) - len(self._written.get(key, b""))
                 self.table.data[key] = value
                 self._written[key] = value
