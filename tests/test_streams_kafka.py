@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,7 +185,7 @@ class Worker:
         """The worker's log lines that tell a failure's story (warnings, errors, group
         generations, assignments, recoveries, seeks), without faust's tables, last 6,000 chars."""
         keep = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                if line.startswith("[") and (
+                if _ASSIGNMENT_ROW.match(line) or line.startswith("[") and (
                     "[WARNING]" in line or "[ERROR]" in line or "Traceback" in line
                     or any(w in line for w in _TELLING_INFO))]
         return f"--- {self.log_path.name}\n" + "\n".join(keep)[-6000:]
@@ -204,6 +205,7 @@ class Worker:
 
 _TELLING_INFO = ("generation", "assigned partitions", "Revoking", "Recovery", "restored partition",
                  "seeking back", "Seek", "Resuming", "Pausing")
+_ASSIGNMENT_ROW = re.compile(r"^\| \S+\.fleetwise\.telemetry\.gpu +\| \{")  # faust's assignment table
 
 
 def explain_missing(got: list[Consumed], expected: set[str], workers: list[Worker]) -> str:
@@ -979,7 +981,7 @@ async def test_a_worker_joining_mid_stream_takes_over_partitions_with_their_stat
 
 
 @pytest.mark.kafka
-@pytest.mark.slow
+@pytest.mark.stress
 async def test_a_worker_joining_and_leaving_mid_stream_loses_nothing(kafka_bootstrap: str, namespace) -> None:
     # Three rebalances while input flows: a third worker joins (partitions move to it), then
     # stops before it has settled (they move back). Partitions that stay put go through
