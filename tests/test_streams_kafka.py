@@ -222,6 +222,21 @@ def explain_missing(got: list[Consumed], expected: set[str], workers: list[Worke
                       *(w.report() for w in workers), *(w.log_tail() for w in workers)])
 
 
+async def assert_features_like_embedded(bootstrap: str, prefix: str, expected: set[str],
+                                        workers: list[Worker], timeout_s: float) -> None:
+    """Read the features topic until it holds every expected record (failing with what is
+    missing and why, see `explain_missing`), a little longer for late duplicates, and compare."""
+    features_topic = topic_name(T.FEATURES, prefix)
+    try:
+        got = await consume_until(bootstrap, [features_topic], timeout_s=timeout_s,
+                                  until=lambda ms: all(w.check_alive() for w in workers)
+                                  and len(ids(ms)) >= len(expected))
+    except ConsumeTimeout as exc:
+        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
+    got += await consume_until(bootstrap, [features_topic], timeout_s=2, from_beginning=False)
+    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+
+
 def wait_for_metric(worker: Worker, name: str, at_least: float, timeout_s: float = 90, **labels: str) -> None:
     """Until the worker's metric reaches `at_least` (its /metrics may not be up yet)."""
     deadline = time.monotonic() + timeout_s
@@ -867,15 +882,9 @@ async def test_worker_killed_and_restarted_resumes_with_its_window_state(
 
     second = new_worker().start()
     await produce(kafka_bootstrap, prefix, part_b)
-    try:
-        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=90,
-                                  until=lambda ms: second.check_alive() and len(ids(ms)) >= len(expected))
-    except TimeoutError as exc:
-        pytest.fail(f"{exc}\nworker log:\n{second.log_tail()}")
-    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
     # Same features as one uninterrupted run: the second hop mixes samples seen before the
     # kill (restored from the changelog) with samples after it.
-    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+    await assert_features_like_embedded(kafka_bootstrap, prefix, expected, [second], timeout_s=90)
     # ... and the restarted worker resumed from the committed offsets, not from the start.
     consumed_again = second.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name)
     assert len(part_b) <= consumed_again < len(messages), consumed_again
@@ -934,15 +943,7 @@ async def test_two_workers_share_the_partitions_and_give_the_same_features(
         time.sleep(0.5)
 
     await produce(kafka_bootstrap, prefix, messages)
-    features_topic = topic_name(T.FEATURES, prefix)
-    try:
-        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=90,
-                                  until=lambda ms: all(w.check_alive() for w in workers)
-                                  and len(ids(ms)) >= len(expected))
-    except ConsumeTimeout as exc:
-        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
-    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
-    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+    await assert_features_like_embedded(kafka_bootstrap, prefix, expected, workers, timeout_s=90)
     consumed = [w.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) for w in workers]
     assert min(consumed) > 0 and sum(consumed) == len(messages), consumed
 
@@ -967,16 +968,8 @@ async def test_a_worker_joining_mid_stream_takes_over_partitions_with_their_stat
     # the group has rebalanced: the second worker holds some partitions
     wait_for_metric(second, "fleetwise_assigned_partitions", 1, topic=T.TELEMETRY_GPU.name)
     await produce(kafka_bootstrap, prefix, part_b)
-    features_topic = topic_name(T.FEATURES, prefix)
     workers = [first, second]
-    try:
-        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=120,
-                                  until=lambda ms: all(w.check_alive() for w in workers)
-                                  and len(ids(ms)) >= len(expected))
-    except ConsumeTimeout as exc:
-        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
-    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
-    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+    await assert_features_like_embedded(kafka_bootstrap, prefix, expected, workers, timeout_s=120)
     assert second.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) > 0
 
 
@@ -1004,12 +997,4 @@ async def test_a_worker_joining_and_leaving_mid_stream_loses_nothing(kafka_boots
         if i == 3:
             third.stop(signal.SIGTERM)
         await asyncio.sleep(2)
-    features_topic = topic_name(T.FEATURES, prefix)
-    try:
-        got = await consume_until(kafka_bootstrap, [features_topic], timeout_s=120,
-                                  until=lambda ms: all(w.check_alive() for w in workers)
-                                  and len(ids(ms)) >= len(expected))
-    except ConsumeTimeout as exc:
-        pytest.fail(f"{exc}\n{explain_missing(exc.messages, expected, workers)}")
-    got += await consume_until(kafka_bootstrap, [features_topic], timeout_s=2, from_beginning=False)
-    assert not differences(as_set(got), expected), differences(as_set(got), expected)
+    await assert_features_like_embedded(kafka_bootstrap, prefix, expected, workers, timeout_s=120)
