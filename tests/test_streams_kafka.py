@@ -752,6 +752,30 @@ async def test_a_fetch_that_starts_past_the_read_offset_is_dropped_and_the_parti
     assert consumer.sought == [(tp, 269), (tp, 400)]
 
 
+async def test_records_fetched_for_a_paused_partition_are_sought_back_to() -> None:
+    # A partition paused for table recovery between the fetch request and its records'
+    # hand-over: they are dropped, so the partition goes back to the first of them (a
+    # partition without a committed offset lost its first messages at a takeover before).
+    tp, gone = TopicPartition("t", 0), TopicPartition("t", 1)
+
+    class StandInConsumer:
+        log = logging.getLogger("test")
+
+        def __init__(self) -> None:
+            self.sought: list[tuple] = []
+
+        def assignment(self) -> set:
+            return {tp}
+
+        async def seek(self, partition: TopicPartition, offset: int) -> None:
+            self.sought.append((partition, offset))
+
+    consumer = StandInConsumer()
+    await BatchConsumer._put_back(consumer, tp, 0)
+    await BatchConsumer._put_back(consumer, gone, 7)  # revoked meanwhile: its new owner reads it
+    assert consumer.sought == [(tp, 0)]
+
+
 def test_state_entries_are_compressed_and_uncompressed_ones_still_read() -> None:
     import struct
 

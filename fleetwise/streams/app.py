@@ -661,6 +661,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     # the partitions go back to their committed offsets
                     try:
                         await self.perform_seek()
+                        for tp, tp_records in records.items():
+                            if tp.topic in handlers and tp_records and read_offset[tp] is None:
+                                await self._put_back(tp, tp_records[0].offset)
                     except Exception as exc:  # noqa: BLE001 - faust logs and carries on too
                         self.log.warning("exception performing seek when flow not active %r", exc)
                     continue
@@ -670,6 +673,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     if not self.flow_active or self.app.consumer_generation_id != generation:
                         break
                     if not (active is None or tp in active or tp in self._buffered_partitions):
+                        if tp.topic in handlers and tp_records:
+                            await self._put_back(tp, tp_records[0].offset)
                         continue
                     self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
                     batch: list[Any] | None = None
@@ -721,6 +726,17 @@ class BatchConsumer(faust_aiokafka.Consumer):
             raise
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
+
+    async def _put_back(self, tp: Any, first: int) -> None:
+        """Seek `tp` back to `first`, the first of its fetched records that were not handed
+        over (its partition paused meanwhile for table recovery, or flow stopped): the fetch
+        position has moved past them. Without it they were lost whenever the partition had
+        no committed offset yet (faust's seek to committed then does nothing, and
+        `_skipped_ahead` has no read offset to compare with): a worker taking over a
+        partition at its first rebalance dropped its first messages."""
+        if tp in self.assignment():
+            self.log.info("records of %s from %d fetched while paused: seeking back", tp, first)
+            await self.seek(tp, first)
 
     async def _skipped_ahead(self, tp: Any, first: int) -> bool:
         """Whether a fetch of a batch topic starts past the next offset to read, and if so seek
