@@ -765,14 +765,19 @@ async def test_records_fetched_for_a_paused_partition_are_sought_back_to() -> No
             self.sought: list[tuple] = []
 
         def assignment(self) -> set:
-            return {tp}
+            return {tp, changelog}
+
+        def _is_changelog_tp(self, partition: TopicPartition) -> bool:
+            return partition.topic.endswith("-changelog")
 
         async def seek(self, partition: TopicPartition, offset: int) -> None:
             self.sought.append((partition, offset))
 
+    changelog = TopicPartition("app-fleetwise-state-changelog", 0)
     consumer = StandInConsumer()
     await BatchConsumer._put_back(consumer, tp, 0)
     await BatchConsumer._put_back(consumer, gone, 7)  # revoked meanwhile: its new owner reads it
+    await BatchConsumer._put_back(consumer, changelog, 3)  # faust's recovery seeks these itself
     assert consumer.sought == [(tp, 0)]
 
 

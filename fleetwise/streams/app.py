@@ -662,7 +662,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     try:
                         await self.perform_seek()
                         for tp, tp_records in records.items():
-                            if tp.topic in handlers and tp_records and read_offset[tp] is None:
+                            if tp_records and read_offset[tp] is None:
                                 await self._put_back(tp, tp_records[0].offset)
                     except Exception as exc:  # noqa: BLE001 - faust logs and carries on too
                         self.log.warning("exception performing seek when flow not active %r", exc)
@@ -673,7 +673,7 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     if not self.flow_active or self.app.consumer_generation_id != generation:
                         break
                     if not (active is None or tp in active or tp in self._buffered_partitions):
-                        if tp.topic in handlers and tp_records:
+                        if tp_records:
                             await self._put_back(tp, tp_records[0].offset)
                         continue
                     self.app.monitor.track_tp_end_offset(tp, self.highwater(tp))
@@ -733,8 +733,9 @@ class BatchConsumer(faust_aiokafka.Consumer):
         position has moved past them. Without it they were lost whenever the partition had
         no committed offset yet (faust's seek to committed then does nothing, and
         `_skipped_ahead` has no read offset to compare with): a worker taking over a
-        partition at its first rebalance dropped its first messages."""
-        if tp in self.assignment():
+        partition at its first rebalance dropped its first messages. Input and context
+        topics alike; changelog partitions are left to faust's recovery, which seeks them."""
+        if tp in self.assignment() and not self._is_changelog_tp(tp):
             self.log.info("records of %s from %d fetched while paused: seeking back", tp, first)
             await self.seek(tp, first)
 
