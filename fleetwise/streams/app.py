@@ -743,9 +743,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         """Whether a fetch of a batch topic starts past the next offset to read, and if so seek
         the partition back to it (once per read offset). Records fetched before a seek can
         arrive after it (faust's post-rebalance seek to the committed offsets runs while the
-        fetcher works), and records of a partition paused for table recovery are dropped
-        while its fetch position moves on: handing such a batch over would skip what lies
-        between, for good. The telemetry and steps topics have contiguous offsets; a gap
+        fetcher works): handing such a batch over would skip what lies between, for good.
+        (Records dropped because their partition was paused meanwhile are put back where
+        they are dropped, `_put_back`; this also catches any such drop left.) The telemetry
+        and steps topics have contiguous offsets; a gap
         found again at the same read offset (retention deleted the records) is accepted."""
         read = self._read_offset[tp]
         if read is None or first <= read + 1 or self._reseek_at.get(tp) == read:
