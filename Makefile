@@ -17,13 +17,14 @@ $(PY):
 
 CONSTRAINTS := deploy/constraints.txt
 
-# Installs are stamped by pyproject.toml and the pinned versions (deploy/constraints.txt, why
-# there) so an unchanged checkout skips pip.
-$(VENV)/.installed-core: pyproject.toml $(CONSTRAINTS) | $(PY)
+# Installs are stamped by pyproject.toml, the pinned versions (deploy/constraints.txt, why
+# there) and the C sources (compiled by the install) so an unchanged checkout skips pip.
+BUILD_INPUTS := pyproject.toml setup.py $(CONSTRAINTS) $(wildcard fleetwise/*/*.c)
+$(VENV)/.installed-core: $(BUILD_INPUTS) | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
-$(VENV)/.installed-all: pyproject.toml $(CONSTRAINTS) | $(PY)
+$(VENV)/.installed-all: $(BUILD_INPUTS) | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[all]'
 	touch $@ $(VENV)/.installed-core
 
@@ -52,4 +53,4 @@ kafka-stop:
 	bash deploy/kafka/kafka.sh stop $(KAFKA_DIR)
 
 clean:
-	rm -rf $(VENV) $(KAFKA_DIR) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(KAFKA_DIR) .pytest_cache .ruff_cache *.egg-info build fleetwise/*/*.so

@@ -25,6 +25,8 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 import numpy as np
 
+from fleetwise.schemas import _trace_text
+
 # Finite numbers only, as `MetricValue` in the records (JSON has no NaN; +-1e999 overflow).
 _FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
@@ -154,6 +156,35 @@ class SampleDecoder:
         what it accepts it decodes to the same values as those, one record per line."""
         if not text:
             return TraceBlock(self.columns([]), [], [])
+        return self._plain_trace_lines(text) or self._any_trace_lines(text)
+
+    def _plain_trace_lines(self, text: bytes) -> TraceBlock | None:
+        """`trace_lines` for text in the plain shape the simulator and the agent write, split in
+        C (`_trace_text.split`: its rules there): ~3x faster than decoding every line with
+        msgspec, the samples' values the same. None for anything else."""
+        strings = self._strings
+        if len(strings) > _MAX_INTERNED:
+            strings.clear()
+        found = _trace_text.split(text, self.metric_fields, strings)
+        if found is None:
+            return None
+        ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, step_text, n_steps = found
+        try:
+            steps = self._trace.decode_lines(step_text) if n_steps else []
+        except msgspec.MsgspecError:
+            return None
+        if len(steps) != n_steps or any(map(is_not, map(_METRICS, steps), repeat(msgspec.UNSET))):
+            return None
+        if steps and not _trace_steps_ok(steps):
+            return None
+        samples = SampleColumns(
+            node=node, gpu=gpu, model=model, rack=rack, site=site, job=job, rank=rank,
+            ts=np.frombuffer(ts, np.float64),
+            metrics=np.frombuffer(metrics, np.float64).reshape(len(node), len(self.metric_fields)))
+        return TraceBlock(samples, steps, is_sample)
+
+    def _any_trace_lines(self, text: bytes) -> TraceBlock | None:
+        """`trace_lines` for any text: every line decoded by msgspec."""
         # Exactly one value per line: every line starts with "{" and ends with "}" (a "\r"
         # before the newline aside), so no value runs on into the next line (after a "}" an
         # open value needs "," or a closing bracket, never "{"), and there are as many values
@@ -305,7 +336,8 @@ def _trace_steps_ok(steps: list[TraceLine]) -> bool:
     # A job is a non-empty string (None and "" are falsy).
     if not all(map(_JOB, steps)) or None in map(_RANK, steps) or None in map(_STEP_NUMBER, steps):
         return False
-    return bool((computes <= step_times * 1.5).all())  # _step_ok's comparison, same doubles
+    with np.errstate(over="ignore"):  # a step time near the float maximum: inf, as in Python
+        return bool((computes <= step_times * 1.5).all())  # _step_ok's comparison, same doubles
 
 
 _STEP_TIME, _COMPUTE = attrgetter("step_time_s"), attrgetter("compute_s")

@@ -1,0 +1,488 @@
+/* Splits a block of replay lines (GPU samples and training steps, one JSON object per line)
+ * into sample columns and the step lines, in one pass over the text.
+ *
+ * The replay's hot path in front of msgspec (`SampleDecoder.trace_lines` in fast.py): it reads
+ * only the plain shape the simulator and the agent write (ASCII strings without escapes, flat
+ * values) and returns None for anything else, which then takes the msgspec path. What it
+ * accepts it decodes to the values msgspec would give, one rule per field as `TraceLine`
+ * (tests/test_trace_text.py compares the two on real and mutated lines):
+ *
+ * - a line that has a top-level "metrics" key is a GPU sample: ts a finite number, node a
+ *   non-empty string, gpu an integer 0..1023, model a non-empty string, rack/site/job a string
+ *   or null, rank an integer >= 0 or null, metrics an object whose keys named in `fields` hold
+ *   an int64 integer, a finite number or null (NaN) and whose other keys hold any flat value;
+ *   a step's fields on a sample line, a key twice, a nested value anywhere: refused;
+ * - any other line is a step line: only its top-level keys are read (to find out it has no
+ *   "metrics"), and the line is handed back whole, for msgspec to decode and check;
+ * - strings: ASCII without escapes or control characters (else refused);
+ * - every line starts with "{" and ends with "}" (one "\r" before the newline aside), as the
+ *   msgspec path's check; a blank line is refused.
+ *
+ * Numbers: JSON's grammar is checked here; integers are read exactly (beyond int64: refused
+ * where the value is read, skipped where it is not); other numbers go through Python's own
+ * correctly rounded `PyOS_string_to_double`, as `float(text)`.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { T_STR = 1, T_INT, T_BIGINT, T_FLOAT, T_NULL, T_TRUE, T_FALSE, T_NESTED };
+
+typedef struct {
+    int type;
+    const char *p; /* string contents (without quotes) or number text */
+    Py_ssize_t n;
+    int64_t i; /* T_INT */
+} Tok;
+
+#define MAX_FIELDS 64
+#define FIELD_SLOTS 256 /* power of two, > 2 * MAX_FIELDS */
+#define STRING_SLOTS 4096 /* per call; once half full, further strings go to the dict */
+
+typedef struct {
+    const char *name;
+    Py_ssize_t n;
+    int index; /* -1: empty slot */
+} FieldSlot;
+
+typedef struct {
+    const char *p;
+    Py_ssize_t n;
+    uint64_t hash;
+    PyObject *str; /* borrowed from the intern dict */
+} StringSlot;
+
+typedef struct {
+    FieldSlot fields[FIELD_SLOTS];
+    int n_fields;
+    StringSlot *strings;
+    int n_strings;
+    PyObject *intern; /* dict: str -> the shared str */
+} Ctx;
+
+static inline const char *skip_ws(const char *p, const char *end) {
+    while (p < end && (unsigned char)*p <= ' ' && (*p == ' ' || *p == '\t' || *p == '\r')) p++;
+    return p;
+}
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* Bits set for the bytes of 16 that end a plain string or rule it out: a quote, a backslash, a
+ * control character or a byte >= 0x80 (signed, those are below 0x20 too). */
+static inline unsigned special16(const char *p) {
+    __m128i x = _mm_loadu_si128((const __m128i *)p);
+    __m128i hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('"')),
+                                            _mm_cmpeq_epi8(x, _mm_set1_epi8('\\'))),
+                               _mm_cmplt_epi8(x, _mm_set1_epi8(0x20)));
+    return (unsigned)_mm_movemask_epi8(hit);
+}
+#endif
+
+/* A string without escapes, of ASCII without control characters; NULL when it is anything else. */
+static inline const char *parse_string(const char *p, const char *end, Tok *t) {
+    const char *start = ++p; /* past the opening quote */
+#if defined(__SSE2__)
+    while (end - p >= 16) {
+        unsigned hits = special16(p);
+        if (hits) {
+            p += __builtin_ctz(hits);
+            break; /* the byte loop decides on it */
+        }
+        p += 16;
+    }
+#endif
+    for (; p < end; p++) {
+        unsigned char c = (unsigned char)*p;
+        if (c == '"') {
+            t->type = T_STR;
+            t->p = start;
+            t->n = p - start;
+            return p + 1;
+        }
+        if (c < 0x20 || c >= 0x80 || c == '\\') return NULL;
+    }
+    return NULL;
+}
+
+/* A number as JSON's grammar has it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
+static inline const char *parse_number(const char *p, const char *end, Tok *t) {
+    const char *start = p;
+    int negative = 0;
+    if (*p == '-') {
+        negative = 1;
+        p++;
+    }
+    if (p >= end || *p < '0' || *p > '9') return NULL;
+    uint64_t v = 0;
+    int big = 0;
+    if (*p == '0') {
+        p++;
+    } else {
+        const char *digits = p;
+        while (p < end && *p >= '0' && *p <= '9') v = v * 10 + (unsigned)(*p++ - '0');
+        big = p - digits > 19; /* 19 digits always fit in 64 bits; v wrapped beyond */
+    }
+    int is_int = 1;
+    if (p < end && *p == '.') {
+        is_int = 0;
+        p++;
+        if (p >= end || *p < '0' || *p > '9') return NULL;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        is_int = 0;
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        if (p >= end || *p < '0' || *p > '9') return NULL;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    }
+    if (p < end && *p >= '0' && *p <= '9') return NULL; /* "01" */
+    t->p = start;
+    t->n = p - start;
+    if (!is_int) {
+        t->type = T_FLOAT;
+    } else if (big || v > (uint64_t)INT64_MAX + (uint64_t)negative) {
+        t->type = T_BIGINT;
+    } else {
+        t->type = T_INT;
+        t->i = negative ? (int64_t)(0 - v) : (int64_t)v;
+    }
+    return p;
+}
+
+static inline const char *parse_literal(const char *p, const char *end, const char *word, Py_ssize_t n,
+                                        int type, Tok *t) {
+    if (end - p < n || memcmp(p, word, (size_t)n) != 0) return NULL;
+    t->type = type;
+    t->p = p;
+    t->n = n;
+    return p + n;
+}
+
+/* A flat value; a nested one is reported as T_NESTED (not parsed: callers refuse it). */
+static inline const char *parse_value(const char *p, const char *end, Tok *t) {
+    if (p >= end) return NULL;
+    switch (*p) {
+    case '"': return parse_string(p, end, t);
+    case 'n': return parse_literal(p, end, "null", 4, T_NULL, t);
+    case 't': return parse_literal(p, end, "true", 4, T_TRUE, t);
+    case 'f': return parse_literal(p, end, "false", 5, T_FALSE, t);
+    case '{':
+    case '[': t->type = T_NESTED, t->p = p, t->n = 0; return p;
+    default: return parse_number(p, end, t);
+    }
+}
+
+/* The double a number token holds, as msgspec gives it for a float or `int | float` field;
+ * 0 when it is not a finite number. */
+static inline int finite_number(const Tok *t, double *out) {
+    if (t->type == T_INT) {
+        *out = (double)t->i; /* round to nearest, as Python's int -> float */
+        return 1;
+    }
+    if (t->type != T_FLOAT) return 0;
+    char *stop = NULL;
+    double d = PyOS_string_to_double(t->p, &stop, NULL);
+    if (d == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (stop != t->p + t->n || !isfinite(d)) return 0;
+    *out = d;
+    return 1;
+}
+
+static inline uint64_t key_hash(const char *p, Py_ssize_t n) {
+    /* DCGM names share their prefix: hash the length and the last 8 bytes. */
+    uint64_t tail = 0;
+    if (n >= 8) memcpy(&tail, p + n - 8, 8);
+    else memcpy(&tail, p, (size_t)n);
+    return (tail ^ ((uint64_t)n << 56)) * 0x9E3779B97F4A7C15ull;
+}
+
+static inline int field_index(const Ctx *c, const char *p, Py_ssize_t n) {
+    unsigned slot = (unsigned)(key_hash(p, n) >> 56) & (FIELD_SLOTS - 1);
+    for (;;) {
+        const FieldSlot *f = &c->fields[slot];
+        if (f->index < 0) return -1;
+        if (f->n == n && memcmp(f->name, p, (size_t)n) == 0) return f->index;
+        slot = (slot + 1) & (FIELD_SLOTS - 1);
+    }
+}
+
+/* The shared str for these bytes (new reference), through this call's table, then the dict. */
+static PyObject *shared_string(Ctx *c, const char *p, Py_ssize_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (Py_ssize_t k = 0; k < n; k++) h = (h ^ (unsigned char)p[k]) * 1099511628211ull;
+    unsigned slot = (unsigned)(h >> 40) & (STRING_SLOTS - 1);
+    for (;;) {
+        StringSlot *s = &c->strings[slot];
+        if (s->str == NULL) break;
+        if (s->hash == h && s->n == n && memcmp(s->p, p, (size_t)n) == 0) {
+            Py_INCREF(s->str);
+            return s->str;
+        }
+        slot = (slot + 1) & (STRING_SLOTS - 1);
+    }
+    PyObject *fresh = PyUnicode_DecodeASCII(p, n, NULL);
+    if (fresh == NULL) return NULL;
+    PyObject *shared = PyDict_SetDefault(c->intern, fresh, fresh); /* borrowed */
+    Py_DECREF(fresh);
+    if (shared == NULL) return NULL;
+    if (c->n_strings < STRING_SLOTS / 2) {
+        StringSlot *s = &c->strings[slot];
+        s->p = p;
+        s->n = n;
+        s->hash = h;
+        s->str = shared;
+        c->n_strings++;
+    }
+    Py_INCREF(shared);
+    return shared;
+}
+
+/* Top-level keys of a line, by what they are to a sample. */
+enum { K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_METRICS, K_STEPFIELD, N_KEYS };
+
+static inline int top_key(const char *p, Py_ssize_t n) {
+#define IS(word) (n == (Py_ssize_t)sizeof(word) - 1 && memcmp(p, word, sizeof(word) - 1) == 0)
+    switch (n) {
+    case 2: return IS("ts") ? K_TS : K_OTHER;
+    case 3: return IS("gpu") ? K_GPU : IS("job") ? K_JOB : K_OTHER;
+    case 4: return IS("node") ? K_NODE : IS("rack") ? K_RACK : IS("site") ? K_SITE : IS("rank") ? K_RANK
+                   : IS("step") ? K_STEPFIELD : K_OTHER;
+    case 5: return IS("model") ? K_MODEL : K_OTHER;
+    case 7: return IS("metrics") ? K_METRICS : IS("samples") ? K_STEPFIELD : K_OTHER;
+    case 9: return IS("compute_s") ? K_STEPFIELD : K_OTHER;
+    case 11: return IS("step_time_s") || IS("micro_batch") ? K_STEPFIELD : K_OTHER;
+    default: return K_OTHER;
+    }
+#undef IS
+}
+
+/* The metrics object at p into row (NaN where missing); NULL when refused. */
+static const char *parse_metrics(const Ctx *c, const char *p, const char *end, double *row) {
+    uint64_t seen = 0;
+    for (int k = 0; k < c->n_fields; k++) row[k] = NAN;
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == '}') return p + 1;
+    for (;;) {
+        Tok key, value;
+        if (p >= end || *p != '"' || (p = parse_string(p, end, &key)) == NULL) return NULL;
+        p = skip_ws(p, end);
+        if (p >= end || *p != ':') return NULL;
+        p = skip_ws(p + 1, end);
+        if ((p = parse_value(p, end, &value)) == NULL || value.type == T_NESTED) return NULL;
+        int k = field_index(c, key.p, key.n);
+        if (k >= 0) {
+            if (seen & (1ull << k)) return NULL;
+            seen |= 1ull << k;
+            if (value.type == T_NULL) row[k] = NAN;
+            else if (!finite_number(&value, &row[k])) return NULL;
+        }
+        p = skip_ws(p, end);
+        if (p >= end) return NULL;
+        if (*p == '}') return p + 1;
+        if (*p != ',') return NULL;
+        p = skip_ws(p + 1, end);
+    }
+}
+
+typedef struct {
+    PyObject *node, *gpu, *model, *rack, *site, *job, *rank; /* lists */
+} Columns;
+
+/* A string-or-null field of a sample as the column's value (new reference); NULL: refused. */
+static PyObject *optional_string(Ctx *c, const Tok *t, int present) {
+    if (!present || t->type == T_NULL) Py_RETURN_NONE;
+    if (t->type != T_STR) return NULL;
+    return shared_string(c, t->p, t->n);
+}
+
+static int append_new(PyObject *list, PyObject *item) {
+    if (item == NULL) return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+/* One sample's columns from its top-level tokens; 0 when refused (-1 on a Python error). */
+static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Columns *out) {
+#define HAS(k) (seen & (1u << (k)))
+    if (HAS(K_STEPFIELD) || !HAS(K_TS) || !HAS(K_NODE) || !HAS(K_GPU) || !HAS(K_MODEL)) return 0;
+    const Tok *t = &keys[K_TS];
+    if (t->type == T_INT && (t->i > (1ll << 53) || t->i < -(1ll << 53))) return 0;
+    if (!finite_number(t, ts)) return 0;
+    if (keys[K_NODE].type != T_STR || keys[K_NODE].n == 0) return 0;
+    if (keys[K_MODEL].type != T_STR || keys[K_MODEL].n == 0) return 0;
+    if (keys[K_GPU].type != T_INT || keys[K_GPU].i < 0 || keys[K_GPU].i > 1023) return 0;
+    if (HAS(K_RANK) && keys[K_RANK].type != T_NULL && (keys[K_RANK].type != T_INT || keys[K_RANK].i < 0))
+        return 0;
+    for (int k = K_RACK; k <= K_JOB; k++)
+        if (HAS(k) && keys[k].type != T_NULL && keys[k].type != T_STR) return 0;
+    if (append_new(out->node, shared_string(c, keys[K_NODE].p, keys[K_NODE].n)) < 0) return -1;
+    if (append_new(out->gpu, PyLong_FromLongLong(keys[K_GPU].i)) < 0) return -1;
+    if (append_new(out->model, shared_string(c, keys[K_MODEL].p, keys[K_MODEL].n)) < 0) return -1;
+    if (append_new(out->rack, optional_string(c, &keys[K_RACK], HAS(K_RACK))) < 0) return -1;
+    if (append_new(out->site, optional_string(c, &keys[K_SITE], HAS(K_SITE))) < 0) return -1;
+    if (append_new(out->job, optional_string(c, &keys[K_JOB], HAS(K_JOB))) < 0) return -1;
+    PyObject *rank;
+    if (HAS(K_RANK) && keys[K_RANK].type == T_INT) rank = PyLong_FromLongLong(keys[K_RANK].i);
+    else rank = Py_NewRef(Py_None);
+    if (append_new(out->rank, rank) < 0) return -1;
+    return 1;
+#undef HAS
+}
+
+/* One line [p, end): 1 a sample (its row written), 0 a step line, -2 refused, -1 Python error. */
+static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double *row, Columns *out) {
+    if (end > p && end[-1] == '\r') end--;
+    if (end - p < 2 || *p != '{' || end[-1] != '}') return -2;
+    Tok keys[N_KEYS];
+    unsigned seen = 0;
+    p = skip_ws(p + 1, end);
+    if (*p != '}') {
+        for (;;) {
+            Tok key, value;
+            if (*p != '"' || (p = parse_string(p, end, &key)) == NULL) return -2;
+            p = skip_ws(p, end);
+            if (p >= end || *p != ':') return -2;
+            p = skip_ws(p + 1, end);
+            int k = top_key(key.p, key.n);
+            if (k != K_OTHER && k != K_STEPFIELD && (seen & (1u << k))) return -2;
+            if (k == K_METRICS) {
+                if (p >= end || *p != '{' || (p = parse_metrics(c, p, end, row)) == NULL) return -2;
+            } else {
+                if ((p = parse_value(p, end, &value)) == NULL || value.type == T_NESTED) return -2;
+                if (k >= 0) keys[k] = value;
+            }
+            if (k >= 0) seen |= 1u << k;
+            p = skip_ws(p, end);
+            if (p >= end) return -2;
+            if (*p == '}') break;
+            if (*p != ',') return -2;
+            p = skip_ws(p + 1, end);
+        }
+    }
+    if (p != end - 1) return -2; /* the closing brace is the line's last */
+    if (!(seen & (1u << K_METRICS))) return 0;
+    int added = add_sample(c, keys, seen, ts, out);
+    return added == 1 ? 1 : added == 0 ? -2 : -1;
+}
+
+static PyObject *split(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer text;
+    PyObject *fields, *intern;
+    if (!PyArg_ParseTuple(args, "y*O!O!:split", &text, &PyTuple_Type, &fields, &PyDict_Type, &intern))
+        return NULL;
+    PyObject *result = NULL, *ts_bytes = NULL, *rows_bytes = NULL, *is_sample = NULL, *steps = NULL;
+    Columns cols = {0};
+    char *step_text = NULL;
+    Ctx *c = PyMem_Calloc(1, sizeof(Ctx));
+    if (c == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    c->intern = intern;
+    c->strings = PyMem_Calloc(STRING_SLOTS, sizeof(StringSlot));
+    if (c->strings == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t n_fields = PyTuple_GET_SIZE(fields);
+    if (n_fields > MAX_FIELDS) {
+        PyErr_Format(PyExc_ValueError, "at most %d metric fields, got %zd", MAX_FIELDS, n_fields);
+        goto done;
+    }
+    c->n_fields = (int)n_fields;
+    for (int s = 0; s < FIELD_SLOTS; s++) c->fields[s].index = -1;
+    for (int k = 0; k < c->n_fields; k++) {
+        Py_ssize_t n;
+        const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(fields, k), &n);
+        if (name == NULL) goto done;
+        unsigned slot = (unsigned)(key_hash(name, n) >> 56) & (FIELD_SLOTS - 1);
+        while (c->fields[slot].index >= 0) slot = (slot + 1) & (FIELD_SLOTS - 1);
+        c->fields[slot] = (FieldSlot){name, n, k}; /* the tuple keeps name alive */
+    }
+
+    const char *start = text.buf, *stop = start + text.len;
+    Py_ssize_t n_lines = 0;
+    for (const char *q = start; q < stop; n_lines++) {
+        const char *nl = memchr(q, '\n', (size_t)(stop - q));
+        q = nl ? nl + 1 : stop;
+    }
+    ts_bytes = PyByteArray_FromStringAndSize(NULL, n_lines * (Py_ssize_t)sizeof(double));
+    rows_bytes = PyByteArray_FromStringAndSize(NULL, n_lines * n_fields * (Py_ssize_t)sizeof(double));
+    is_sample = PyList_New(n_lines);
+    cols.node = PyList_New(0), cols.gpu = PyList_New(0), cols.model = PyList_New(0);
+    cols.rack = PyList_New(0), cols.site = PyList_New(0), cols.job = PyList_New(0);
+    cols.rank = PyList_New(0);
+    step_text = PyMem_Malloc((size_t)text.len + 1);
+    if (!ts_bytes || !rows_bytes || !is_sample || !cols.node || !cols.gpu || !cols.model || !cols.rack
+        || !cols.site || !cols.job || !cols.rank || !step_text) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    double *ts = (double *)PyByteArray_AS_STRING(ts_bytes);
+    double *rows = (double *)PyByteArray_AS_STRING(rows_bytes);
+    Py_ssize_t n_samples = 0, n_steps = 0, step_len = 0, line = 0;
+    for (const char *q = start; q < stop; line++) {
+        const char *nl = memchr(q, '\n', (size_t)(stop - q));
+        const char *line_end = nl ? nl : stop;
+        int kind = parse_line(c, q, line_end, &ts[n_samples], &rows[n_samples * n_fields], &cols);
+        if (kind == -1) goto done;
+        if (kind == -2) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyList_SET_ITEM(is_sample, line, Py_NewRef(kind == 1 ? Py_True : Py_False));
+        if (kind == 1) {
+            n_samples++;
+        } else {
+            memcpy(step_text + step_len, q, (size_t)(line_end - q));
+            step_len += line_end - q;
+            step_text[step_len++] = '\n';
+            n_steps++;
+        }
+        q = nl ? nl + 1 : stop;
+    }
+    if (PyByteArray_Resize(ts_bytes, n_samples * (Py_ssize_t)sizeof(double)) < 0
+        || PyByteArray_Resize(rows_bytes, n_samples * n_fields * (Py_ssize_t)sizeof(double)) < 0)
+        goto done;
+    steps = PyBytes_FromStringAndSize(step_text, step_len);
+    if (steps == NULL) goto done;
+    result = Py_BuildValue("(OOOOOOOOOOOn)", ts_bytes, rows_bytes, cols.node, cols.gpu, cols.model, cols.rack,
+                           cols.site, cols.job, cols.rank, is_sample, steps, n_steps);
+done:
+    if (c != NULL) PyMem_Free(c->strings);
+    PyMem_Free(c);
+    PyMem_Free(step_text);
+    Py_XDECREF(ts_bytes);
+    Py_XDECREF(rows_bytes);
+    Py_XDECREF(steps);
+    Py_XDECREF(cols.node), Py_XDECREF(cols.gpu), Py_XDECREF(cols.model), Py_XDECREF(cols.rack);
+    Py_XDECREF(cols.site), Py_XDECREF(cols.job), Py_XDECREF(cols.rank);
+    /* is_sample may hold NULL slots when refused early: a list frees those fine. */
+    Py_XDECREF(is_sample);
+    PyBuffer_Release(&text);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"split", split, METH_VARARGS,
+     "split(text, fields, strings) -> (ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, "
+     "step_text, n_steps) | None\n\nA block of newline-delimited GPU sample and step lines: the samples as "
+     "columns (ts and metrics as float64 bytes, the rest as lists, strings shared through `strings`), whether "
+     "each line is a sample, and the step lines as text. None when any line is not the plain shape read here."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_trace_text", "Replay lines split into GPU sample columns and step lines (C).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__trace_text(void) { return PyModule_Create(&module); }
