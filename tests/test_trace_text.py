@@ -95,7 +95,7 @@ metric_value = st.one_of(st.integers(-(2**63), 2**63 - 1).map(str),
                          st.floats(allow_nan=False, allow_infinity=False).map(repr),
                          st.floats(0, 1000).map(lambda v: f"{v:.3f}"), st.just("null"),
                          st.sampled_from(RAW_NUMBERS))
-metrics_object = json_object({**{f: metric_value for f in FIELDS}, "DCGM_FI_DEV_OTHER": metric_value,
+metrics_object = json_object({**{f: metric_value for f in FIELDS}, "DCGM_FI_DEV_GPU_TEMP_2": metric_value,
                               "x": one_of_json("a", None, True)}, [])
 text_or_null = one_of_json("r1", "site-0", "job-7", "", None)
 sample_line = json_object({
@@ -163,6 +163,14 @@ def test_the_c_splitter_reads_plain_lines_and_agrees_with_msgspec_at_each_rule()
         plain = assert_agree(GOOD.replace(old, new, 1).encode())
         if (old, new) in READ:
             assert plain is not None, new
+    # Metric keys are looked for where the line before had them: a key that only starts like
+    # that one, or a different one there, is read for what it is.
+    temp = '"DCGM_FI_DEV_GPU_TEMP"'
+    for old, new in [(temp, '"DCGM_FI_DEV_GPU_TEMP_2"'), (temp, '"DCGM_FI_DEV_GPU"'),
+                     ('"DCGM_FI_DEV_GPU_TEMP": 61, "DCGM_FI_DEV_POWER_USAGE": -0.0',
+                      '"DCGM_FI_DEV_POWER_USAGE": -0.0, "DCGM_FI_DEV_GPU_TEMP": 61')]:
+        plain = assert_agree((GOOD + "\n" + GOOD.replace(old, new)).encode())
+        assert plain is not None and len(plain.samples) == 2, new
     # What msgspec reads but the C splitter leaves to it: escapes, non-ASCII, nested values,
     # a step's field on a sample line.
     for old, new in [('"n1"', '"n\\u0031"'), ('"r"', '"r\xc3\xa9"'),

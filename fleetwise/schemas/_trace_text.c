@@ -54,8 +54,20 @@ typedef struct {
     PyObject *str; /* borrowed from the intern dict */
 } StringSlot;
 
+#define MAX_EXPECTED 128 /* metric keys remembered by their place in the object */
+
+/* The metric key seen at a place in the last sample's metrics object: samples of one writer
+ * list their metrics in one order, so one memcmp usually finds the key (bytes of this call's
+ * text, already checked as a plain string). */
+typedef struct {
+    const char *name; /* NULL: none yet */
+    Py_ssize_t n;
+    int index; /* field index, or -1 for a key not read */
+} ExpectedKey;
+
 typedef struct {
     FieldSlot fields[FIELD_SLOTS];
+    ExpectedKey expected[MAX_EXPECTED];
     int n_fields;
     StringSlot *strings;
     int n_strings;
@@ -263,19 +275,28 @@ static inline int top_key(const char *p, Py_ssize_t n) {
 }
 
 /* The metrics object at p into row (NaN where missing); NULL when refused. */
-static const char *parse_metrics(const Ctx *c, const char *p, const char *end, double *row) {
+static const char *parse_metrics(Ctx *c, const char *p, const char *end, double *row) {
     uint64_t seen = 0;
     for (int k = 0; k < c->n_fields; k++) row[k] = NAN;
     p = skip_ws(p + 1, end);
     if (p < end && *p == '}') return p + 1;
-    for (;;) {
+    for (int place = 0;; place++) {
         Tok key, value;
-        if (p >= end || *p != '"' || (p = parse_string(p, end, &key)) == NULL) return NULL;
+        int k;
+        ExpectedKey *e = place < MAX_EXPECTED ? &c->expected[place] : NULL;
+        if (p >= end || *p != '"') return NULL;
+        if (e && e->name && end - p > e->n + 1 && p[e->n + 1] == '"' && memcmp(p + 1, e->name, (size_t)e->n) == 0) {
+            k = e->index;
+            p += e->n + 2;
+        } else {
+            if ((p = parse_string(p, end, &key)) == NULL) return NULL;
+            k = field_index(c, key.p, key.n);
+            if (e) *e = (ExpectedKey){key.p, key.n, k};
+        }
         p = skip_ws(p, end);
         if (p >= end || *p != ':') return NULL;
         p = skip_ws(p + 1, end);
         if ((p = parse_value(p, end, &value)) == NULL || value.type == T_NESTED) return NULL;
-        int k = field_index(c, key.p, key.n);
         if (k >= 0) {
             if (seen & (1ull << k)) return NULL;
             seen |= 1ull << k;
