@@ -172,7 +172,8 @@ def main() -> None:
     versions = [("this" if features else "this, features=False",
                  lambda: StragglerDetector(features=features))]
     if other is not None and args.time_other:
-        versions.append((str(args.compare), other))
+        versions.append((str(args.compare) if features else f"{args.compare}, features=False",
+                         lambda: other(features=features)))
     best = {name: math.inf for name, _ in versions}
     n_out = {}
     for _ in range(args.repeat):  # versions take turns, so a burst of load hits both alike
