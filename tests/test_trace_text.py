@@ -143,7 +143,7 @@ GOOD = json.dumps({"ts": 1.5, "node": "n1", "gpu": 2, "model": "b200", "rack": "
 # Of the edges below, those the C splitter must read itself (the rest both refuse).
 READ = {('"gpu": 2', '"gpu": 1023'), ('"rank": 3', '"rank": null'), ('"r"', '""'), ('"r"', "null"),
         ("1.5", "17"), ("1.5", "1e-400"), ("61", "1E2"), ("61", "9223372036854775807"),
-        ("61", "-9223372036854775808"), ("61", "null"), ('{"ts"', '{ "ts"')}
+        ("61", "-9223372036854775808"), ("61", "null"), ('{"ts"', '{ "ts"'), ("61", "65778491027943236e8")}
 
 
 def test_the_c_splitter_reads_plain_lines_and_agrees_with_msgspec_at_each_rule():
@@ -159,6 +159,7 @@ def test_the_c_splitter_reads_plain_lines_and_agrees_with_msgspec_at_each_rule()
                      ("61", "-9223372036854775808"), ("61", "9223372036854775808"),
                      ("61", "18446744073709551617"), ("61", "-18446744073709551617"),
                      ("61", "01"), ("61", "1."), ("61", "-"), ("61", "NaN"), ("61", '"61"'), ("61", "null"),
+                     ("61", "65778491027943236e8"),  # 17 digits: m * 1e8 in doubles rounds twice
                      ("}}", "}} " + GOOD), ("}}", "}}}"), ('{"ts"', '{ "ts"'), ('"ts"', '"ts":2,"ts"')]:
         plain = assert_agree(GOOD.replace(old, new, 1).encode())
         if (old, new) in READ:
@@ -187,3 +188,19 @@ def test_the_c_splitter_shares_strings_across_blocks():
     text = (json.dumps(sample) + "\n").encode()
     first, second = DECODER.trace_lines(text), DECODER.trace_lines(text)
     assert first.samples.node[0] is second.samples.node[0] and first.samples.job[0] is second.samples.job[0]
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(st.integers(0, 10**17), st.integers(0, 18),
+       st.one_of(st.just(""), st.integers(-40, 40).map(lambda e: f"e{e}")), st.booleans())
+def test_decimal_metrics_read_as_python_reads_them(digits, point, exponent, negative):
+    # Short decimals (<= 15 digits, power within 1e+-22) are read exactly in C, the rest by
+    # Python's own parser: either way the double `float(text)` gives.
+    padded = str(digits).rjust(point + 1, "0")
+    whole, fraction = (padded[:-point], padded[-point:]) if point else (padded, "0")
+    text = f"{'-' if negative else ''}{whole}{'.' + fraction if point or not exponent else ''}{exponent}"
+    raw = GOOD.replace("61", text).encode()
+    plain = assert_agree(raw)
+    if abs(float(text)) < 1.7976931348623157e308:
+        assert plain is not None, text
+        assert plain.samples.metrics[0, 0].tobytes() == np.float64(float(text)).tobytes(), text

@@ -19,8 +19,9 @@
  *   msgspec path's check; a blank line is refused.
  *
  * Numbers: JSON's grammar is checked here; integers are read exactly (beyond int64: refused
- * where the value is read, skipped where it is not); other numbers go through Python's own
- * correctly rounded `PyOS_string_to_double`, as `float(text)`.
+ * where the value is read, skipped where it is not); other numbers are correctly rounded:
+ * short decimals exactly (`short_decimal`), the rest by Python's own `PyOS_string_to_double`,
+ * as `float(text)`.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -187,6 +188,48 @@ static inline const char *parse_value(const char *p, const char *end, Tok *t) {
     }
 }
 
+static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
+                                  1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+/* A decimal of at most 15 significant digits and a power of ten within 1e+-22 (what DCGM and
+ * step times are): its digits and the power are exact doubles, so one multiplication or
+ * division gives the correctly rounded value (Clinger's fast path). 0: take the full path. */
+static inline int short_decimal(const char *p, const char *end, double *out) {
+    int negative = *p == '-', digits = 0, fraction = 0;
+    uint64_t m = 0;
+    p += negative;
+    for (; p < end && *p >= '0' && *p <= '9'; p++) {
+        if (m || *p != '0') {
+            if (++digits > 15) return 0;
+            m = m * 10 + (unsigned)(*p - '0');
+        }
+    }
+    if (p < end && *p == '.') {
+        for (p++; p < end && *p >= '0' && *p <= '9'; p++) {
+            fraction++;
+            if (m || *p != '0') {
+                if (++digits > 15) return 0;
+                m = m * 10 + (unsigned)(*p - '0');
+            }
+        }
+    }
+    int power = -fraction;
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        int negative_power = 0, e = 0;
+        p++;
+        if (*p == '+' || *p == '-') negative_power = *p++ == '-';
+        for (; p < end && *p >= '0' && *p <= '9'; p++) {
+            if (e > 1000) return 0;
+            e = e * 10 + (*p - '0');
+        }
+        power += negative_power ? -e : e;
+    }
+    if (power < -22 || power > 22) return 0;
+    double v = power >= 0 ? (double)m * POW10[power] : (double)m / POW10[-power];
+    *out = negative ? -v : v;
+    return 1;
+}
+
 /* The double a number token holds, as msgspec gives it for a float or `int | float` field;
  * 0 when it is not a finite number. */
 static inline int finite_number(const Tok *t, double *out) {
@@ -195,6 +238,7 @@ static inline int finite_number(const Tok *t, double *out) {
         return 1;
     }
     if (t->type != T_FLOAT) return 0;
+    if (short_decimal(t->p, t->p + t->n, out)) return 1;
     char *stop = NULL;
     double d = PyOS_string_to_double(t->p, &stop, NULL);
     if (d == -1.0 && PyErr_Occurred()) {
