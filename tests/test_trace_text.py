@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetwise.predictors.features import SAMPLE_DECODER
-from fleetwise.schemas.fast import SampleDecoder, TraceBlock
+from fleetwise.schemas.fast import FastTrainingStep, SampleDecoder, TraceBlock
 from fleetwise.sim import FleetSimulator, SimConfig
 
 FIELDS = ["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_XID_ERRORS"]
@@ -29,9 +29,11 @@ def assert_same_block(plain: TraceBlock, any_: TraceBlock) -> None:
     assert plain.samples.ts.tobytes() == any_.samples.ts.tobytes()  # -0.0 and NaN included
     assert plain.samples.metrics.shape == any_.samples.metrics.shape
     assert plain.samples.metrics.tobytes() == any_.samples.metrics.tobytes()
-    assert [s.__struct_fields__ for s in plain.steps] == [s.__struct_fields__ for s in any_.steps]
-    fields = [tuple(getattr(s, f) for f in s.__struct_fields__) for s in plain.steps]
-    assert fields == [tuple(getattr(s, f) for f in s.__struct_fields__) for s in any_.steps]
+    # Steps: every field the step record has, of the same type (a float step time stays a float).
+    got = [[getattr(s, f) for f in FastTrainingStep.__struct_fields__] for s in plain.steps]
+    want = [[getattr(s, f) for f in FastTrainingStep.__struct_fields__] for s in any_.steps]
+    assert got == want
+    assert [list(map(type, row)) for row in got] == [list(map(type, row)) for row in want]
 
 
 def both_paths(decoder: SampleDecoder, text: bytes) -> tuple[TraceBlock | None, TraceBlock | None]:
@@ -109,8 +111,13 @@ sample_line = json_object({
 }, ["ts", "node", "gpu", "model", "metrics"])
 step_line = json_object({
     **{k: st.just(json.dumps(v)) for k, v in STEP.items()},
-    "micro_batch": st.integers(0, 8).map(str), "samples": st.integers(0, 8).map(str),
-    "model": one_of_json("b200"), "uuid": one_of_json("GPU-1"),
+    "step_time_s": st.one_of(st.floats(0, 10).map(repr), st.sampled_from(["1", "0", "1e-320"])),
+    "compute_s": st.one_of(st.floats(0, 12).map(repr), st.sampled_from(["0", "-0.0", "1.8"])),
+    "job": one_of_json("j", "job-7", ""), "node": one_of_json("n1", ""),
+    "gpu": st.sampled_from(["0", "7", "1024", "-1"]), "rank": st.sampled_from(["0", "3", "-1", "null"]),
+    "micro_batch": st.sampled_from(["0", "8", "-1", "null"]),
+    "samples": st.sampled_from(["0", "8", "-1", "null"]), "model": one_of_json("b200", "", None),
+    "rack": text_or_null, "site": text_or_null, "uuid": one_of_json("GPU-1"),
 }, list(STEP))
 
 
@@ -181,6 +188,30 @@ def test_the_c_splitter_reads_plain_lines_and_agrees_with_msgspec_at_each_rule()
         assert assert_agree(text) is None and DECODER.trace_lines(text) is not None, new
     escaped = DECODER.trace_lines(GOOD.replace('"n1"', '"n\\u0031"').encode())
     assert escaped.samples.node == ["n1"]
+
+
+GOOD_STEP = json.dumps({**STEP, "micro_batch": 2, "samples": 4, "model": "b200", "rack": "r1"})
+
+
+def test_the_c_splitter_checks_step_lines_by_the_step_rules():
+    plain = assert_agree(GOOD_STEP.encode())
+    assert plain is not None and plain.is_sample == [False] and plain.steps[0].job == "j"
+    for old, new in [('"job": "j"', '"job": ""'), ('"node": "n1"', '"node": ""'), ('"rank": 0', '"rank": -1'),
+                     ('"rank": 0', '"rank": null'), ('"gpu": 0', '"gpu": 2048'), ('"gpu": 0', '"gpu": -1'),
+                     ('"step": 3', '"step": 3.0'), ('"step_time_s": 1.2', '"step_time_s": 0'),
+                     ('"step_time_s": 1.2', '"step_time_s": 2'), ('"compute_s": 1.0', '"compute_s": 1.8'),
+                     ('"compute_s": 1.0', '"compute_s": 1.81'), ('"compute_s": 1.0', '"compute_s": -0.0'),
+                     ('"compute_s": 1.0', '"compute_s": -1'), ('"micro_batch": 2', '"micro_batch": -2'),
+                     ('"micro_batch": 2', '"micro_batch": null'), ('"samples": 4', '"samples": 4.0'),
+                     ('"model": "b200"', '"model": ""'), ('"model": "b200"', '"model": 1'),
+                     ('"rack": "r1"', '"rack": 1'), ('"rack": "r1"', '"site": 2'),
+                     ('"ts": 1.0', '"ts": 1e400'), ('"ts": 1.0, ', ""), ('"job": "j", ', ""),
+                     ('"step": 3, ', ""), ('"compute_s": 1.0, ', ""),
+                     ('"step_time_s": 1.2, "compute_s": 1.0', '"step_time_s": 0, "compute_s": 0')]:
+        text = GOOD_STEP.replace(old, new, 1).encode()
+        assert new in text.decode() or not new, new
+        assert_agree(text)
+        assert_agree(GOOD.encode() + b"\n" + text)
 
 
 def test_the_c_splitter_shares_strings_across_blocks():

@@ -43,7 +43,7 @@ import numpy as np
 
 from fleetwise.catalog import lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
-from fleetwise.schemas.fast import FastTrainingStep, TraceLine
+from fleetwise.schemas.fast import FastTrainingStep, TraceLine, TraceStep
 
 __all__ = [
     "JOB_WIDE_NODE",
@@ -1022,7 +1022,7 @@ def _last(head: Iterable[float], values: list[float], i: int, k: int) -> list[fl
 def _is_step_type(kind: type) -> bool:
     """Records of this type are validated steps, with the attributes the detector reads (a
     `TraceLine` here is a step: the replay hands over only those as steps)."""
-    return issubclass(kind, FastTrainingStep | TrainingStep | TraceLine)
+    return issubclass(kind, FastTrainingStep | TrainingStep | TraceLine | TraceStep)
 
 
 

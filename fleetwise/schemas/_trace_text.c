@@ -1,5 +1,5 @@
 /* Splits a block of replay lines (GPU samples and training steps, one JSON object per line)
- * into sample columns and the step lines, in one pass over the text.
+ * into sample columns and step records, in one pass over the text.
  *
  * The replay's hot path in front of msgspec (`SampleDecoder.trace_lines` in fast.py): it reads
  * only the plain shape the simulator and the agent write (ASCII strings without escapes, flat
@@ -12,8 +12,8 @@
  *   or null, rank an integer >= 0 or null, metrics an object whose keys named in `fields` hold
  *   an int64 integer, a finite number or null (NaN) and whose other keys hold any flat value;
  *   a step's fields on a sample line, a key twice, a nested value anywhere: refused;
- * - any other line is a step line: only its top-level keys are read (to find out it has no
- *   "metrics"), and the line is handed back whole, for msgspec to decode and check;
+ * - any other line is a training step, checked by `TraceLine`'s rules for a step and those
+ *   `_trace_steps_ok` adds (see `step_record`), and returned as a `TraceStep` record;
  * - strings: ASCII without escapes or control characters (else refused);
  * - every line starts with "{" and ends with "}" (one "\r" before the newline aside), as the
  *   msgspec path's check; a blank line is refused.
@@ -188,6 +188,14 @@ static inline const char *parse_value(const char *p, const char *end, Tok *t) {
     }
 }
 
+static inline int finite_number(const Tok *t, double *out);
+
+/* A float field's value (JSON integers beyond 2**53, which msgspec may round otherwise, refused). */
+static inline int float_field(const Tok *t, double *out) {
+    if (t->type == T_INT && (t->i > (1ll << 53) || t->i < -(1ll << 53))) return 0;
+    return finite_number(t, out);
+}
+
 static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
                                   1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
@@ -300,7 +308,11 @@ static PyObject *shared_string(Ctx *c, const char *p, Py_ssize_t n) {
 }
 
 /* Top-level keys of a line, by what they are to a sample. */
-enum { K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_METRICS, K_STEPFIELD, N_KEYS };
+enum {
+    K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_METRICS,
+    K_STEP, K_STEP_TIME, K_COMPUTE, K_MICRO_BATCH, K_SAMPLES, N_KEYS
+};
+#define STEP_FIELDS ((1u << K_STEP) | (1u << K_STEP_TIME) | (1u << K_COMPUTE) | (1u << K_MICRO_BATCH) | (1u << K_SAMPLES))
 
 static inline int top_key(const char *p, Py_ssize_t n) {
 #define IS(word) (n == (Py_ssize_t)sizeof(word) - 1 && memcmp(p, word, sizeof(word) - 1) == 0)
@@ -308,11 +320,11 @@ static inline int top_key(const char *p, Py_ssize_t n) {
     case 2: return IS("ts") ? K_TS : K_OTHER;
     case 3: return IS("gpu") ? K_GPU : IS("job") ? K_JOB : K_OTHER;
     case 4: return IS("node") ? K_NODE : IS("rack") ? K_RACK : IS("site") ? K_SITE : IS("rank") ? K_RANK
-                   : IS("step") ? K_STEPFIELD : K_OTHER;
+                   : IS("step") ? K_STEP : K_OTHER;
     case 5: return IS("model") ? K_MODEL : K_OTHER;
-    case 7: return IS("metrics") ? K_METRICS : IS("samples") ? K_STEPFIELD : K_OTHER;
-    case 9: return IS("compute_s") ? K_STEPFIELD : K_OTHER;
-    case 11: return IS("step_time_s") || IS("micro_batch") ? K_STEPFIELD : K_OTHER;
+    case 7: return IS("metrics") ? K_METRICS : IS("samples") ? K_SAMPLES : K_OTHER;
+    case 9: return IS("compute_s") ? K_COMPUTE : K_OTHER;
+    case 11: return IS("step_time_s") ? K_STEP_TIME : IS("micro_batch") ? K_MICRO_BATCH : K_OTHER;
     default: return K_OTHER;
     }
 #undef IS
@@ -376,10 +388,8 @@ static int append_new(PyObject *list, PyObject *item) {
 /* One sample's columns from its top-level tokens; 0 when refused (-1 on a Python error). */
 static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Columns *out) {
 #define HAS(k) (seen & (1u << (k)))
-    if (HAS(K_STEPFIELD) || !HAS(K_TS) || !HAS(K_NODE) || !HAS(K_GPU) || !HAS(K_MODEL)) return 0;
-    const Tok *t = &keys[K_TS];
-    if (t->type == T_INT && (t->i > (1ll << 53) || t->i < -(1ll << 53))) return 0;
-    if (!finite_number(t, ts)) return 0;
+    if ((seen & STEP_FIELDS) || !HAS(K_TS) || !HAS(K_NODE) || !HAS(K_GPU) || !HAS(K_MODEL)) return 0;
+    if (!float_field(&keys[K_TS], ts)) return 0;
     if (keys[K_NODE].type != T_STR || keys[K_NODE].n == 0) return 0;
     if (keys[K_MODEL].type != T_STR || keys[K_MODEL].n == 0) return 0;
     if (keys[K_GPU].type != T_INT || keys[K_GPU].i < 0 || keys[K_GPU].i > 1023) return 0;
@@ -401,8 +411,79 @@ static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Column
 #undef HAS
 }
 
-/* One line [p, end): 1 a sample (its row written), 0 a step line, -2 refused, -1 Python error. */
-static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double *row, Columns *out) {
+static PyTypeObject *TraceStep;
+
+static PyStructSequence_Field step_fields[] = {
+    {"ts", NULL}, {"job", NULL}, {"rank", NULL}, {"node", NULL}, {"gpu", NULL}, {"step", NULL},
+    {"step_time_s", NULL}, {"compute_s", NULL}, {"micro_batch", NULL}, {"samples", NULL}, {"model", NULL},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc step_desc = {
+    "fleetwise.schemas._trace_text.TraceStep",
+    "A training step record of a replay line, checked by `TrainingStep`'s rules (attribute names as\n"
+    "`FastTrainingStep`).",
+    step_fields, 11,
+};
+
+static inline int count_field(const Tok *t) { return t->type == T_INT && t->i >= 0; }
+
+/* A step line's record from its top-level tokens (new reference); Py_None when refused, NULL on a
+ * Python error. The rules of `TraceLine` for a step and of `_trace_steps_ok`: ts, job, rank,
+ * node, gpu, step, step_time_s and compute_s present; job and node non-empty strings; rank,
+ * gpu, step, micro_batch, samples integers >= 0 (the last two may be null); step time > 0,
+ * compute >= 0, finite, compute at most 1.5x the step time; model, rack, site strings or null. */
+static PyObject *step_record(Ctx *c, const Tok *keys, unsigned seen) {
+#define HAS(k) (seen & (1u << (k)))
+    const unsigned required = (1u << K_TS) | (1u << K_JOB) | (1u << K_RANK) | (1u << K_NODE) | (1u << K_GPU)
+                              | (1u << K_STEP) | (1u << K_STEP_TIME) | (1u << K_COMPUTE);
+    double ts, step_time, compute;
+    if ((seen & required) != required) Py_RETURN_NONE;
+    if (!float_field(&keys[K_TS], &ts) || !float_field(&keys[K_STEP_TIME], &step_time)
+        || !float_field(&keys[K_COMPUTE], &compute) || !(step_time > 0) || !(compute >= 0)
+        || !(compute <= step_time * 1.5))
+        Py_RETURN_NONE;
+    if (keys[K_JOB].type != T_STR || keys[K_JOB].n == 0 || keys[K_NODE].type != T_STR || keys[K_NODE].n == 0
+        || !count_field(&keys[K_RANK]) || !count_field(&keys[K_GPU]) || !count_field(&keys[K_STEP]))
+        Py_RETURN_NONE;
+    for (int k = K_MICRO_BATCH; k <= K_SAMPLES; k++)
+        if (HAS(k) && keys[k].type != T_NULL && !count_field(&keys[k])) Py_RETURN_NONE;
+    const int strings[] = {K_MODEL, K_RACK, K_SITE};
+    for (int i = 0; i < 3; i++)
+        if (HAS(strings[i]) && keys[strings[i]].type != T_NULL && keys[strings[i]].type != T_STR) Py_RETURN_NONE;
+    PyObject *rec = PyStructSequence_New(TraceStep);
+    if (rec == NULL) return NULL;
+    PyObject *items[11] = {
+        PyFloat_FromDouble(ts),
+        shared_string(c, keys[K_JOB].p, keys[K_JOB].n),
+        PyLong_FromLongLong(keys[K_RANK].i),
+        shared_string(c, keys[K_NODE].p, keys[K_NODE].n),
+        PyLong_FromLongLong(keys[K_GPU].i),
+        PyLong_FromLongLong(keys[K_STEP].i),
+        PyFloat_FromDouble(step_time),
+        PyFloat_FromDouble(compute),
+        HAS(K_MICRO_BATCH) && keys[K_MICRO_BATCH].type == T_INT ? PyLong_FromLongLong(keys[K_MICRO_BATCH].i)
+                                                                 : Py_NewRef(Py_None),
+        HAS(K_SAMPLES) && keys[K_SAMPLES].type == T_INT ? PyLong_FromLongLong(keys[K_SAMPLES].i) : Py_NewRef(Py_None),
+        optional_string(c, &keys[K_MODEL], HAS(K_MODEL)),
+    };
+    int failed = 0;
+    for (int i = 0; i < 11; i++) {
+        if (items[i] == NULL) failed = 1;
+        PyStructSequence_SET_ITEM(rec, i, items[i]); /* (a NULL slot is fine to free) */
+    }
+    if (failed) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    return rec;
+#undef HAS
+}
+
+/* One line [p, end): 1 a sample (its row written), 0 a step (appended to steps), -2 refused, -1
+ * a Python error. */
+static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double *row, Columns *out,
+                      PyObject *steps) {
     if (end > p && end[-1] == '\r') end--;
     if (end - p < 2 || *p != '{' || end[-1] != '}') return -2;
     Tok keys[N_KEYS];
@@ -416,7 +497,7 @@ static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double
             if (p >= end || *p != ':') return -2;
             p = skip_ws(p + 1, end);
             int k = top_key(key.p, key.n);
-            if (k != K_OTHER && k != K_STEPFIELD && (seen & (1u << k))) return -2;
+            if (k != K_OTHER && (seen & (1u << k))) return -2;
             if (k == K_METRICS) {
                 if (p >= end || *p != '{' || (p = parse_metrics(c, p, end, row)) == NULL) return -2;
             } else {
@@ -432,7 +513,15 @@ static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double
         }
     }
     if (p != end - 1) return -2; /* the closing brace is the line's last */
-    if (!(seen & (1u << K_METRICS))) return 0;
+    if (!(seen & (1u << K_METRICS))) {
+        PyObject *step = step_record(c, keys, seen);
+        if (step == NULL) return -1;
+        if (step == Py_None) {
+            Py_DECREF(step);
+            return -2;
+        }
+        return append_new(steps, step) < 0 ? -1 : 0;
+    }
     int added = add_sample(c, keys, seen, ts, out);
     return added == 1 ? 1 : added == 0 ? -2 : -1;
 }
@@ -445,7 +534,6 @@ static PyObject *split(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL, *ts_bytes = NULL, *rows_bytes = NULL, *is_sample = NULL, *steps = NULL;
     Columns cols = {0};
-    char *step_text = NULL;
     Ctx *c = PyMem_Calloc(1, sizeof(Ctx));
     if (c == NULL) {
         PyErr_NoMemory();
@@ -485,46 +573,36 @@ static PyObject *split(PyObject *self, PyObject *args) {
     cols.node = PyList_New(0), cols.gpu = PyList_New(0), cols.model = PyList_New(0);
     cols.rack = PyList_New(0), cols.site = PyList_New(0), cols.job = PyList_New(0);
     cols.rank = PyList_New(0);
-    step_text = PyMem_Malloc((size_t)text.len + 1);
+    steps = PyList_New(0);
     if (!ts_bytes || !rows_bytes || !is_sample || !cols.node || !cols.gpu || !cols.model || !cols.rack
-        || !cols.site || !cols.job || !cols.rank || !step_text) {
+        || !cols.site || !cols.job || !cols.rank || !steps) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
     double *ts = (double *)PyByteArray_AS_STRING(ts_bytes);
     double *rows = (double *)PyByteArray_AS_STRING(rows_bytes);
-    Py_ssize_t n_samples = 0, n_steps = 0, step_len = 0, line = 0;
+    Py_ssize_t n_samples = 0, line = 0;
     for (const char *q = start; q < stop; line++) {
         const char *nl = memchr(q, '\n', (size_t)(stop - q));
         const char *line_end = nl ? nl : stop;
-        int kind = parse_line(c, q, line_end, &ts[n_samples], &rows[n_samples * n_fields], &cols);
+        int kind = parse_line(c, q, line_end, &ts[n_samples], &rows[n_samples * n_fields], &cols, steps);
         if (kind == -1) goto done;
         if (kind == -2) {
             result = Py_NewRef(Py_None);
             goto done;
         }
         PyList_SET_ITEM(is_sample, line, Py_NewRef(kind == 1 ? Py_True : Py_False));
-        if (kind == 1) {
-            n_samples++;
-        } else {
-            memcpy(step_text + step_len, q, (size_t)(line_end - q));
-            step_len += line_end - q;
-            step_text[step_len++] = '\n';
-            n_steps++;
-        }
+        n_samples += kind;
         q = nl ? nl + 1 : stop;
     }
     if (PyByteArray_Resize(ts_bytes, n_samples * (Py_ssize_t)sizeof(double)) < 0
         || PyByteArray_Resize(rows_bytes, n_samples * n_fields * (Py_ssize_t)sizeof(double)) < 0)
         goto done;
-    steps = PyBytes_FromStringAndSize(step_text, step_len);
-    if (steps == NULL) goto done;
-    result = Py_BuildValue("(OOOOOOOOOOOn)", ts_bytes, rows_bytes, cols.node, cols.gpu, cols.model, cols.rack,
-                           cols.site, cols.job, cols.rank, is_sample, steps, n_steps);
+    result = Py_BuildValue("(OOOOOOOOOOO)", ts_bytes, rows_bytes, cols.node, cols.gpu, cols.model, cols.rack,
+                           cols.site, cols.job, cols.rank, is_sample, steps);
 done:
     if (c != NULL) PyMem_Free(c->strings);
     PyMem_Free(c);
-    PyMem_Free(step_text);
     Py_XDECREF(ts_bytes);
     Py_XDECREF(rows_bytes);
     Py_XDECREF(steps);
@@ -539,9 +617,9 @@ done:
 static PyMethodDef methods[] = {
     {"split", split, METH_VARARGS,
      "split(text, fields, strings) -> (ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, "
-     "step_text, n_steps) | None\n\nA block of newline-delimited GPU sample and step lines: the samples as "
-     "columns (ts and metrics as float64 bytes, the rest as lists, strings shared through `strings`), whether "
-     "each line is a sample, and the step lines as text. None when any line is not the plain shape read here."},
+     "steps) | None\n\nA block of newline-delimited GPU sample and step lines: the samples as columns (ts and "
+     "metrics as float64 bytes, the rest as lists, strings shared through `strings`), whether each line is a "
+     "sample, and the steps as `TraceStep` records. None when any line is not the plain shape read here."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -550,4 +628,13 @@ static struct PyModuleDef module = {
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__trace_text(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__trace_text(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    TraceStep = PyStructSequence_NewType(&step_desc);
+    if (TraceStep == NULL || PyModule_AddObjectRef(m, "TraceStep", (PyObject *)TraceStep) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from fleetwise.schemas import _trace_text
+from fleetwise.schemas._trace_text import TraceStep
 
 # Finite numbers only, as `MetricValue` in the records (JSON has no NaN; +-1e999 overflow).
 _FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
@@ -161,22 +162,14 @@ class SampleDecoder:
     def _plain_trace_lines(self, text: bytes) -> TraceBlock | None:
         """`trace_lines` for text in the plain shape the simulator and the agent write, split in
         C (`_trace_text.split`: its rules there): ~3x faster than decoding every line with
-        msgspec, the samples' values the same. None for anything else."""
+        msgspec, the same values (the steps as `TraceStep` records). None for anything else."""
         strings = self._strings
         if len(strings) > _MAX_INTERNED:
             strings.clear()
         found = _trace_text.split(text, self.metric_fields, strings)
         if found is None:
             return None
-        ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, step_text, n_steps = found
-        try:
-            steps = self._trace.decode_lines(step_text) if n_steps else []
-        except msgspec.MsgspecError:
-            return None
-        if len(steps) != n_steps or any(map(is_not, map(_METRICS, steps), repeat(msgspec.UNSET))):
-            return None
-        if steps and not _trace_steps_ok(steps):
-            return None
+        ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, steps = found
         samples = SampleColumns(
             node=node, gpu=gpu, model=model, rack=rack, site=site, job=job, rank=rank,
             ts=np.frombuffer(ts, np.float64),
@@ -308,10 +301,11 @@ class _Attribute(Sequence[Any]):
 
 class TraceBlock(NamedTuple):
     """A block of GPU sample and step lines decoded in one call (`SampleDecoder.trace_lines`):
-    the samples, the steps, and for each line in order whether it is a sample (True) or a step."""
+    the samples, the steps (`TraceLine`s or the C splitter's `TraceStep`s), and for each line in
+    order whether it is a sample (True) or a step."""
 
     samples: SampleColumns
-    steps: list[TraceLine]
+    steps: list[TraceLine] | list[TraceStep]
     is_sample: list[bool]
 
 
