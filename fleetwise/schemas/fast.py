@@ -5,7 +5,9 @@ this is the hot path in front of them (msgspec: JSON parsed and type-checked in 
 per sample, all lines of a chunk in one call). It accepts a subset of what the records
 accept and never a record they would reject for a field it reads, so callers use it first
 and hand anything it refuses to the pydantic path, which accepts or dead-letters with the
-exact reason. Differences, by design:
+exact reason. A replay's text blocks in the plain shape the simulator and the agent write
+are split in C first (`_trace_text.c`: sample columns and step records, the same values),
+anything else in msgspec. Differences from the records, by design:
 
 - `ts` must be a JSON number here (RFC 3339 strings take the pydantic path);
 - numbers must have their JSON type (`"gpu": 3.0` or `"52"` as a metric take the pydantic
@@ -26,7 +28,8 @@ import msgspec
 import numpy as np
 
 from fleetwise.schemas import _trace_text
-from fleetwise.schemas._trace_text import TraceStep
+
+TraceStep = _trace_text.TraceStep  # a step record of the C splitter (`SampleDecoder.trace_lines`)
 
 # Finite numbers only, as `MetricValue` in the records (JSON has no NaN; +-1e999 overflow).
 _FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
