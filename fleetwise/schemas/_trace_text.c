@@ -371,10 +371,16 @@ typedef struct {
     PyObject *node, *gpu, *model, *rack, *site, *job, *rank; /* lists */
 } Columns;
 
-/* A string-or-null field of a sample as the column's value (new reference); NULL: refused. */
+/* Field rules shared by samples and steps: an integer >= 0; absent, null or a string. */
+static inline int count_field(const Tok *t) { return t->type == T_INT && t->i >= 0; }
+static inline int string_or_null(const Tok *t, int present) {
+    return !present || t->type == T_NULL || t->type == T_STR;
+}
+
+/* A field that `string_or_null` let through, as the record's value (new reference; NULL on a
+ * Python error). */
 static PyObject *optional_string(Ctx *c, const Tok *t, int present) {
     if (!present || t->type == T_NULL) Py_RETURN_NONE;
-    if (t->type != T_STR) return NULL;
     return shared_string(c, t->p, t->n);
 }
 
@@ -393,10 +399,9 @@ static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Column
     if (keys[K_NODE].type != T_STR || keys[K_NODE].n == 0) return 0;
     if (keys[K_MODEL].type != T_STR || keys[K_MODEL].n == 0) return 0;
     if (keys[K_GPU].type != T_INT || keys[K_GPU].i < 0 || keys[K_GPU].i > 1023) return 0;
-    if (HAS(K_RANK) && keys[K_RANK].type != T_NULL && (keys[K_RANK].type != T_INT || keys[K_RANK].i < 0))
-        return 0;
+    if (HAS(K_RANK) && keys[K_RANK].type != T_NULL && !count_field(&keys[K_RANK])) return 0;
     for (int k = K_RACK; k <= K_JOB; k++)
-        if (HAS(k) && keys[k].type != T_NULL && keys[k].type != T_STR) return 0;
+        if (!string_or_null(&keys[k], HAS(k))) return 0;
     if (append_new(out->node, shared_string(c, keys[K_NODE].p, keys[K_NODE].n)) < 0) return -1;
     if (append_new(out->gpu, PyLong_FromLongLong(keys[K_GPU].i)) < 0) return -1;
     if (append_new(out->model, shared_string(c, keys[K_MODEL].p, keys[K_MODEL].n)) < 0) return -1;
@@ -426,8 +431,6 @@ static PyStructSequence_Desc step_desc = {
     step_fields, 11,
 };
 
-static inline int count_field(const Tok *t) { return t->type == T_INT && t->i >= 0; }
-
 /* A step line's record from its top-level tokens (new reference); Py_None when refused, NULL on a
  * Python error. The rules of `TraceLine` for a step and of `_trace_steps_ok`: ts, job, rank,
  * node, gpu, step, step_time_s and compute_s present; job and node non-empty strings; rank,
@@ -450,7 +453,7 @@ static PyObject *step_record(Ctx *c, const Tok *keys, unsigned seen) {
         if (HAS(k) && keys[k].type != T_NULL && !count_field(&keys[k])) Py_RETURN_NONE;
     const int strings[] = {K_MODEL, K_RACK, K_SITE};
     for (int i = 0; i < 3; i++)
-        if (HAS(strings[i]) && keys[strings[i]].type != T_NULL && keys[strings[i]].type != T_STR) Py_RETURN_NONE;
+        if (!string_or_null(&keys[strings[i]], HAS(strings[i]))) Py_RETURN_NONE;
     PyObject *rec = PyStructSequence_New(TraceStep);
     if (rec == NULL) return NULL;
     PyObject *items[11] = {
