@@ -1,7 +1,8 @@
-"""Command signatures: HMAC-SHA256 over the command's canonical JSON (without the signature).
+"""Command signatures and the one check every consumer runs before acting (`verify_command`).
 
-Consumers verify with the same key before acting, so a command on a decision topic cannot be
-forged or altered by anyone who can only write to Kafka.
+HMAC-SHA256 over the command's canonical JSON (without the signature), under a key named by
+the command's `key_id`. Keys rotate: a `Keyring` signs with its active key and verifies with
+any key it holds, so two keys are valid at once while consumers pick up the new one.
 """
 
 from __future__ import annotations
@@ -9,12 +10,89 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from fleetwise.schemas import Command
 
 # A development key so replays and demos are signed and verifiable; deployments set their own
-# (FLEETWISE_SIGNING_KEY, read by the adapters, never by the core).
+# (FLEETWISE_SIGNING_KEYS or FLEETWISE_SIGNING_KEYS_FILE, see `keyring_from_env`).
 DEV_SIGNING_KEY = b"fleetwise-dev-key-not-for-production"
+DEV_KEY_ID = "dev"
+
+ENV_KEYS = "FLEETWISE_SIGNING_KEYS"
+ENV_KEYS_FILE = "FLEETWISE_SIGNING_KEYS_FILE"
+
+
+class KeyringError(ValueError):
+    """A key specification that cannot be used (names the entry that is wrong)."""
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """Signing keys by id; `active` signs, every key verifies (rotation: two keys at once)."""
+
+    keys: Mapping[str, bytes] = field(default_factory=lambda: {DEV_KEY_ID: DEV_SIGNING_KEY})
+    active: str = DEV_KEY_ID
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            raise KeyringError("a keyring needs at least one key")
+        if self.active not in self.keys:
+            raise KeyringError(f"active key id {self.active!r} is not among {sorted(self.keys)}")
+        for key_id, secret in self.keys.items():
+            if not key_id or len(secret) < 16:
+                raise KeyringError(f"key {key_id!r}: a key id must be non-empty and its secret >= 16 bytes")
+
+    @classmethod
+    def parse(cls, text: str) -> Keyring:
+        """`id=secret` entries separated by commas or newlines; the first entry is active.
+
+        A secret is taken as UTF-8 text, or as hex when prefixed with `hex:`.
+        """
+        keys: dict[str, bytes] = {}
+        order: list[str] = []
+        for n, raw in enumerate(text.replace(",", "\n").splitlines(), start=1):
+            entry = raw.strip()
+            if not entry or entry.startswith("#"):
+                continue
+            key_id, sep, secret = entry.partition("=")
+            key_id, secret = key_id.strip(), secret.strip()
+            if not sep or not key_id or not secret:
+                raise KeyringError(f"signing key entry {n}: expected 'id=secret', got {entry[:40]!r}")
+            if key_id in keys:
+                raise KeyringError(f"signing key entry {n}: key id {key_id!r} appears twice")
+            if secret.startswith("hex:"):
+                try:
+                    keys[key_id] = bytes.fromhex(secret[4:])
+                except ValueError as exc:
+                    raise KeyringError(f"signing key {key_id!r}: not hex after 'hex:'") from exc
+            else:
+                keys[key_id] = secret.encode()
+            order.append(key_id)
+        if not keys:
+            raise KeyringError("no signing keys in the specification")
+        return cls(keys=keys, active=order[0])
+
+
+def keyring_from_env(environ: Mapping[str, str] | None = None) -> Keyring:
+    """The deployment's keys: FLEETWISE_SIGNING_KEYS (`id=secret,...`), else the file named by
+    FLEETWISE_SIGNING_KEYS_FILE (a mounted secret, one `id=secret` per line), else the dev key.
+
+    The one place keys are read, shared by the worker, the training plugin and the kube consumer.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ENV_KEYS):
+        return Keyring.parse(env[ENV_KEYS])
+    if env.get(ENV_KEYS_FILE):
+        path = Path(env[ENV_KEYS_FILE])
+        try:
+            return Keyring.parse(path.read_text())
+        except OSError as exc:
+            raise KeyringError(f"{ENV_KEYS_FILE}={path}: {exc.strerror}") from exc
+    return Keyring()
 
 
 def canonical_bytes(command: Command) -> bytes:
@@ -22,12 +100,67 @@ def canonical_bytes(command: Command) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
-def sign(command: Command, key: bytes = DEV_SIGNING_KEY) -> Command:
-    """Return a copy of the command carrying its signature ("hmac-sha256:<hex>")."""
-    digest = hmac.new(key, canonical_bytes(command), hashlib.sha256).hexdigest()
-    return command.model_copy(update={"signature": f"hmac-sha256:{digest}"})
+def _digest(command: Command, key: bytes) -> str:
+    return "hmac-sha256:" + hmac.new(key, canonical_bytes(command), hashlib.sha256).hexdigest()
+
+
+def sign(command: Command, key: bytes | Keyring = DEV_SIGNING_KEY) -> Command:
+    """A copy of the command carrying `key_id` and its signature ("hmac-sha256:<hex>").
+
+    With raw key bytes the command keeps the key id it has (the dev key's id when none).
+    """
+    if isinstance(key, Keyring):
+        key_id, secret = key.active, key.keys[key.active]
+    else:
+        key_id, secret = command.key_id or DEV_KEY_ID, key
+    unsigned = command.model_copy(update={"key_id": key_id, "signature": ""})
+    return unsigned.model_copy(update={"signature": _digest(unsigned, secret)})
 
 
 def verify(command: Command, key: bytes = DEV_SIGNING_KEY) -> bool:
-    expected = sign(command, key).signature
-    return hmac.compare_digest(expected, command.signature)
+    """True when the signature matches under this key (no lifecycle checks: see verify_command)."""
+    return bool(command.signature) and hmac.compare_digest(_digest(command, key), command.signature)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`verify_command`'s answer: act, or refuse with the reason the `rejected` ack carries."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def verify_command(
+    command: Command,
+    keys: Keyring | Mapping[str, bytes],
+    now: float,
+    last_seq: int | None = None,
+    job: str | None = None,
+) -> Verdict:
+    """The only way a consumer decides to act on a command (DESIGN.md, "Command lifecycle").
+
+    Refuses, each with its own reason: unsigned, unknown key id, forged or altered (bad HMAC),
+    expired (`now` past `expires_ts`), out of sequence (`seq` not above the last one this
+    consumer applied for the job: a replayed or late command), and, when `job` is given, a
+    command for another job. Duplicates of an applied command are the consumer's to detect by
+    id before calling this (they are acked `done`/"duplicate", not rejected).
+    """
+    ring = keys.keys if isinstance(keys, Keyring) else keys
+    if not command.signature:
+        return Verdict(False, "unsigned: the command carries no signature")
+    key_id = command.key_id or DEV_KEY_ID
+    secret = ring.get(key_id)
+    if secret is None:
+        return Verdict(False, f"unknown key id {key_id!r} (this consumer holds {sorted(ring)})")
+    if not hmac.compare_digest(_digest(command, secret), command.signature):
+        return Verdict(False, f"bad signature under key {key_id!r}: forged or altered")
+    if job is not None and command.job != job:
+        return Verdict(False, f"command is for job {command.job!r}, not {job!r}")
+    if command.expires_ts is not None and now > command.expires_ts:
+        return Verdict(False, f"expired at {command.expires_ts:.3f} (now {now:.3f})")
+    if last_seq is not None and (command.seq is None or command.seq <= last_seq):
+        return Verdict(False, f"out of sequence: seq {command.seq} is not after the last applied {last_seq}")
+    return Verdict(True)

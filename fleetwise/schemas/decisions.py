@@ -50,7 +50,33 @@ class Command(Record):
     evidence: list[str] = Field(default_factory=list)
     params: dict[str, Any] = Field(default_factory=dict)
     dry_run: bool = False
+    # Command lifecycle (DESIGN.md): order per job, a deadline, the signing key's id, and the
+    # commands whose `done` ack must be seen before this one may act (a drain's checkpoint).
+    seq: int | None = Field(default=None, ge=0)
+    expires_ts: Timestamp | None = None
+    key_id: str | None = None
+    requires: list[str] = Field(default_factory=list)
     signature: str = ""
+
+
+AckStatus = Literal["received", "applied", "done", "rejected", "failed"]
+
+
+class Ack(Record):
+    """A consumer's answer to a command (`fleetwise.acks`): the fleet state follows these."""
+
+    kind: Literal["ack"] = "ack"
+    command_id: str = Field(min_length=1)
+    ts: Timestamp
+    job: str | None = None
+    node: str | None = None
+    gpu: int | None = None
+    rank: int | None = None
+    by: str = Field(min_length=1)  # "training-plugin" | "kube-consumer" | "operator"
+    status: AckStatus
+    step: int | None = None  # training step at which it took effect
+    detail: str | None = None  # why, for rejected / failed (and "duplicate")
+    result: dict[str, Any] = Field(default_factory=dict)
 
 
 class DeadLetter(Record):

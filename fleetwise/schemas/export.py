@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from fleetwise.schemas.decisions import Command, DeadLetter, Prediction
+from fleetwise.schemas.decisions import Ack, Command, DeadLetter, Prediction
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import NodeInventory
 from fleetwise.schemas.jobs import JobIntent, ModelShape
@@ -24,6 +24,7 @@ RECORD_TYPES: dict[str, type[BaseModel]] = {
     "feature_vector": FeatureVector,
     "plan": Plan,
     "prediction": Prediction,
+    "ack": Ack,
     "command": Command,
     "deadletter": DeadLetter,
 }
