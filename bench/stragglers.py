@@ -7,6 +7,13 @@ compute / rank compute < 0.75) on the same records, to show what knowing each GP
 speed buys.
 
     .venv/bin/python bench/stragglers.py --seeds 101 102 103 --days 7
+
+``--model-field``: what the step records say about the GPU model. ``keep``: the simulator's
+``model`` field; ``strip``: none (DESIGN.md's step record) and nothing else to learn it from,
+so every rank is judged on its alike ranks and its own history; ``join``: none, the detector
+learns each (node, gpu)'s model from the fleet's node inventories (`learn_models`), as the
+control plane does from GPU samples and inventories. ``--ramp-s``: each injected straggler
+reaches its slowdown over this many seconds instead of at once (a thermal ramp).
 """
 
 from __future__ import annotations
@@ -26,15 +33,46 @@ TUNING_SEEDS = (1, 2, 3)
 DEFAULT_SEEDS = (101, 102, 103)
 
 
-def simulate(seed: int, days: float, gpus: str, straggler_rate: float, slowdown_rate: float
-             ) -> tuple[list[dict], list[dict]]:
+def simulate(seed: int, days: float, gpus: str, straggler_rate: float, slowdown_rate: float,
+             step_interval_s: float = 60.0) -> tuple[list[dict], list[dict], list[dict]]:
+    """Step records, labels and node inventories of one simulated fleet."""
     cfg = SimConfig(gpus=gpus, days=days, seed=seed, straggler_rate_per_1000_gpu_days=straggler_rate,
-                    job_slowdown_rate_per_1000_job_hours=slowdown_rate)
+                    job_slowdown_rate_per_1000_job_hours=slowdown_rate,
+                    step_record_interval_s=step_interval_s)
     sim = FleetSimulator(cfg)
     steps: list[dict] = []
     for tick in sim.ticks():
         steps.extend(tick.steps)
-    return steps, sim.labels()
+    return steps, sim.labels(), sim.inventory()
+
+
+def ramp_stragglers(steps: list[dict], labels: list[dict], ramp_s: float) -> None:
+    """Make each injected straggler reach its slowdown over ``ramp_s`` seconds (linear in speed)
+    instead of at once: a record ``t`` into the straggle computes faster by the part of the
+    slowdown not reached yet, and its step group's step time shrinks by what its slowest
+    compute lost. Changes ``steps`` in place."""
+    spans: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for lab in labels:
+        if lab.get("kind") == "straggler":
+            speed = float(lab["factor"]) if float(lab["factor"]) <= 1.0 else 1.0 / float(lab["factor"])
+            spans[lab["job"], lab["rank"]].append((float(lab["start_ts"]), speed))
+    groups: dict[tuple[str, int, float], list[dict]] = defaultdict(list)
+    for s in steps:
+        groups[s["job"], s["step"], s["ts"]].append(s)
+    for rows in groups.values():
+        before = max(r["compute_s"] for r in rows)
+        changed = False
+        for s in rows:
+            for start, speed in spans.get((s["job"], s["rank"]), ()):
+                into = s["ts"] - start
+                if 0.0 <= into < ramp_s:
+                    reached = speed + (1.0 - speed) * (1.0 - into / ramp_s)  # 1.0 at start -> speed
+                    s["compute_s"] = round(s["compute_s"] * speed / reached, 4)
+                    changed = True
+        if changed:
+            step_time = round(rows[0]["step_time_s"] - (before - max(r["compute_s"] for r in rows)), 4)
+            for s in rows:
+                s["step_time_s"] = step_time
 
 
 def job_hours(steps: list[dict]) -> float:
@@ -76,6 +114,11 @@ def main() -> None:
     # Raised above the fleet default (20) so each trace has enough slowdowns to score.
     ap.add_argument("--straggler-rate", type=float, default=150.0, help="per 1,000 GPU-days")
     ap.add_argument("--slowdown-rate", type=float, default=60.0, help="job-wide, per 1,000 job-hours")
+    ap.add_argument("--step-interval", type=float, default=60.0, help="s between a rank's step records")
+    ap.add_argument("--model-field", choices=["keep", "strip", "join"], nargs="+", default=["keep"],
+                    help="step records with the model, without it, or without it and the model learned "
+                         "from node inventories (several: one row each, on the same trace)")
+    ap.add_argument("--ramp-s", type=float, default=0.0, help="stragglers ramp in over this many s")
     ap.add_argument("--baseline", action="store_true", help="also score the NVRx-style relative score")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -83,18 +126,26 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         t0 = time.perf_counter()
-        steps, labels = simulate(seed, args.days, args.gpus, args.straggler_rate, args.slowdown_rate)
+        steps, labels, inventory = simulate(seed, args.days, args.gpus, args.straggler_rate,
+                                            args.slowdown_rate, args.step_interval)
         sim_s = time.perf_counter() - t0
-        det = StragglerDetector()
-        t0 = time.perf_counter()
-        out = det.process(steps) + det.flush()
-        det_s = time.perf_counter() - t0
-        preds = [p for p in out if isinstance(p, Prediction)]
+        if args.ramp_s > 0:
+            ramp_stragglers(steps, labels, args.ramp_s)
         hours = job_hours(steps)
-        score = score_stragglers(preds, labels, hours, steps=steps)
-        row = {"seed": seed, "method": "fleetwise", "records": len(steps), "sim_s": sim_s,
-               "records_per_s": len(steps) / det_s, **score}
-        rows.append(row)
+        without = [{k: v for k, v in s.items() if k != "model"} for s in steps]
+        for field in args.model_field:
+            det = StragglerDetector()
+            if field == "join":
+                det.learn_models((inv["node"], g["index"], g["model"])
+                                 for inv in inventory for g in inv["gpus"])
+            records = steps if field == "keep" else without
+            t0 = time.perf_counter()
+            out = det.process(records) + det.flush()
+            det_s = time.perf_counter() - t0
+            preds = [p for p in out if isinstance(p, Prediction)]
+            score = score_stragglers(preds, labels, hours, steps=steps)
+            rows.append({"seed": seed, "method": f"fleetwise/{field}", "records": len(steps), "sim_s": sim_s,
+                         "records_per_s": len(steps) / det_s, **score})
         if args.baseline:
             base = score_stragglers(nvrx_relative(steps), labels, hours, steps=steps)
             rows.append({"seed": seed, "method": "nvrx-relative-0.75", "records": len(steps), **base})
@@ -108,7 +159,7 @@ def main() -> None:
             f"{'/1kjh':>6} {'jobwide found/all cause false':>30} {'rec/s':>8}")
     print(head)
     print("-" * len(head))
-    tot: dict[str, float] = defaultdict(float)
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in rows:
         ds, dt = r["delay_steps"], r["delay_s"]
         delays_steps = f"{_fmt(ds['median'])}/{_fmt(ds['p95'])}/{_fmt(ds['max'])}"
@@ -120,18 +171,22 @@ def main() -> None:
               f"{delays_steps:>24} {delays_s:>16} {_fmt(r['factor_abs_error_median'], '{:.3f}'):>6} "
               f"{r['false_flags']:>5} {_fmt(r['false_flags_per_1000_job_hours'], '{:.2f}'):>6} "
               f"{jobwide:>30} {_fmt(r.get('records_per_s')):>8}")
-        if r["method"] == "fleetwise":
+        if r["method"].startswith("fleetwise"):
+            tot = totals[r["method"]]
             for k in ("job_hours", "injected", "detected", "detected_on_time", "false_flags",
                       "job_slowdowns", "job_slowdowns_found", "job_slowdown_cause_right"):
                 tot[k] += r[k]
-    if tot["injected"]:
-        print(f"\nall seeds (fleetwise): {tot['detected_on_time']:.0f}/{tot['injected']:.0f} on time "
+    for method, tot in totals.items():
+        if not tot["injected"]:
+            continue
+        print(f"\nall seeds ({method}): {tot['detected_on_time']:.0f}/{tot['injected']:.0f} on time "
               f"({tot['detected_on_time'] / tot['injected']:.2%}), found {tot['detected']:.0f}, "
               f"{tot['false_flags']:.0f} false flags in {tot['job_hours']:.0f} job-hours "
-              f"({1000 * tot['false_flags'] / tot['job_hours']:.2f} per 1,000 job-hours); job-wide slowdowns "
+              f"({1000 * tot['false_flags'] / tot['job_hours']:.2f} per 1,000 job-hours, "
+              f"{16 * tot['false_flags'] / tot['job_hours']:.3f} per 16 job-hours); job-wide slowdowns "
               f"found {tot['job_slowdowns_found']:.0f}/{tot['job_slowdowns']:.0f}, cause right "
               f"{tot['job_slowdown_cause_right']:.0f}")
-    missed = [m for r in rows if r["method"] == "fleetwise" for m in r["missed"]]
+    missed = [(r["method"], m) for r in rows if r["method"].startswith("fleetwise") for m in r["missed"]]
     if missed:
         print("missed:", json.dumps(missed[:10], default=str))
 

@@ -419,3 +419,168 @@ def test_an_alerting_rank_keeps_the_run_it_was_raised_on(per_call):
         if rank["alert"]:
             runs.append(rank["run"])
     assert len(runs) > 3 and all(run == runs[0] for run in runs)
+
+
+# ---- step records without `model` (DESIGN.md's step record) ----
+def without_model(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "model"} for r in records]
+
+
+def ramped(records: list[dict], rank: int, start_s: float, ramp_s: float, speed: float) -> list[dict]:
+    """``rank`` slows linearly from full speed at ``start_s`` to ``speed`` at ``start_s + ramp_s``
+    and stays there (a thermal ramp); the others as made."""
+    out = []
+    for r in records:
+        r = dict(r)
+        t = r["ts"] - T0
+        if r["rank"] == rank and t >= start_s:
+            reached = 1.0 - (1.0 - speed) * min(1.0, (t - start_s) / ramp_s)
+            r["compute_s"] = round(r["compute_s"] / reached, 6)
+            r["step_time_s"] = max(r["step_time_s"], r["compute_s"])
+        out.append(r)
+    return out
+
+
+def test_simulated_stragglers_are_found_without_model_in_the_step_records():
+    from fleetwise.sim import FleetSimulator, SimConfig
+
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:32,a100-sxm-80gb:32,b200:16", days=1.0, seed=41,
+                                   straggler_rate_per_1000_gpu_days=400.0,
+                                   job_slowdown_rate_per_1000_job_hours=60.0))
+    steps = [s for tick in sim.ticks() for s in tick.steps]
+    hours = sum(max(s["ts"] for s in steps if s["job"] == j) - min(s["ts"] for s in steps if s["job"] == j)
+                for j in {s["job"] for s in steps}) / 3600.0
+    det = StragglerDetector()
+    out = det.process(without_model(steps)) + det.flush()
+    assert all(rs["model"] is None for job in det.keys() for rs in det.state(job)["ranks"].values())
+    score = score_stragglers(predictions(out), sim.labels(), hours, steps=steps)
+    assert score["injected"] >= 10
+    assert score["detected_on_time"] >= 0.9 * score["injected"]
+    assert score["false_flags"] <= hours / 16.0  # <= 1 false episode per 16 job-hours
+    assert any(p.reason == "slower than its own history and its alike ranks (GPU model unknown)"
+               for p in rank_alerts(out))
+
+
+def test_a_job_whose_ranks_are_all_unknown_still_finds_its_straggler():
+    records = without_model(make_steps(["h100-sxm"] * 8, hours=4, seed=31, slow={6: (5400.0, 9000.0, 0.85)}))
+    out = run(records)
+    alerts = rank_alerts(out)
+    assert [p.rank for p in alerts] == [6]
+    assert alerts[0].factor == pytest.approx(0.85, abs=0.03)
+    assert T0 + 5400.0 <= alerts[0].ts <= T0 + 5400.0 + 5 * 60
+    assert alerts[0].signals[1].value is None and alerts[0].signals[2].value is None  # model, TFLOP/s
+    clears = [p for p in predictions(out) if p.rank == 6 and not p.alert]
+    assert len(clears) == 1 and clears[0].ts > T0 + 9000.0
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+@pytest.mark.parametrize("older", [2, 8])
+def test_mixed_generation_without_model_flags_the_straggler_not_the_older_generation(proportional, older):
+    # A100s compute each sample ~2.7x slower than H100s: an older generation, not stragglers,
+    # whether they are too few to be a group of their own (2) or many (8).
+    models = ["h100-sxm"] * 8 + ["a100-sxm-80gb"] * older
+    out = run(without_model(make_steps(models, hours=6, seed=32, proportional=proportional,
+                                       slow={3: (7200.0, 14400.0, 0.85)})))
+    assert [p.rank for p in rank_alerts(out)] == [3]
+    fvs = [f for f in out if isinstance(f, FeatureVector) and f.rank >= 8 and f.values["speed_factor"]]
+    assert fvs and all(abs(f.values["speed_factor"] - 1.0) < 0.03 for f in fvs)
+
+
+def test_a_slower_generation_within_the_alike_tolerance_is_not_flagged_without_model():
+    # An L40S computes ~11% slower than an A100 (catalog): alike by cost per sample, but its
+    # own history says it has always been so; a real straggler among them is still found.
+    models = ["a100-sxm-80gb"] * 6 + ["l40s"] * 2
+    out = run(without_model(make_steps(models, hours=5, seed=33, proportional=False,
+                                       slow={1: (7200.0, 12000.0, 0.85)})))
+    assert [p.rank for p in rank_alerts(out)] == [1]
+
+
+@pytest.mark.parametrize(("kind", "cause"), [("network", "network"), ("input_stall", "input")])
+def test_job_wide_slowdown_without_model_flags_no_rank(kind, cause):
+    models = ["h100-sxm"] * 8 + ["a100-sxm-80gb"] * 8
+    window = (3600.0, 7200.0, 1.6 if kind == "network" else 1.15)
+    out = run(without_model(make_steps(models, hours=3, seed=34, **{kind: window})))
+    assert rank_alerts(out) == []
+    jobwide = [p for p in predictions(out) if p.rank is None]
+    assert [p.alert for p in jobwide] == [True, False] and jobwide[0].reason == f"job-wide: {cause}"
+    assert T0 + window[0] <= jobwide[0].ts <= T0 + window[0] + 5 * 60
+
+
+def test_a_thermal_ramp_is_found_without_model():
+    # The rank slows over 30 minutes: its own baseline follows only healthy records, so the
+    # ramp is not absorbed into it.
+    records = ramped(make_steps(["h100-sxm"] * 8, hours=5, seed=35), 2, 7200.0, 1800.0, 0.8)
+    alerts = rank_alerts(run(without_model(records)))
+    assert [p.rank for p in alerts] == [2]
+    assert alerts[0].ts <= T0 + 7200.0 + 1800.0
+
+
+def test_models_learned_by_gpu_judge_as_models_in_the_records():
+    # The join: (node, gpu) -> model from telemetry / inventory. Records without `model` then
+    # give exactly what records with it give (NVML names resolve to the same catalog ids).
+    records = make_steps(["h100-sxm"] * 10 + ["a100-sxm-80gb"] * 6, hours=3, seed=36,
+                         slow={4: (3000.0, 8000.0, 0.85), 12: (5000.0, 9000.0, 0.9)},
+                         network=(6000.0, 7000.0, 1.5))
+    det = StragglerDetector()
+    names = {"h100-sxm": "NVIDIA H100 80GB HBM3", "a100-sxm-80gb": "NVIDIA A100-SXM4-80GB"}
+    gpus = {(r["node"], r["gpu"]): names[r["model"]] for r in records}
+    assert det.learn_models((node, gpu, model) for (node, gpu), model in gpus.items()) == len(gpus)
+    assert det.model_of("node-001", 4) == "a100-sxm-80gb" and det.model_of("node-009", 0) is None
+    joined = run(without_model(records), det)
+    assert [r.model_dump() for r in joined] == [r.model_dump() for r in run(records)]
+    assert {p.rank for p in rank_alerts(joined)} == {4, 12}
+
+
+def test_a_model_learned_mid_job_takes_over_from_the_own_history():
+    records = without_model(make_steps(["h100-sxm"] * 8, hours=3, seed=37, slow={5: (7200.0, 10800.0, 0.8)}))
+    det = StragglerDetector()
+    cut = len(records) // 3
+    first = det.process(records[:cut])
+    det.learn_models((f"node-{r // 8:03d}", r % 8, "h100-sxm") for r in range(8))
+    rest = det.process(records[cut:]) + det.flush()
+    assert [p.rank for p in rank_alerts(first + rest)] == [5]
+    assert rank_alerts(rest)[0].reason == "slower than its GPU model should be"
+    assert det.state("llm")["ranks"]["5"]["model"] == "h100-sxm"
+
+
+def test_state_restore_without_model_gives_identical_outputs():
+    records = without_model(make_steps(["h100-sxm"] * 6 + ["b200"] * 4, hours=3, seed=38,
+                                       slow={2: (4000.0, 9000.0, 0.85)}, input_stall=(6000.0, 7000.0, 1.3)))
+    whole = [r.model_dump() for r in run(records)]
+    cut = len(records) // 2 + 3
+    first = StragglerDetector()
+    part = first.process(records[:cut])
+    saved = {k: json.dumps(first.state(k)) for k in first.keys()}
+    assert json.loads(saved["llm"])["ranks"]["2"]["base"] > 0
+    second = StragglerDetector()
+    for key, blob in saved.items():
+        second.restore(key, json.loads(blob))
+    rest = second.process(records[cut:]) + second.flush()
+    assert [r.model_dump() for r in part + rest] == whole
+    assert [p.rank for p in rank_alerts(part + rest)] == [2]
+
+
+def test_control_plane_learns_models_from_gpu_samples_and_inventory():
+    from fleetwise.schemas import topics as T
+    from fleetwise.sim import FleetSimulator, SimConfig
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:8,a100-sxm-80gb:8", days=0.05, seed=39))
+    tick = next(iter(sim.ticks()))
+    control = ControlPlane(ControlPlaneConfig(failure_predictor=False, publish_features=False))
+    step = {"ts": tick.ts, "job": "j", "rank": 0, "node": "node-000", "gpu": 0, "step": 1,
+            "step_time_s": 2.0, "compute_s": 1.5, "samples": 8}
+    control.handle(T.TELEMETRY_GPU.name, [control.decode_obj(T.TELEMETRY_GPU.name, s, source="t")[0]
+                                          for s in tick.samples])
+    control.handle(T.TELEMETRY_STEPS.name, control.decode_obj(T.TELEMETRY_STEPS.name, step, source="t"))
+    det = control.stragglers
+    assert det is not None
+    for s in tick.samples:
+        assert det.model_of(s["node"], s["gpu"]) == lookup(s["model"]).id
+    control.flush()  # (closes the job's one step group)
+    first_gpu = next(s["model"] for s in tick.samples if (s["node"], s["gpu"]) == ("node-000", 0))
+    assert det.state("j")["ranks"]["0"]["model"] == lookup(first_gpu).id
+    # An inventory (the node's GPUs by index) teaches GPUs no sample has shown yet.
+    inv = dict(sim.inventory()[0], node="node-new")
+    control.handle(T.INVENTORY.name, control.decode_obj(T.INVENTORY.name, inv, source="t"))
+    assert det.model_of("node-new", 3) == lookup(inv["gpus"][3]["model"]).id

@@ -13,6 +13,25 @@ H100s, so "slow for an H100" is told apart from "it is an A100". NVIDIA Resilien
 Extension scores a rank against the best rank (relative) and its own best (individual)
 with a fixed threshold (~0.75); it cannot know what a GPU model should do.
 
+Step records need not carry ``model`` (DESIGN.md's step record has none). A rank's GPU model
+comes from the record when it has one, else from what the caller taught the detector about
+the GPU it runs on (`learn_models`: (node, gpu) -> model from GPU samples and node inventories;
+one dict lookup per record). A rank whose model is still unknown (or not in the catalog) is
+judged without a catalog speed, on its cost per sample ``compute_s / samples``, against its
+*own history*: that cost over its own baseline (the median of its first ``base_records``
+records, then following it slowly while it is healthy), divided by the median of that ratio
+over the job's unknown ranks (the job's drift), so a job-wide slowdown (every rank slower
+together) changes no rank's factor and an older generation is not "slow" for being older.
+When the rank has at least ``min_group`` *alike* ranks (the job's unknown ranks whose
+baseline cost per sample lies within ``alike_tolerance`` of its own, single linkage over the
+sorted costs, so each generation forms its own group), their median cost is a second
+reference and both must call it slow (the factor is the less slow of the two): a rank of a
+slightly slower model among alike ones is not flagged, nor noise that only one sees.
+
+Without its model, only a change is attributable: a rank slow from its first record cannot be
+told from a rank of a slower model, and the first ``base_records`` records of a rank judge
+nothing. The join (model by (node, gpu)) exists for that.
+
 A rank is flagged by a one-sided CUSUM over its log speed deficit, with slack and limit
 scaled to the job's measured noise, and cleared after a few healthy records in a row
 (hysteresis: one prediction on raise, one on clear). A job-wide slowdown (every rank
@@ -41,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetwise.catalog import lookup
+from fleetwise.catalog import UnknownGpuError, lookup
 from fleetwise.schemas import FeatureVector, Prediction, Record, Signal, TrainingStep
 from fleetwise.schemas.fast import FastTrainingStep, TraceLine, TraceStep
 
@@ -74,6 +93,15 @@ def catalog_speed(model: str, dtype: str = "bf16") -> float:
     raise ValueError(f"GPU {spec.id!r} has no usable training dtype in the catalog")
 
 
+@lru_cache(maxsize=4096)
+def _model_id(model: str) -> str:
+    """Catalog id of a reported GPU model name; the name itself when the catalog lacks it."""
+    try:
+        return lookup(model).id
+    except UnknownGpuError:
+        return model
+
+
 @dataclass(frozen=True)
 class StragglerConfig:
     """Detector settings. Deficits are natural-log units: 0.0513 = 5% slower."""
@@ -102,6 +130,12 @@ class StragglerConfig:
     window_s: float = 300.0  # per-rank feature window
     jobwide_threshold: float = 0.05  # job-wide slowdown: >= 5% of the step time
     jobwide_records: int = 3  # step groups in a row to raise / clear a job-wide slowdown
+    # Ranks of unknown GPU model: "alike" when their costs per sample are within this (ln units:
+    # 0.26 = 30%) of each other. GPU generations differ by >= ~1.5x in bf16 (A100 -> H100 ~3x,
+    # H100 -> B200 ~2x); a straggler that started after its baseline stays with its group.
+    alike_tolerance: float = 0.26
+    base_records: int = 5  # records whose median is an unknown-model rank's own baseline
+    base_alpha: float = 0.005  # per healthy record, how far the own baseline follows the rank
     baseline_groups: int = 30  # healthy step groups in the job's rolling baseline
     min_baseline: int = 5  # groups needed before job-wide judgements
     dtype: str = "bf16"
@@ -156,7 +190,32 @@ class StragglerDetector:
         self._jobs: dict[str, _JobState] = {}
         self._keep_recent = max(5, self.config.clear_records)
         self._capabilities: dict[str | None, float | None] = {}
+        # (node, gpu) -> GPU model (catalog id where the catalog knows it), from `learn_models`
+        self._gpu_models: dict[tuple[str, int], str] = {}
         self._next_sweep = -math.inf  # event time of the next look for silent jobs (not state)
+
+    # ---- GPU models of the ranks ----
+    def learn_models(self, gpus: Iterable[tuple[str, int, str]]) -> int:
+        """Teach the GPU model of each (node, gpu, model): a rank whose step records carry no
+        ``model`` takes its GPU's (the record's own ``model`` wins when it has one). Callers feed
+        it from GPU samples and node inventories (`ControlPlane` does). Names are resolved to
+        catalog ids (an unknown name is kept as given: its ranks are judged alike by it).
+        Not part of the saved state: it is rebuilt from telemetry and inventory, and a rank
+        keeps the model it learned in its own state. Returns how many GPUs changed model."""
+        known = self._gpu_models
+        changed = 0
+        for node, gpu, model in gpus:
+            if not model:
+                continue
+            model_id = _model_id(model)
+            if known.get((node, gpu)) != model_id:
+                known[node, gpu] = model_id
+                changed += 1
+        return changed
+
+    def model_of(self, node: str, gpu: int) -> str | None:
+        """The GPU model learned for (node, gpu) (None: not taught)."""
+        return self._gpu_models.get((node, gpu))
 
     # ---- processor contract ----
     def process(self, records: Sequence[Record | FastTrainingStep | Mapping[str, Any]]) -> list[Record]:
@@ -326,6 +385,8 @@ class StragglerDetector:
         preds: list[Record] = []
 
         capabilities = self._capabilities
+        gpu_models = self._gpu_models
+        unknown = False  # a row of a rank whose GPU model gives no speed
         row_states: list[_RankState] = []  # each row's rank state, in row order
         for rank, row in zip(ranks_reported, rows):  # noqa: B905 (same length)
             rs = ranks.get(rank)
@@ -339,11 +400,18 @@ class StragglerDetector:
                 rs = None
             if rs is None:
                 rs = ranks[rank] = _RankState.new(row, self._keep_recent)
-            model = rs.model = row.model or rs.model
+            model = row.model or (gpu_models.get((row.node, row.gpu)) if gpu_models else None) or rs.model
+            rs.model = model
             cap = rs.cap = capabilities[model] if model in capabilities else self._capability(model)
             rs.ts = row.ts
             work = row.samples or row.micro_batch or 1  # int or float: x / n == x / float(n)
-            rs.cost = row.compute_s * cap / work if cap and work > 0 else None
+            if cap:
+                rs.cost = row.compute_s * cap / work if work > 0 else None
+            else:
+                # No catalog speed: cost per sample, judged against alike ranks / its own history.
+                rs.cost = None
+                rs.ucost = row.compute_s / work if work > 0 and row.compute_s > 0 else None
+                unknown = True
             row_states.append(rs)
 
         # One pass over the job's ranks: the fresh ones (the next group waits for them), their
@@ -353,10 +421,13 @@ class StragglerDetector:
         pool: list[float] = []
         pool_costs: dict[str, list[float]] = {}
         noises: list[float] = []
+        unknown_pool: list[tuple[int, _RankState]] = []  # fresh ranks without a catalog speed
         for rank, rs in ranks.items():
             if rs.ts >= cutoff:
                 fresh.append(rank)
                 cost = rs.cost
+                if unknown and not rs.cap and rs.ucost:
+                    unknown_pool.append((rank, rs))
                 if cost:
                     pool.append(cost)
                     model_costs = pool_costs.get(rs.model or "")
@@ -381,6 +452,11 @@ class StragglerDetector:
         sigma = max(cfg.noise_floor, _median(noises) * _ABS_DIFF_TO_SIGMA if noises else 0.0)
         slack = max(cfg.cusum_slack, cfg.noise_slack_z * sigma)
         limit = max(cfg.cusum_limit, cfg.noise_limit_z * sigma)
+        alike: dict[int, tuple[float, str]] = {}
+        own: tuple[float, str] | None = None
+        if unknown_pool:
+            unknown_pool.sort(key=_KEY)
+            alike, own = self._unknown_references(unknown_pool)
 
         window_s = cfg.window_s
         keep_alpha = 1 - cfg.noise_alpha
@@ -394,6 +470,15 @@ class StragglerDetector:
             cost = rs.cost
             ref = references.get(rs.model) if cost else None  # a cost implies a model
             factor = ref[0] / cost if ref else None
+            if rs.cap is None and rs.ucost:  # model unknown: its own history (and alike ranks)
+                cost = rs.ucost
+                if own is not None and rs.base:
+                    ref, factor = own, own[0] * rs.base / cost
+                    peers = alike.get(rank)
+                    if peers is not None:
+                        # Both must call it slow: the less slow of the two factors.
+                        ref = (own[0], f"{own[1]}; {peers[1]}")
+                        factor = max(factor, peers[0] / cost)
 
             # Per-rank feature window: a record of a new window closes the previous one.
             if row.ts != start_ts:  # a group's records mostly share one timestamp
@@ -408,6 +493,8 @@ class StragglerDetector:
             if factor is None:
                 if cost:
                     rs.win_cost.append(cost)
+                    if rs.cap is None:
+                        self._follow_baseline(rs, own, None, slack)
                 continue
             rs.win_factor.append(factor)
             rs.win_cost.append(cost)  # a factor implies a cost
@@ -419,7 +506,9 @@ class StragglerDetector:
                 noise = rs.noise
                 rs.noise = jump if noise is None else keep_alpha * noise + alpha * jump
             rs.deficit = deficit
-            rs.ref = ref[1]
+            rs.ref = ref[1]  # type: ignore[index]
+            if rs.cap is None:
+                self._follow_baseline(rs, own, deficit, slack)
 
             # Alert state: a one-sided CUSUM over the deficit raises, a healthy run clears. With
             # no alert, the CUSUM at 0 and the deficit within the slack there is nothing to judge
@@ -452,6 +541,63 @@ class StragglerDetector:
         self._capabilities[model] = cap
         return cap
 
+    def _unknown_references(self, pool: list[tuple[int, _RankState]]
+                            ) -> tuple[dict[int, tuple[float, str]], tuple[float, str] | None]:
+        """References of the job's fresh ranks without a catalog speed (``pool``, rank order):
+        rank -> (median cost per sample of its alike group, label) for groups of at least
+        ``min_group``; and (median of cost / own baseline over the ranks that have one, label)
+        when at least ``min_ranks`` do (None otherwise), the job's drift their own history is
+        divided by. Ranks with an uncatalogued model name are alike by that name; the others by
+        their baseline cost per sample (their current one before they have a baseline)."""
+        cfg = self.config
+        groups: dict[Any, list[tuple[int, _RankState]]] = {}
+        unnamed: list[tuple[float, int, _RankState]] = []
+        for rank, rs in pool:
+            if rs.model:
+                groups.setdefault(rs.model, []).append((rank, rs))
+            else:
+                unnamed.append((math.log(rs.base or rs.ucost), rank, rs))
+        unnamed.sort(key=_FIRST_TWO)
+        group, previous = 0, None
+        for value, rank, rs in unnamed:
+            if previous is not None and value - previous > cfg.alike_tolerance:
+                group += 1
+            groups.setdefault(group, []).append((rank, rs))
+            previous = value
+        alike: dict[int, tuple[float, str]] = {}
+        for members in groups.values():
+            if len(members) >= cfg.min_group:
+                ref = (_median([rs.ucost for _, rs in members]), f"{len(members)} alike ranks, model unknown")
+                for rank, _ in members:
+                    alike[rank] = ref
+        based = [rs.ucost / rs.base for _, rs in pool if rs.base]
+        own = None
+        if len(based) >= cfg.min_ranks:
+            own = (_median(based), f"own history, drift of {len(based)} ranks")
+        return alike, own
+
+    def _follow_baseline(self, rs: _RankState, own: tuple[float, str] | None, deficit: float | None,
+                         slack: float) -> None:
+        """An unknown-model rank's own baseline (cost per sample): the median of its first
+        ``base_records`` records that no reference calls slow, then, on healthy records
+        (within the slack of its reference and of its own history, no alert), moved by
+        ``base_alpha`` of the log gap toward its cost over the job's drift."""
+        cfg = self.config
+        if rs.alert or (deficit is not None and deficit > slack):
+            return
+        cost = rs.ucost
+        if rs.base is None:
+            rs.base_acc.append(cost)
+            if len(rs.base_acc) >= cfg.base_records:
+                rs.base = _median(rs.base_acc)
+                rs.base_acc = []
+            return
+        if own is None:
+            return
+        gap = math.log(cost / (rs.base * own[0]))
+        if abs(gap) < slack and (deficit is None or abs(deficit) < slack):
+            rs.base *= math.exp(cfg.base_alpha * gap)
+
     def _references(self, pool_costs: dict[str, list[float]], pool: list[float]
                     ) -> dict[str, tuple[float, str]]:
         """Reference cost per GPU model: same-model peers when enough, else the job median."""
@@ -481,15 +627,20 @@ class StragglerDetector:
         states = [job.ranks[rank] for rank in ranks]
         n_ranks = len(ranks)
         caps = [self._capability(rs.model) for rs in states]
-        if (n_ranks < cfg.min_ranks or not all(caps)
+        if (n_ranks < cfg.min_ranks or not all(caps) or job.jobwide.get("basis", "cap") != "cap"
                 or any(rs.noise is None or rs.deficit is None for rs in states)):
             return 0
+        gpu_models = self._gpu_models
+        if gpu_models and any(gpu_models.get((rs.node, rs.gpu), rs.model) != rs.model for rs in states):
+            return 0  # a rank's GPU model was learned anew: one by one takes it up
         # The leading groups whose ranks stay on their GPUs with their models (else one by one).
         rows = [group[rank] for _, group in groups for rank in ranks]  # group-major
         usable = len(groups)
         for attribute, get in (("node", _NODE), ("gpu", _GPU), ("model", _MODEL)):
             mine = [getattr(rs, attribute) for rs in states] * usable
             got = list(map(get, rows[:usable * n_ranks]))
+            if attribute == "model" and None in got:  # a record without one: its rank's (learned)
+                got = [theirs if m is None else m for m, theirs in zip(got, mine, strict=True)]
             if got != mine:
                 usable = next(i for i, (a, b) in enumerate(zip(got, mine, strict=True)) if a != b) // n_ranks
         if usable < _MIN_TOGETHER:
@@ -663,7 +814,7 @@ class StragglerDetector:
             if cusum >= limits[i] and run >= min_consecutive:
                 alert, clear_run = True, 0
                 judged.append((i, self._rank_prediction(
-                    name, rank, rs, times[i], raise_=True, reason="slower than its GPU model should be",
+                    name, rank, rs, times[i], raise_=True, reason=_raise_reason(rs),
                     factors=_last(run0, factors, i, min(run, 5)), cusum=cusum,
                     slack=slack, limit=limits[i])))
             i += 1
@@ -703,8 +854,19 @@ class StragglerDetector:
                   ts: float) -> Prediction | None:
         cfg = self.config
         costs = [rs.cost for rs in row_states]
-        if len(costs) < cfg.min_ranks or None in costs:
+        if len(costs) < cfg.min_ranks:
             return None
+        basis = "cap"
+        if None in costs:
+            # A rank without a catalog speed: the job's median cost per sample instead (its own
+            # baseline starts over when the basis changes, e.g. once the ranks' models are learned).
+            basis = "raw"
+            costs = [row.compute_s / (row.samples or row.micro_batch or 1) for row in rows]
+        jw = job.jobwide
+        if jw.get("basis", "cap") != basis:
+            jw["basis"] = basis
+            jw["base"] = []
+            jw["run"] = 0
         step = _median([row.step_time_s for row in rows])
         # Communication the slowest rank could not hide: a straggler raises step time and
         # the slowest compute together (unchanged), a slow network raises only this.
@@ -817,7 +979,7 @@ class _RankState:
 
     __slots__ = ("node", "gpu", "model", "cap", "ts", "cost", "deficit", "noise", "cusum", "run", "recent",
                  "alert", "clear_run", "ref", "win_start", "win_step", "win_compute", "win_factor",
-                 "win_cost", "prev_cost")
+                 "win_cost", "prev_cost", "ucost", "base", "base_acc")
 
     @classmethod
     def new(cls, row: Any, keep_recent: int) -> _RankState:
@@ -831,6 +993,9 @@ class _RankState:
         rs.ref = rs.prev_cost = None
         rs.win_start = None  # event time the open feature window starts at (None: none open)
         rs.win_step, rs.win_compute, rs.win_factor, rs.win_cost = [], [], [], []
+        # GPU model unknown: cost per sample, own baseline, the records it is the median of
+        rs.ucost = rs.base = None
+        rs.base_acc = []
         return rs
 
     def open_window(self, start: float) -> None:
@@ -851,7 +1016,8 @@ class _RankState:
         return {"node": self.node, "gpu": self.gpu, "model": self.model, "cap": self.cap, "ts": self.ts,
                 "cost": self.cost, "deficit": self.deficit, "noise": self.noise, "cusum": self.cusum,
                 "run": list(self.run), "recent": list(self.recent), "alert": self.alert,
-                "clear_run": self.clear_run, "ref": self.ref, "win": win, "prev_cost": self.prev_cost}
+                "clear_run": self.clear_run, "ref": self.ref, "win": win, "prev_cost": self.prev_cost,
+                "ucost": self.ucost, "base": self.base, "base_acc": list(self.base_acc)}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], keep_recent: int) -> _RankState:
@@ -867,6 +1033,9 @@ class _RankState:
         rs.win_start = None if win is None else win["start"]
         rs.win_step, rs.win_compute, rs.win_factor, rs.win_cost = (
             ([], [], [], []) if win is None else (win["step"], win["compute"], win["factor"], win["cost"]))
+        # (a state saved before ranks of unknown model were judged has none of these)
+        rs.ucost, rs.base = state.get("ucost"), state.get("base")
+        rs.base_acc = list(state.get("base_acc", []))
         return rs
 
 
@@ -962,6 +1131,7 @@ def _row_state(rec: Any) -> dict[str, Any]:
 _MIN_TOGETHER = 4  # deferred step groups of a job from which judging them together pays off
 _MAX_REFUSED = 3  # groups one by one in a row after which the rest of a call's go one by one
 _KEY = itemgetter(0)
+_FIRST_TWO = itemgetter(0, 1)
 _TS, _NODE, _GPU, _MODEL = attrgetter("ts"), attrgetter("node"), attrgetter("gpu"), attrgetter("model")
 _STEP_TIME, _COMPUTE = attrgetter("step_time_s"), attrgetter("compute_s")
 
@@ -1017,6 +1187,15 @@ def _last(head: Iterable[float], values: list[float], i: int, k: int) -> list[fl
     if k <= i + 1:
         return values[i + 1 - k:i + 1]
     return (list(head) + values[:i + 1])[-k:]
+
+
+def _raise_reason(rs: _RankState) -> str:
+    """Why a rank is raised: against its GPU model's speed, or (model unknown) its references."""
+    if rs.cap:
+        return "slower than its GPU model should be"
+    if rs.ref and "alike" in rs.ref:
+        return "slower than its own history and its alike ranks (GPU model unknown)"
+    return "slower than its own history (GPU model unknown)"
 
 
 def _is_step_type(kind: type) -> bool:

@@ -108,6 +108,7 @@ class ControlPlane:
         self.inventory: dict[str, NodeInventory] = {}
         self.plans: dict[str, Plan] = {}
         self._model_ids: dict[str, str | None] = {}
+        self._models_taught = 0  # feature-window slots whose GPU model the detector has learned
         self.counts: dict[str, int] = {"samples_in": 0, "steps_in": 0, "deadletter": 0}
 
     # -- validation --------------------------------------------------------------------------
@@ -297,14 +298,35 @@ class ControlPlane:
         elif topic == T.TELEMETRY_STEPS.name:
             self.counts["steps_in"] += len(good)
             if self.stragglers is not None:
+                self._teach_gpu_models()
                 out.extend(self._route_outputs(self.stragglers.process(good)))
         elif topic == T.INVENTORY.name:
             for r in good:
                 self.inventory[r.node] = r  # type: ignore[attr-defined]
+            if self.stragglers is not None:
+                self.stragglers.learn_models((r.node, g.index, g.model)  # type: ignore[attr-defined]
+                                             for r in good for g in r.gpus)  # type: ignore[attr-defined]
         elif topic == T.PLANS.name:
             for r in good:
                 self.plans[r.job] = r  # type: ignore[attr-defined]
         return out
+
+    def _teach_gpu_models(self) -> None:
+        """The straggler detector learns the GPU model of every GPU the feature windows have
+        seen in samples since the last call (step records need not carry one: DESIGN.md's
+        have none). Costs one look past the last slot when no GPU is new."""
+        found = []
+        slot = self._models_taught
+        while True:
+            try:
+                meta = self.features.slot_meta(slot)
+            except IndexError:
+                break
+            found.append((meta["node"], meta["gpu"], meta["model"]))
+            slot += 1
+        if found:
+            self.stragglers.learn_models(found)  # type: ignore[union-attr]
+            self._models_taught = slot
 
     def flush(self) -> list[Routed]:
         """End of input (replay): close open windows and route what they produce."""
