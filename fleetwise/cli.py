@@ -104,7 +104,7 @@ def _plan_model(value: str):  # -> ModelShape
         fail(f"--model: {exc}")
 
 
-def _plan_inventory(path: Path) -> list:  # -> list[NodeInventory]
+def _plan_inventory(path: Path, option: str = "--gpus") -> list:  # -> list[NodeInventory]
     """NodeInventory records from a .json (one object or a list) or .jsonl file."""
     from pydantic import ValidationError
 
@@ -113,7 +113,7 @@ def _plan_inventory(path: Path) -> list:  # -> list[NodeInventory]
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        fail(f"--gpus: cannot read inventory file {str(path)!r}: {exc}")
+        fail(f"{option}: cannot read inventory file {str(path)!r}: {exc}")
     items: list[tuple[str, object]] = []
     if path.suffix.lower() == ".jsonl":
         for number, line in enumerate(text.splitlines(), start=1):
@@ -122,22 +122,22 @@ def _plan_inventory(path: Path) -> list:  # -> list[NodeInventory]
             try:
                 items.append((f"line {number}", json.loads(line)))
             except json.JSONDecodeError as exc:
-                fail(f"--gpus: {path} line {number} is not valid JSON: {exc.msg}")
+                fail(f"{option}: {path} line {number} is not valid JSON: {exc.msg}")
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            fail(f"--gpus: {path} is not valid JSON: {exc.msg} (line {exc.lineno})")
+            fail(f"{option}: {path} is not valid JSON: {exc.msg} (line {exc.lineno})")
         records = data if isinstance(data, list) else [data]
         items = [(f"item {i}", record) for i, record in enumerate(records)]
     if not items:
-        fail(f"--gpus: inventory file {str(path)!r} holds no node records")
+        fail(f"{option}: inventory file {str(path)!r} holds no node records")
     inventories = []
     for where, record in items:
         try:
             inventories.append(NodeInventory.model_validate(record))
         except ValidationError as exc:
-            fail(f"--gpus: {path} {where} is not a node inventory: {describe_error(exc)}")
+            fail(f"{option}: {path} {where} is not a node inventory: {describe_error(exc)}")
     return inventories
 
 
@@ -296,6 +296,206 @@ def plan_cmd(
         sys.stdout.flush()
         err_console.print(f"wrote plot to {plot}", highlight=False)
 
+
+# ---- place -----------------------------------------------------------------------------------
+
+
+def _place_intent(path: Path):  # -> JobIntent
+    """A job intent from a YAML/JSON file; errors name the file and the field."""
+    import yaml
+    from pydantic import ValidationError
+
+    from fleetwise.schemas import JobIntent, describe_error
+
+    if not path.is_file():
+        fail(f"JOB: job intent file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"JOB: cannot read {str(path)!r}: {exc}")
+    except yaml.YAMLError as exc:
+        fail(f"JOB: {path} is not valid YAML/JSON: {exc}")
+    if not isinstance(data, dict):
+        fail(f"JOB: {path} must hold a mapping (job, model, global_batch, ...), got {type(data).__name__}")
+    if isinstance(data.get("model"), str):  # a preset name is accepted for the model
+        data["model"] = _plan_model(data["model"]).model_dump()
+    try:
+        return JobIntent.model_validate(data)
+    except ValidationError as exc:
+        fail(f"JOB: {path} is not a job intent: {describe_error(exc)}")
+
+
+def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
+    """Latest GPU state per GPU from a trace (.jsonl/.jsonl.gz of GPU samples or node batches;
+    step records are skipped), the GPUs that run ``job`` now, and the latest timestamp."""
+    import gzip
+
+    from pydantic import ValidationError
+
+    from fleetwise.planner.placement import telemetry_from_samples
+    from fleetwise.schemas import GpuSample, NodeBatch, describe_error
+
+    if not path.is_file():
+        fail(f"--telemetry: trace file {str(path)!r} does not exist")
+    samples: list = []
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    fail(f"--telemetry: {path} line {lineno} is not valid JSON: {exc.msg}")
+                if not isinstance(obj, dict):
+                    fail(f"--telemetry: {path} line {lineno} is not a JSON object")
+                try:
+                    if "samples" in obj:
+                        samples.extend(NodeBatch.model_validate(obj).samples)
+                    elif "step" not in obj:
+                        samples.append(GpuSample.model_validate(obj))
+                except ValidationError as exc:
+                    fail(f"--telemetry: {path} line {lineno} is not a GPU sample: {describe_error(exc)}")
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        fail(f"--telemetry: cannot read {str(path)!r}: {exc}")
+    state = telemetry_from_samples(samples)
+    current = sorted(key for key, st in state.items() if st.job == job)
+    latest = max((st.ts for st in state.values()), default=None)
+    return state, current, latest
+
+
+def _place_carbon(text: str | None, path: Path | None) -> dict:
+    """'site-a=120,site-b=450' and/or a JSON file {site: g | [[ts, g], ...]}."""
+    out: dict = {}
+    if path is not None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"--carbon-file: cannot read {str(path)!r}: {exc}")
+        except json.JSONDecodeError as exc:
+            fail(f"--carbon-file: {path} is not valid JSON: {exc.msg} (line {exc.lineno})")
+        if not isinstance(data, dict):
+            fail(f"--carbon-file: {path} must map site -> gCO2/kWh or [[ts, g], ...]")
+        for site, value in data.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[site] = float(value)
+            elif isinstance(value, list) and all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, int | float) for x in p)
+                for p in value
+            ):
+                out[site] = [(float(t), float(g)) for t, g in value]
+            else:
+                fail(f"--carbon-file: {path} site {site!r}: expected a number or [[ts, g], ...], "
+                     f"got {value!r}")
+    for raw in (text or "").split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        site, sep, value = part.partition("=")
+        if not sep or not site.strip():
+            fail(f"--carbon: bad entry {part!r}; expected SITE=GRAMS_PER_KWH, e.g. eu-north=30")
+        try:
+            out[site.strip()] = float(value)
+        except ValueError:
+            fail(f"--carbon: {site.strip()}={value.strip()!r} is not a number")
+    return out
+
+
+@app.command("place")
+def place_cmd(
+    job: Path = typer.Argument(
+        ..., help="Job intent file (YAML/JSON): job, model (fields or a preset name), global_batch, "
+        "dtype, workload, constraints (max_gpus/min_gpus, gpu_types, sites)."),
+    fleet: Path = typer.Option(..., "--fleet", help="Node inventories (.jsonl or .json): rack, site, "
+                               "rack_power_budget_w, GPUs, NVLink groups, NICs; labels.power_domain."),
+    telemetry: Path | None = typer.Option(
+        None, "--telemetry", help="Trace of GPU samples (.jsonl/.jsonl.gz): the latest utilisation, "
+        "temperature, power and job per GPU. GPUs running other jobs are busy; GPUs running JOB are its "
+        "current place."),
+    weights: str | None = typer.Option(
+        None, "--weights", help="Preset (bandwidth-hungry, compute-dense, latency-bound) and/or term=W "
+        "overrides, e.g. 'compute-dense,carbon=2'. Terms: compute, memory, load, comm, latency, thermal, "
+        "carbon, move. Default: the job's workload preset."),
+    gpus: int | None = typer.Option(
+        None, "--gpus", min=1, help="GPUs to place (default: constraints.max_gpus, else min_gpus)."),
+    top: int = typer.Option(10, "--top", min=1, help="Options to show."),
+    max_rack_share: float = typer.Option(0.5, "--max-rack-share", help="At most this share of the job's GPUs "
+                                         "in one rack (failure domain), in (0, 1]."),
+    max_domain_share: float | None = typer.Option(
+        None, "--max-domain-share", help="At most this share in one power domain "
+        "(default: --max-rack-share)."),
+    min_tokens_per_s: float | None = typer.Option(
+        None, "--min-tokens-per-s", help="Throughput floor (default: constraints.min_tokens_per_s if set)."),
+    carbon: str | None = typer.Option(
+        None, "--carbon", help="Grid gCO2/kWh per site: SITE=G,... (others: 480)."),
+    carbon_file: Path | None = typer.Option(
+        None, "--carbon-file", help="JSON object: site -> gCO2/kWh, or a list of (unix_ts, g) pairs "
+        "(a series is averaged over the job's remaining time)."),
+    remaining_hours: float = typer.Option(24.0, "--remaining-hours", min=0.0, help="The job's remaining run "
+                                          "time (move and cross-site decisions)."),
+    current_step_s: float | None = typer.Option(
+        None, "--current-step-s", help="The job's step time now (default: planned on its current GPUs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the ranked options as JSON."),
+    kai: bool = typer.Option(False, "--kai", help="Print the KAI envelope of the best option (JSON)."),
+    queue: str | None = typer.Option(None, "--queue", help="KAI queue for --kai (default: the intent's)."),
+) -> None:
+    """Rank destinations for a job over a fleet by explicit cost terms (docs/placement.md)."""
+    import time
+
+    from fleetwise.planner.placement import (
+        FleetIndex,
+        PlacementError,
+        PlacementSettings,
+        parse_weights,
+        place_job,
+        placement_envelope,
+        placement_table,
+    )
+
+    intent = _place_intent(job)
+    if not fleet.is_file():
+        fail(f"--fleet: inventory file {str(fleet)!r} does not exist")
+    inventories = _plan_inventory(fleet, "--fleet")
+    state, current, latest = ({}, [], None)
+    if telemetry is not None:
+        state, current, latest = _place_telemetry(telemetry, intent.job)
+    try:
+        preset, weight_map = parse_weights(weights, intent.workload)
+        settings = PlacementSettings(
+            gpus=gpus, weights=weight_map, preset=preset, max_rack_share=max_rack_share,
+            max_domain_share=max_domain_share, min_tokens_per_s=min_tokens_per_s, current=current,
+            current_step_s=current_step_s, remaining_s=remaining_hours * 3600.0,
+            carbon=_place_carbon(carbon, carbon_file), now_ts=latest if latest is not None else time.time(),
+        )
+        result = place_job(intent, FleetIndex(inventories), state, settings)
+    except PlacementError as exc:
+        fail(str(exc))
+    if not result.options and not as_json:
+        fail("no option can hold the job: " + "; ".join(
+            f"{r['site']}/{r['gpu_type']}: {r['reason']}" for r in result.rejected))
+    if kai:
+        try:
+            print_json(placement_envelope(result.options[0], intent.job, queue or intent.queue))
+        except ValueError as exc:
+            fail(f"--kai: {exc}")
+        return
+    if as_json:
+        data = result.to_dict()
+        data["options"] = data["options"][:top]
+        print_json(data)
+        return
+    console.print(placement_table(result, top=top))
+    best = result.options[0]
+    plan = best.plan
+    how = f"tp={plan.tp} pp={plan.pp} dp={plan.dp}" if plan is not None else "estimated"
+    proof = "optimal over all pools" if result.optimal else "planner budget reached: not proved optimal"
+    console.print(
+        f"best: {best.site} / {best.gpu_type}: {len(best.gpus)} GPUs on {best.nodes} nodes in "
+        f"{len(best.racks)} racks ({how}); step {best.step_s:.3g} s; {proof}. "
+        "Columns are weighted terms; * = lower-bound step estimate (not planned).", highlight=False)
+    for r in result.rejected:
+        console.print(f"rejected {r['site']} / {r['gpu_type']}: {r['reason']}", highlight=False)
 
 # ---- sim -------------------------------------------------------------------------------------
 @app.command("sim")
