@@ -668,26 +668,26 @@ def _try_empty(pack: _Pack, node: str, keep: set[str], eligible_dst: set[str]) -
     return True
 
 
-def plan_consolidation(
-    snapshot: FleetSnapshot, config: ConsolidationConfig | None = None
-) -> ConsolidationPlan:
-    """Decide moves, hibernations and wakes for one snapshot (pure; same input, same plan)."""
-    cfg = config or ConsolidationConfig()
-    nodes = _validate(snapshot, cfg)
-    now = float(snapshot.ts)
-    low = sustained_low_nodes(snapshot.samples, snapshot.nodes, now, cfg)
-    util = _gpu_utilisation(snapshot.samples, now, cfg.window_s)
-    pack = _Pack(snapshot, cfg, nodes, util)
-    before_site = _site_watts(pack, (n for n in nodes if not nodes[n].hibernating))
-
+def _pack_fleet(pack: _Pack, low: Mapping[str, float], spread: bool) -> set[str]:
+    """Empty as many low nodes as the rails allow; returns the emptied nodes."""
+    nodes, cfg = pack.nodes, pack.cfg
     awake = [n for n in sorted(nodes) if not nodes[n].hibernating]
     pinned = {g[0] for g, (job, _) in pack.occ.items() if not pack.jobs[job].movable}
     candidates = [n for n in awake if n in low and n not in pinned]
     keep: set[str] = {n for n in awake if n not in candidates}
-    # Keep-set: largest, most efficient, fullest candidates until the kept free GPUs hold the rest.
+    # Keep-set: largest, most efficient, fullest candidates until the kept free GPUs hold the rest
+    # (with ``spread``, taken round-robin over racks so a job's share per rack can stay small).
+    order = sorted(candidates, key=lambda n: (-len(nodes[n].gpus), -nodes[n].efficiency, -pack.used[n], n))
+    if spread:
+        position: Counter[str] = Counter(nodes[n].rack for n in keep)
+        ranked = []
+        for n in order:
+            ranked.append((position[nodes[n].rack], len(ranked), n))
+            position[nodes[n].rack] += 1
+        order = [n for _, _, n in sorted(ranked)]
     free_kept = sum(len(pack.free(n)) for n in keep)
     outside = sum(pack.used[n] for n in candidates)
-    for n in sorted(candidates, key=lambda n: (-len(nodes[n].gpus), -nodes[n].efficiency, -pack.used[n], n)):
+    for n in order:
         if free_kept >= outside:
             break
         keep.add(n)
@@ -715,6 +715,33 @@ def plan_consolidation(
                 progress = True
         if not progress:
             break
+    return emptied
+
+
+def plan_consolidation(
+    snapshot: FleetSnapshot, config: ConsolidationConfig | None = None
+) -> ConsolidationPlan:
+    """Decide moves, hibernations and wakes for one snapshot (pure; same input, same plan)."""
+    cfg = config or ConsolidationConfig()
+    nodes = _validate(snapshot, cfg)
+    now = float(snapshot.ts)
+    low = sustained_low_nodes(snapshot.samples, snapshot.nodes, now, cfg)
+    util = _gpu_utilisation(snapshot.samples, now, cfg.window_s)
+    # Multi-start: the keep-set ordered by efficiency, then spread over racks (for the
+    # failure-domain rail); the plan that frees most nodes wins, then fewer watts, fewer moves.
+    best: tuple[tuple[int, float, int], _Pack, set[str]] | None = None
+    for spread in (False, True):
+        pack = _Pack(snapshot, cfg, nodes, util)
+        emptied = _pack_fleet(pack, low, spread)
+        still = (n for n in nodes if not nodes[n].hibernating and n not in emptied)
+        awake_w = sum(_site_watts(pack, still).values())
+        score = (-len(emptied), awake_w, len(pack.moved_jobs()))
+        if best is None or score < best[0]:
+            best = (score, pack, emptied)
+    assert best is not None
+    _, pack, emptied = best
+    awake = [n for n in sorted(nodes) if not nodes[n].hibernating]
+    before_site = _site_watts(_Pack(snapshot, cfg, nodes, util), awake)
 
     # Hibernation candidates: emptied nodes, most efficient last (they are the best spares).
     idle_nodes = sorted(emptied, key=lambda n: (nodes[n].efficiency, len(nodes[n].gpus), n))
