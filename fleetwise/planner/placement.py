@@ -644,7 +644,9 @@ def _pools(ctx: _Context) -> list[PoolModel]:
         state_share = ctx.state_bytes / n
         for key in keys:
             state = tel.get(key)
-            load[key] = (state.util_pct or 0.0) / 100.0 if state is not None else 0.0
+            # a GPU's load from this very job is not load against keeping it
+            own = state is not None and state.job == intent.job
+            load[key] = (state.util_pct or 0.0) / 100.0 if state is not None and not own else 0.0
             load[key] = min(1.0, max(0.0, load[key]))
             heat[key] = _heat(state, settings)
             move[key] = 0.0 if (not ctx.current or key in ctx.current) else state_share / move_bw
@@ -1076,6 +1078,8 @@ def _option(ctx: _Context, s: _Scored, step: float, plan: Plan | None, planned: 
     notes = []
     if not planned:
         notes.append("not planned: its lower bound cannot beat the first option")
+    elif plan is not None and len(plan.ranks) < n:
+        notes.append(f"the planner's fastest split uses {len(plan.ranks)} of the {n} GPUs")
     return PlacementOption(
         rank=0, site=pool.site, gpu_type=pool.spec.id, gpus=list(chosen), terms=terms, weighted=weighted,
         total=sum(weighted.values()), step_s=step, step_source="planner" if planned else "estimate",
