@@ -613,6 +613,13 @@ def replay(
         help="Hop phases per GPU (default) or one hop grid for all, as `fleetwise worker`."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_bad_lines: int = typer.Option(20, help="How many bad lines to list (all are counted)."),
+    policy: Path | None = typer.Option(None, "--policy", help="Operator policy file (YAML; "
+                                       "`fleetwise policy show` prints every field with its default)."),
+    acks: str = typer.Option("simulated", "--acks", help="simulated: consumers answer every command "
+                             "(what the system would do if carried out); none: only acks recorded in "
+                             "the trace, other commands expire and are reported."),
+    audit: Path | None = typer.Option(None, "--audit", help="Also write the audit events (rails that "
+                                      "held a command back, expiries, approvals) as JSON lines."),
 ) -> None:
     """Run the whole control plane, embedded, over recorded telemetry; write its decisions."""
     from fleetwise.streams.embedded import replay as run_replay
@@ -623,10 +630,14 @@ def replay(
         _existing([inventory], "inventory")
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
-    config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops)
+    if acks not in ("simulated", "none"):
+        fail(f"--acks must be simulated or none, got {acks!r}")
+    config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops,
+                                policy=_load_policy(policy), keyring=_keyring())
     control = ControlPlane(config)
     with replay_process():
-        runtime = run_replay(traces, out, inventory=inventory, features=features, control=control)
+        runtime = run_replay(traces, out, inventory=inventory, features=features, control=control,
+                             simulate_acks=acks == "simulated", audit=audit)
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:
@@ -792,6 +803,127 @@ def _write_report(path: Path, decisions: list, labels: Path | None) -> None:
         _existing([labels], "labels")
         label_rows = [json.loads(line) for line in labels.read_text().splitlines() if line.strip()]
     path.write_text(replay_report_html(decisions, label_rows), encoding="utf-8")
+
+
+# ---- policy, approvals, GPU returns ----------------------------------------------------------
+def _load_policy(path: Path | None):  # -> PolicyConfig
+    from fleetwise.actuators import PolicyConfig, PolicyFileError, parse_policy
+
+    if path is None:
+        return PolicyConfig()
+    _existing([path], "policy")
+    try:
+        return parse_policy(path.read_text(), source=str(path))
+    except PolicyFileError as exc:
+        fail(str(exc))
+
+
+def _keyring():  # -> Keyring
+    from fleetwise.actuators import KeyringError, keyring_from_env
+
+    try:
+        return keyring_from_env()
+    except KeyringError as exc:
+        fail(f"signing keys: {exc}")
+
+
+policy_app = typer.Typer(help="Operator policy files: check one, or print the defaults.",
+                         no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("check")
+def policy_check(
+    file: Path = typer.Argument(..., help="Policy file (YAML)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the policy in effect as JSON."),
+) -> None:
+    """Validate a policy file; errors name the field. Prints the policy in effect."""
+    from fleetwise.actuators import policy_yaml
+
+    config = _load_policy(file)
+    if as_json:
+        print_json(config.model_dump(mode="json"))
+        return
+    console.print(f"[green]ok[/] {file}: valid policy", highlight=False)
+    console.print(policy_yaml(config), highlight=False, markup=False)
+
+
+@policy_app.command("show")
+def policy_show() -> None:
+    """Print the default policy as YAML (a starting file: every field, with its default)."""
+    from fleetwise.actuators import PolicyConfig, policy_yaml
+
+    console.print(policy_yaml(PolicyConfig()), highlight=False, markup=False)
+
+
+def _send_operator(action, bootstrap: str | None) -> None:  # action: OperatorAction
+    """Publish an operator action on fleetwise.operator, or print it (a replay input line)."""
+    if bootstrap is None:
+        print(action.to_json())
+        return
+    from fleetwise.schemas import topics as T
+    from fleetwise.streams.kafka_io import produce_records, record_key, run
+
+    try:
+        run(produce_records(bootstrap, T.OPERATOR.name, [action], key=record_key))
+    except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
+        fail(f"could not publish to {bootstrap}: {exc}")
+    console.print(f"sent {action.action} to {T.OPERATOR.name} on {bootstrap}", highlight=False)
+
+
+_OPERATOR_BOOTSTRAP = typer.Option(None, "--bootstrap", envvar="FLEETWISE_BOOTSTRAP",
+                                   help="Kafka bootstrap; without it the record is printed (append it "
+                                   "to a replay trace).")
+
+
+def _operator_ts(ts: str | None) -> float:
+    import time
+
+    from fleetwise.schemas._base import _parse_ts
+
+    if ts is None:
+        return time.time()
+    try:
+        return float(_parse_ts(ts))
+    except ValueError as exc:
+        fail(f"--ts: {exc}")
+
+
+@app.command("approve")
+def approve(
+    command_id: str = typer.Argument(..., help="The held command's id (its awaiting_approval audit event)."),
+    bootstrap: str | None = _OPERATOR_BOOTSTRAP,
+    by: str = typer.Option("operator", "--by", help="Who approves (kept in the audit)."),
+    ts: str | None = typer.Option(None, "--ts", help="Event time (Unix s or RFC 3339; default now)."),
+    deny: bool = typer.Option(False, "--deny", help="Deny it instead."),
+) -> None:
+    """Approve (or --deny) a command the policy holds for approval."""
+    from fleetwise.schemas import OperatorAction
+
+    _send_operator(OperatorAction(ts=_operator_ts(ts), action="deny" if deny else "approve",
+                                  command_id=command_id, by=by), bootstrap)
+
+
+gpu_app = typer.Typer(help="Operator actions on GPUs.", no_args_is_help=True)
+app.add_typer(gpu_app, name="gpu")
+
+
+@gpu_app.command("return")
+def gpu_return(
+    target: str = typer.Argument(..., help="NODE/GPU, e.g. node-003/5."),
+    bootstrap: str | None = _OPERATOR_BOOTSTRAP,
+    by: str = typer.Option("operator", "--by", help="Who returns it (kept in the audit)."),
+    reason: str = typer.Option("", "--reason", help="Why (e.g. the RMA ticket)."),
+    ts: str | None = typer.Option(None, "--ts", help="Event time (Unix s or RFC 3339; default now)."),
+) -> None:
+    """Bring a drained GPU back into service (it rejoins later plans)."""
+    from fleetwise.schemas import OperatorAction
+
+    node, sep, gpu = target.rpartition("/")
+    if not sep or not node or not gpu.isdigit():
+        fail(f"target must be NODE/GPU with a GPU index, e.g. node-003/5; got {target!r}")
+    _send_operator(OperatorAction(ts=_operator_ts(ts), action="return_gpu", node=node, gpu=int(gpu),
+                                  by=by, reason=reason), bootstrap)
 
 
 # ---- predictor -------------------------------------------------------------------------------
@@ -1006,8 +1138,13 @@ def worker(
         "key, so hops close spread over the hop instead of all at once (default; keeps the p99 "
         "latency down), or one hop grid for all GPUs. Replay with the same choice gives the "
         "same features."),
+    policy: Path | None = typer.Option(None, "--policy", envvar="FLEETWISE_POLICY",
+                                       help="Operator policy file (YAML)."),
 ) -> None:
-    """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka."""
+    """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka.
+
+    Commands are signed with FLEETWISE_SIGNING_KEYS / FLEETWISE_SIGNING_KEYS_FILE (the first
+    key signs; all verify), else a development key."""
     import importlib.util
     import re
 
@@ -1033,7 +1170,8 @@ def worker(
         run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
                    topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
                    checkpoint_interval_s=checkpoint_interval,
-                   control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops)))
+                   control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops,
+                                                           policy=_load_policy(policy), keyring=_keyring())))
     except ConnectionError as exc:
         fail(str(exc))
 

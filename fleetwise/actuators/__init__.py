@@ -1,6 +1,8 @@
-"""Policies that turn predictions and fleet state into signed, idempotent commands."""
+"""Policies that turn predictions, acks and fleet state into signed, idempotent commands."""
 
-from fleetwise.actuators.policy import ActionPolicy, PolicyConfig, command_id
+from fleetwise.actuators.config import PolicyConfig, PolicyFileError, parse_policy, policy_yaml
+from fleetwise.actuators.fleet import FleetState, PendingCommand
+from fleetwise.actuators.policy import ActionPolicy, command_id, proportional_shares
 from fleetwise.actuators.signing import (
     Keyring,
     KeyringError,
@@ -12,6 +14,7 @@ from fleetwise.actuators.signing import (
 )
 
 __all__ = [
-    "ActionPolicy", "Keyring", "KeyringError", "PolicyConfig", "Verdict", "command_id",
-    "keyring_from_env", "sign", "verify", "verify_command",
+    "ActionPolicy", "FleetState", "Keyring", "KeyringError", "PendingCommand", "PolicyConfig",
+    "PolicyFileError", "Verdict", "command_id", "keyring_from_env", "parse_policy", "policy_yaml",
+    "proportional_shares", "sign", "verify", "verify_command",
 ]

@@ -1,10 +1,14 @@
-"""Action policy: alerting predictions + fleet state -> commands, within safety rails.
+"""Action policy: predictions, acks, inventory, plans and operators' actions -> commands.
 
-Modelled on a Kubernetes controller: each alert is compared against what was already asked
-for (desired vs observed), every command has a stable id (re-processing the same prediction
-yields the same id, so consumers can dedupe) and a reason with its evidence, and rails bound
-what the system may do on its own (a cap on drained GPUs per job and per fleet, a minimum
-interval between commands of one kind for one job). Everything runs in event time.
+Modelled on a Kubernetes controller: the fleet state it decides on is what consumers
+acknowledged (`FleetState`), never its own intentions; every command has a stable id (the
+same input gives the same ids, so a crash replay is deduplicated), a per-job `seq`, an
+`expires_ts`, a reason and its evidence; rails bound what it may do on its own, and each time a
+rail holds something back an `AuditEvent` says which and why. Everything runs in event time.
+
+Multi-step actions follow the acks: a failure alert asks for a checkpoint; the drain is sent
+once the checkpoint's `done` ack arrives (and `requires` it, so a consumer can check too); the
+job's resize over its remaining GPUs is sent once the drain is `done`.
 """
 
 from __future__ import annotations
@@ -12,28 +16,27 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from fleetwise.actuators.signing import DEV_SIGNING_KEY, sign
-from fleetwise.schemas import Command, Prediction, Record
+from fleetwise.actuators.config import PolicyConfig
+from fleetwise.actuators.fleet import FleetState, GpuKey, PendingCommand
+from fleetwise.actuators.signing import Keyring, sign
+from fleetwise.schemas import (
+    Ack,
+    AuditEvent,
+    Command,
+    NodeInventory,
+    OperatorAction,
+    Plan,
+    Prediction,
+    Record,
+)
 
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    dry_run: bool = False
-    # NVSentinel's lesson (REFERENCE.md): cap quarantine with a circuit breaker.
-    max_drain_share_per_job: float = 0.25
-    max_drained_gpus_fleet: int = 16
-    min_interval_s: float = 900.0  # per (job, command type): no command storms
-    rebalance_below_factor: float = 0.95  # straggler factor below which shares are resized
-    signing_key: bytes = DEV_SIGNING_KEY
-
-
-@dataclass
-class _JobState:
-    ranks: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (node, gpu)
-    drained: set[tuple[str, int]] = field(default_factory=set)
-    last_command_ts: dict[str, float] = field(default_factory=dict)
-    slow_factors: dict[int, float] = field(default_factory=dict)
+FLEET_KEY = "~fleet"  # state key of the fleet-wide part (GPUs, breaker, node-level commands)
+DISRUPTIVE = frozenset({"drain", "resize", "migrate", "consolidate"})
+# Re-audit the same held-back decision (rail, target) at most this often: a flapping alert
+# re-raised every hop must not flood the audit topic.
+AUDIT_REPEAT_S = 3600.0
 
 
 def command_id(kind: str, *parts: object) -> str:
@@ -42,136 +45,518 @@ def command_id(kind: str, *parts: object) -> str:
     return f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-class ActionPolicy:
-    """Processor: Prediction records in, Command records out (processor contract)."""
+def proportional_shares(weights: Sequence[float], total: int) -> list[int]:
+    """Integer shares of `total` proportional to `weights` (largest remainder; ties by index)."""
+    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"cannot split {total} by weights {list(weights)}")
+    s = float(sum(weights))
+    exact = [w * total / s for w in weights]
+    shares = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
 
-    def __init__(self, config: PolicyConfig | None = None) -> None:
+
+@dataclass
+class JobState:
+    """What the policy knows of one job: where its ranks run, its plan, its rails' clocks."""
+
+    ranks: dict[int, GpuKey] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None  # the current Plan as JSON
+    shares: dict[int, int] = field(default_factory=dict)  # dp rank -> samples per step (last sent)
+    slow: dict[int, float] = field(default_factory=dict)  # dp rank -> speed factor while slow
+    seq: int = 0
+    last_rebalance_ts: float | None = None
+    disruptive_ts: list[float] = field(default_factory=list)
+    left: list[GpuKey] = field(default_factory=list)  # GPUs drained out of the job (for resize up)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ranks": {str(r): list(k) for r, k in sorted(self.ranks.items())},
+            "plan": self.plan, "shares": {str(d): s for d, s in sorted(self.shares.items())},
+            "slow": {str(d): f for d, f in sorted(self.slow.items())}, "seq": self.seq,
+            "last_rebalance_ts": self.last_rebalance_ts, "disruptive_ts": list(self.disruptive_ts),
+            "left": [list(k) for k in self.left],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> JobState:
+        return cls(
+            ranks={int(r): (k[0], int(k[1])) for r, k in d.get("ranks", {}).items()},
+            plan=d.get("plan"), shares={int(k): int(v) for k, v in d.get("shares", {}).items()},
+            slow={int(k): float(v) for k, v in d.get("slow", {}).items()}, seq=int(d.get("seq", 0)),
+            last_rebalance_ts=d.get("last_rebalance_ts"),
+            disruptive_ts=[float(t) for t in d.get("disruptive_ts", [])],
+            left=[(k[0], int(k[1])) for k in d.get("left", [])],
+        )
+
+    def dp_of(self, rank: int) -> int:
+        """The data-parallel rank a global rank belongs to (pure DP without a plan)."""
+        if self.plan:
+            for r in self.plan["ranks"]:
+                if r["rank"] == rank:
+                    return int(r["dp_rank"])
+        return rank
+
+
+class ActionPolicy:
+    """Processor: predictions, acks, inventories, plans and operator actions in; commands
+    and audit events out (processor contract: process / flush / keys / state / restore)."""
+
+    def __init__(self, config: PolicyConfig | None = None, keyring: Keyring | None = None) -> None:
         self.config = config or PolicyConfig()
-        self._jobs: dict[str, _JobState] = {}
-        self._drained_fleet: set[tuple[str, int]] = set()
-        self._issued: set[str] = set()
-        self.suppressed: dict[str, int] = {}
+        self.keyring = keyring or Keyring()
+        self.fleet = FleetState()
+        self.inventory: dict[str, NodeInventory] = {}
+        self.jobs: dict[str, JobState] = {}
+        self.newest_ts = float("-inf")
+        # Newest event time per prediction type: a prediction far behind its own stream (an agent
+        # resending an hour of buffered telemetry after an outage) is stale evidence.
+        self.newest_by_type: dict[str, float] = {}
+        self.breaker_attempts: list[float] = []
+        self.breaker_open_since: float | None = None
+        self._audited: dict[tuple[str, str], float] = {}
+        self.suppressed: dict[str, int] = {}  # rail or reason -> count (metrics)
+        self.expired = 0
 
     # -- processor contract ------------------------------------------------------------------
     def process(self, records: Sequence[Record]) -> list[Record]:
         out: list[Record] = []
-        for record in records:
+        # Expiry is judged once per call, before it: commands sent in earlier calls had their
+        # consumers' turn (a replay hands over hours of event time in one call).
+        newest = max((float(r.ts) for r in records if getattr(r, "ts", None) is not None), default=None)
+        if newest is not None and newest > self.newest_ts:
+            self.newest_ts = newest
+            out.extend(self._expire(newest))
+        # Event-time order (stable): one call may hold many GPUs' windows, each in its own order.
+        for record in sorted(records, key=_event_ts):
             if isinstance(record, Prediction):
+                if record.ts > self.newest_by_type.get(record.type, float("-inf")):
+                    self.newest_by_type[record.type] = float(record.ts)
                 out.extend(self._on_prediction(record))
+            elif isinstance(record, Ack):
+                out.extend(self._on_ack(record))
+            elif isinstance(record, NodeInventory):
+                out.extend(self._on_inventory(record))
+            elif isinstance(record, Plan):
+                self._on_plan(record)
+            elif isinstance(record, OperatorAction):
+                out.extend(self._on_operator(record))
         return out
 
     def flush(self) -> list[Record]:
         return []
 
     def keys(self) -> list[str]:
-        return sorted(self._jobs)
+        return sorted(self.jobs) + [FLEET_KEY]
 
     def state(self, key: str) -> dict:
-        job = self._jobs.get(key)
-        if job is None:
-            return {}
-        return {
-            "ranks": {str(r): list(v) for r, v in job.ranks.items()},
-            "drained": sorted([list(d) for d in job.drained]),
-            "last_command_ts": dict(job.last_command_ts),
-            "slow_factors": {str(r): f for r, f in job.slow_factors.items()},
-        }
+        def mine(p: PendingCommand) -> bool:
+            return (p.command.get("job") or FLEET_KEY) == key
+
+        commands = {cid: p for cid, p in self.fleet.commands.items() if mine(p)}
+        part = FleetState(gpus=self.fleet.gpus if key == FLEET_KEY else {}, commands=commands).to_json()
+        if key == FLEET_KEY:
+            part.update(newest_ts=self.newest_ts, newest_by_type=dict(self.newest_by_type),
+                        breaker_attempts=list(self.breaker_attempts),
+                        breaker_open_since=self.breaker_open_since)
+            return part
+        job = self.jobs.get(key)
+        return {} if job is None else {**part, "job": job.to_json()}
 
     def restore(self, key: str, state: dict) -> None:
-        job = _JobState(
-            ranks={int(r): (v[0], int(v[1])) for r, v in state.get("ranks", {}).items()},
-            drained={(d[0], int(d[1])) for d in state.get("drained", [])},
-            last_command_ts=dict(state.get("last_command_ts", {})),
-            slow_factors={int(r): float(f) for r, f in state.get("slow_factors", {}).items()},
-        )
-        self._jobs[key] = job
-        self._drained_fleet |= job.drained
+        part = FleetState.from_json(state)
+        self.fleet.commands.update(part.commands)
+        if key == FLEET_KEY:
+            self.fleet.gpus.update(part.gpus)
+            self.newest_ts = max(self.newest_ts, float(state.get("newest_ts", float("-inf"))))
+            for kind, ts in state.get("newest_by_type", {}).items():
+                self.newest_by_type[kind] = max(self.newest_by_type.get(kind, float("-inf")), float(ts))
+            self.breaker_attempts = [float(t) for t in state.get("breaker_attempts", [])]
+            self.breaker_open_since = state.get("breaker_open_since")
+        elif "job" in state:
+            self.jobs[key] = JobState.from_json(state["job"])
 
     def forget(self, key: str) -> None:
-        # Its drained GPUs stay in the fleet count: those drains were issued.
-        self._jobs.pop(key, None)
+        self.jobs.pop(key, None)
+        self.fleet.commands = {cid: p for cid, p in self.fleet.commands.items()
+                               if (p.command.get("job") or FLEET_KEY) != key}
 
-    # -- decisions ---------------------------------------------------------------------------
-    def _suppress(self, why: str) -> list[Record]:
-        self.suppressed[why] = self.suppressed.get(why, 0) + 1
-        return []
+    # -- helpers -----------------------------------------------------------------------------
+    def _job(self, name: str) -> JobState:
+        return self.jobs.setdefault(name, JobState())
 
-    def _emit(self, command: Command) -> list[Record]:
-        if command.id in self._issued:  # idempotent: same decision twice is one command
+    def _audit(self, event: str, reason: str, ts: float, *, target: str, command_id: str | None = None,
+               job: str | None = None, node: str | None = None, gpu: int | None = None,
+               evidence: Sequence[str] = (), once: bool = True) -> list[Record]:
+        self.suppressed[event] = self.suppressed.get(event, 0) + 1
+        if once:
+            last = self._audited.get((event, target))
+            if last is not None and ts - last < AUDIT_REPEAT_S:
+                return []
+            self._audited[(event, target)] = ts
+        return [AuditEvent(ts=ts, event=event, reason=reason, command_id=command_id, job=job,
+                           node=node, gpu=gpu, evidence=list(evidence))]
+
+    def _send(self, cmd: Command, mode: str, follow_up: dict[str, Any] | None = None) -> list[Record]:
+        """Track and (per the action's mode) emit a command; same id twice is one command."""
+        known = self.fleet.commands.get(cmd.id)
+        if known is not None and known.status != "expired":
             return []
-        self._issued.add(command.id)
-        return [sign(command, self.config.signing_key)]
+        if mode == "off":
+            return self._audit("mode_off", f"{cmd.type} decided but its mode is 'off': {cmd.reason}",
+                               cmd.ts, target=cmd.id, command_id=cmd.id, job=cmd.job, node=cmd.node,
+                               gpu=cmd.gpu, evidence=cmd.evidence)
+        if mode == "approve":
+            self.fleet.track(cmd, "held", cmd.ts, follow_up)
+            return self._audit("awaiting_approval", f"`fleetwise approve {cmd.id}` to send: {cmd.reason}",
+                               cmd.ts, target=cmd.id, command_id=cmd.id, job=cmd.job, node=cmd.node,
+                               gpu=cmd.gpu, evidence=cmd.evidence, once=False)
+        return [self._issue(cmd, cmd.ts, follow_up)]
 
+    def _issue(self, cmd: Command, ts: float, follow_up: dict[str, Any] | None) -> Command:
+        """Number, date and sign a command, and track it as waiting for acks."""
+        job = self._job(cmd.job) if cmd.job else None
+        seq = None  # `seq` orders one job's commands; a node's own commands have none
+        if job is not None:
+            job.seq += 1
+            seq = job.seq
+            if cmd.type in DISRUPTIVE:
+                job.disruptive_ts.append(ts)
+        lifetime = getattr(self.config.lifetimes, cmd.type)
+        ready = cmd.model_copy(update={"seq": seq, "expires_ts": ts + lifetime,
+                                       "dry_run": self.config.dry_run})
+        signed = sign(ready, self.keyring)
+        self.fleet.track(signed, "issued", ts, follow_up)
+        return signed
+
+    def _expire(self, now: float) -> list[Record]:
+        out: list[Record] = []
+        for p in self.fleet.expire(now):
+            self.expired += 1
+            c = p.command
+            out.extend(self._audit(
+                "expired", f"{p.type} {p.id} got no ack before {c.get('expires_ts')}: re-decided on the "
+                "next evidence, not retried", now, target=p.id, command_id=p.id, job=c.get("job"),
+                node=c.get("node"), gpu=c.get("gpu"), evidence=c.get("evidence", []), once=False))
+        return out
+
+    def _stale(self, p: Prediction) -> bool:
+        return self.newest_by_type.get(p.type, p.ts) - p.ts > self.config.rails.stale_after_s
+
+    # -- failure alerts: checkpoint, then drain, then resize ----------------------------------
     def _on_prediction(self, p: Prediction) -> list[Record]:
-        job_name = p.job or f"node:{p.node}"
-        job = self._jobs.setdefault(job_name, _JobState())
-        if p.rank is not None and p.gpu is not None:
-            job.ranks[p.rank] = (p.node, p.gpu)
+        job_name = p.job
+        if job_name is not None and p.rank is not None and p.gpu is not None:
+            self._job(job_name).ranks[p.rank] = (p.node, p.gpu)
         if p.type == "failure" and p.alert and p.gpu is not None:
-            return self._drain(p, job_name, job)
-        if p.type == "straggler" and p.rank is not None:
-            return self._rebalance(p, job_name, job)
+            return self._on_failure(p)
+        if p.type == "straggler" and p.rank is not None and job_name is not None:
+            return self._on_straggler(p, job_name)
         return []
 
-    def _rate_limited(self, job: _JobState, kind: str, ts: float) -> bool:
-        last = job.last_command_ts.get(kind)
-        return last is not None and ts - last < self.config.min_interval_s
+    def _job_size(self, job: JobState) -> int:
+        if job.plan:
+            return len(job.plan["ranks"])
+        return max(len(job.ranks), 1)
 
-    def _drain(self, p: Prediction, job_name: str, job: _JobState) -> list[Record]:
-        target = (p.node, int(p.gpu))  # type: ignore[arg-type]
-        if target in job.drained:
-            return self._suppress("already_drained")
-        job_size = max(len(job.ranks), 1)
-        if p.job and (len(job.drained) + 1) / job_size > self.config.max_drain_share_per_job and job_size > 1:
-            return self._suppress("job_drain_cap")
-        if len(self._drained_fleet) >= self.config.max_drained_gpus_fleet:
-            return self._suppress("fleet_drain_cap")
-        job.drained.add(target)
-        self._drained_fleet.add(target)
-        job.last_command_ts["drain"] = p.ts
+    def _on_failure(self, p: Prediction) -> list[Record]:
+        target: GpuKey = (p.node, int(p.gpu))  # type: ignore[arg-type]
+        where = f"{p.node}/gpu{p.gpu}"
+        rails, pol = self.config.rails, self.config.failure
+        if self.fleet.status(target) != "in_service":
+            self.suppressed["already_out"] = self.suppressed.get("already_out", 0) + 1
+            return []
+        if self.fleet.open_commands(target=target):
+            self.suppressed["in_progress"] = self.suppressed.get("in_progress", 0) + 1
+            return []
+        audit = {"target": f"{where}", "job": p.job, "node": p.node, "gpu": p.gpu, "evidence": [p.id]}
+        if self._stale(p):
+            behind = self.newest_by_type[p.type] - p.ts
+            return self._audit("stale", f"alert on {where} at {p.ts:.0f} is {behind:.0f} s behind its "
+                               f"stream (> {rails.stale_after_s:g} s): no action", p.ts, **audit)
+        if p.horizon_h > pol.max_horizon_h:
+            return self._audit("horizon", f"predicted failure of {where} in {p.horizon_h:g} h is beyond "
+                               f"{pol.max_horizon_h:g} h: no action yet", p.ts, **audit)
+        # Circuit breaker: a flood of drain decisions (an XID storm, a bad rollout) opens it.
+        window = rails.breaker_window_s
+        self.breaker_attempts = [t for t in self.breaker_attempts if p.ts - t < window] + [p.ts]
+        if self.breaker_open_since is not None and p.ts - self.breaker_open_since >= rails.breaker_cooldown_s:
+            self.breaker_open_since = None
+        if self.breaker_open_since is None and len(self.breaker_attempts) > rails.breaker_drains:
+            self.breaker_open_since = p.ts
+            return self._audit(
+                "breaker_open", f"{len(self.breaker_attempts)} drain decisions within {window:g} s (> "
+                f"{rails.breaker_drains}): circuit breaker open, no drain for {rails.breaker_cooldown_s:g} s "
+                "(an alert storm is more likely a fleet-wide cause than many failing GPUs)", p.ts,
+                target="breaker", once=False, evidence=[p.id])
+        if self.breaker_open_since is not None:
+            self.breaker_open_since = p.ts  # stays open while the flood goes on
+            return self._audit("breaker_held", f"circuit breaker open: drain of {where} held back", p.ts,
+                               **audit)
+        # Out, or on the way out: a drain asked for, or a checkpoint whose next step is a drain.
+        out_fleet = self.fleet.out_of_service() | {
+            pc.target for pc in self.fleet.open_commands()
+            if pc.target and (pc.type == "drain" or pc.follow_up.get("then", {}).get("type") == "drain")}
+        fleet_size = sum(len(inv.gpus) for inv in self.inventory.values())  # 0: not known
+        fleet_cap = rails.max_drained_gpus_fleet
+        if fleet_size:
+            fleet_cap = min(fleet_cap, max(1, int(rails.max_drained_share_fleet * fleet_size)))
+        if len(out_fleet) >= fleet_cap:
+            return self._audit("fleet_drain_cap", f"{len(out_fleet)} GPUs out or leaving (cap {fleet_cap}): "
+                               f"drain of {where} held back", p.ts, **audit)
+        job = self._job(p.job) if p.job else None
+        if job is not None:
+            size = self._job_size(job)
+            gone = {k for k in job.ranks.values() if k in out_fleet} | set(job.left)
+            allowed = max(1, int(rails.max_drain_share_per_job * size))  # a small job may lose one
+            if len(gone) + 1 > allowed:
+                return self._audit("job_drain_cap", f"draining {where} would take {len(gone) + 1} of {size} "
+                                   f"GPUs of {p.job} out (at most {allowed}: "
+                                   f"{rails.max_drain_share_per_job:.0%})", p.ts, **audit)
+            hour = [t for t in job.disruptive_ts if p.ts - t < 3600.0]
+            job.disruptive_ts = hour
+            if len(hour) >= rails.max_disruptive_per_job_per_hour:
+                return self._audit("job_rate", f"{len(hour)} disruptive commands for {p.job} in the last "
+                                   f"hour (max {rails.max_disruptive_per_job_per_hour})", p.ts, **audit)
+        signals = {s.name: s.value for s in p.signals if s.name != "source"}
         source = next((str(s.value) for s in p.signals if s.name == "source"), "model")
-        evidence = ", ".join(f"{s.name}={s.value}" for s in p.signals if s.name != "source")
-        # A rule alert (e.g. a fatal memory XID) stands on the rule, not on the model's probability.
         basis = source if source.startswith("rule:") else f"model p={p.probability:.2f}"
-        reason = f"predicted {p.type} of {p.node}/gpu{p.gpu} within {p.horizon_h:g} h ({basis}; {evidence})"
-        checkpoint = Command(
-            id=command_id("checkpoint", job_name, p.node, p.gpu, p.id), type="checkpoint", ts=p.ts,
-            job=p.job, node=p.node, gpu=p.gpu, reason=f"checkpoint before drain: {reason}",
-            evidence=[p.id], params={"before": "drain"}, dry_run=self.config.dry_run,
-        )
+        evidence_text = ", ".join(f"{k}={v}" for k, v in signals.items())
+        reason = f"predicted failure of {where} within {p.horizon_h:g} h ({basis}; {evidence_text})"
+        crossed = {"probability": p.probability, "horizon_h": p.horizon_h, "source": source, **signals}
         drain = Command(
-            id=command_id("drain", job_name, p.node, p.gpu, p.id), type="drain", ts=p.ts,
-            job=p.job, node=p.node, gpu=p.gpu, reason=reason, evidence=[p.id],
-            # The consumer waits for this checkpoint's acknowledgement before removing the GPU.
-            params={"requires_checkpoint": checkpoint.id, "replan": bool(p.job)},
-            dry_run=self.config.dry_run,
-        )
-        return self._emit(checkpoint) + self._emit(drain)
-
-    def _rebalance(self, p: Prediction, job_name: str, job: _JobState) -> list[Record]:
-        rank = int(p.rank)  # type: ignore[arg-type]
-        factor = p.factor if p.alert and p.factor is not None else 1.0
-        previous = job.slow_factors.get(rank, 1.0)
-        if p.alert and factor >= self.config.rebalance_below_factor:
-            return []
-        if not p.alert and rank not in job.slow_factors:
-            return []
-        if p.alert:
-            job.slow_factors[rank] = factor
-        else:
-            job.slow_factors.pop(rank, None)
-        if abs(previous - factor) < 0.02:
-            return self._suppress("no_change")
-        if self._rate_limited(job, "rebalance", p.ts) and p.alert:
-            return self._suppress("rate_limited")
-        job.last_command_ts["rebalance"] = p.ts
-        verb = "slower" if p.alert else "back to expected speed"
-        reason = f"rank {rank} on {p.node}/gpu{p.gpu} runs {verb} (speed factor {factor:.2f})"
-        cmd = Command(
-            id=command_id("rebalance", job_name, rank, p.id), type="rebalance", ts=p.ts, job=p.job,
+            id=command_id("drain", p.job or "-", p.node, p.gpu, p.id), type="drain", ts=p.ts, job=p.job,
             node=p.node, gpu=p.gpu, reason=reason, evidence=[p.id],
-            # The training plugin rescales each rank's share by its factor (plan-relative).
-            params={"speed_factors": {str(r): round(f, 4) for r, f in sorted(job.slow_factors.items())}},
-            dry_run=self.config.dry_run,
+            params={"replan": p.job is not None, "signals": crossed},
         )
-        return self._emit(cmd)
+        if p.job is None:  # nothing to save: the kube consumer cordons the GPU
+            return self._send(drain, pol.mode)
+        checkpoint = Command(
+            id=command_id("checkpoint", p.job, p.node, p.gpu, p.id), type="checkpoint", ts=p.ts, job=p.job,
+            node=p.node, gpu=p.gpu, reason=f"checkpoint before drain: {reason}", evidence=[p.id],
+            params={"before": "drain", "signals": crossed},
+        )
+        follow = {"then": drain.model_dump(mode="json", exclude_none=True)}
+        return self._send(checkpoint, pol.mode, follow)
+
+    # -- acks ----------------------------------------------------------------------------------
+    def _on_ack(self, ack: Ack) -> list[Record]:
+        pending, moved = self.fleet.apply_ack(ack)
+        if pending is None or not moved:
+            return []
+        c = pending.command
+        target = pending.target
+        out: list[Record] = []
+        if ack.status in ("rejected", "failed"):
+            out += self._audit(f"ack_{ack.status}", f"{pending.type} {pending.id} {ack.status} by {ack.by}: "
+                               f"{ack.detail or 'no detail'}", ack.ts, target=pending.id,
+                               command_id=pending.id, job=c.get("job"), node=c.get("node"), gpu=c.get("gpu"),
+                               once=False)
+            return out
+        if pending.type == "drain" and target is not None:
+            if ack.status in ("received", "applied"):
+                self.fleet.set_status(target, "draining", ack.ts, c["reason"], pending.id)
+            elif ack.status == "done":
+                self.fleet.set_status(target, "drained", ack.ts, c["reason"], pending.id)
+                out += self._after_drain(pending, ack.ts)
+        new_plan = pending.follow_up.get("plan")
+        if pending.type == "resize" and ack.status == "done" and new_plan and c.get("job"):
+            job = self._job(c["job"])
+            job.plan, job.shares = new_plan, {}  # the job runs the new plan now
+        if ack.status == "done" and pending.follow_up.get("then"):
+            nxt = Command.model_validate({**pending.follow_up["then"], "ts": ack.ts,
+                                          "requires": [pending.id]})
+            out += [self._issue(nxt, ack.ts, None)]
+        return out
+
+    def _after_drain(self, drain: PendingCommand, ts: float) -> list[Record]:
+        """The job goes on over its remaining GPUs: a resize, re-planned when its plan is known."""
+        c = drain.command
+        name, target = c.get("job"), drain.target
+        if not name or target is None or not self.config.failure.resize_after_drain:
+            return []
+        job = self._job(name)
+        job.left.append(target)
+        gone = set(job.left)
+        params: dict[str, Any] = {"leave": [list(target)]}
+        follow: dict[str, Any] = {}
+        new_plan = self._replan_without(job, gone) if job.plan else None
+        if new_plan is not None:
+            plan, diffs = new_plan
+            params["world_size"] = len(plan.ranks)
+            params["samples"] = {str(d): s for d, s in sorted(_replica_samples(plan.model_dump()).items())}
+            params["global_samples"] = plan.global_batch
+            params["strategy"] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}
+            params["plan_diff"] = [{"node": d.node, "gpu": d.gpu, "before": d.before, "after": d.after,
+                                    "changed": d.changed} for d in diffs]
+            params["predicted_step_s"] = {"before": job.plan["predicted_step_s"],
+                                          "after": plan.predicted_step_s}
+            follow["plan"] = plan.model_dump(mode="json", exclude_none=True)
+        else:
+            params["world_size"] = sum(1 for k in job.ranks.values() if k not in gone)
+        cmd = Command(
+            id=command_id("resize", name, target[0], target[1], drain.id), type="resize", ts=ts, job=name,
+            node=target[0], gpu=target[1],
+            reason=f"{name} continues without {target[0]}/gpu{target[1]} (drained): "
+                   f"{params['world_size']} ranks", evidence=[*c.get("evidence", []), drain.id],
+            params=params,
+        )
+        return self._send(cmd, self.config.resize.mode, follow)
+
+    def _replan_without(self, job: JobState, gone: set[GpuKey]) -> tuple[Plan, list] | None:
+        """The planner's re-plan of the job's plan without `gone` (None when the model or the
+        inventory of its GPUs is not known here: the resize then names only who leaves)."""
+        from fleetwise.planner import PlanRequest, cluster_from_inventory, replan, resolve_model
+
+        plan = Plan.model_validate(job.plan)
+        nodes = {r.node for r in plan.ranks}
+        if not nodes <= set(self.inventory):
+            return None
+        try:
+            shape = resolve_model(plan.model)
+            request = PlanRequest(model=shape, global_batch=plan.global_batch, seq_len=plan.seq_len,
+                                  dtype=plan.dtype, job=plan.job)
+            cluster = cluster_from_inventory([self.inventory[n] for n in sorted(nodes)])
+            cluster.slots = [s for s in cluster.slots if s.key in {(r.node, r.gpu) for r in plan.ranks}]
+            return replan(plan, request, cluster, remove=gone & {s.key for s in cluster.slots})
+        except (ValueError, KeyError):
+            return None
+
+    # -- stragglers: rebalance with gain, hysteresis and cooldown -----------------------------
+    def _on_straggler(self, p: Prediction, name: str) -> list[Record]:
+        pol = self.config.straggler
+        job = self._job(name)
+        dp = job.dp_of(int(p.rank))  # type: ignore[arg-type]
+        factor = p.factor if p.factor is not None else 1.0
+        was_slow = dp in job.slow
+        if p.alert and factor < pol.slow_below:
+            if was_slow and abs(job.slow[dp] - factor) < 0.02:
+                return []
+            job.slow[dp] = factor
+        elif was_slow and (not p.alert or factor >= pol.recover_above):
+            job.slow.pop(dp)
+        else:
+            return []  # between the two thresholds: the last state holds (hysteresis)
+        if self._stale(p):
+            return self._audit("stale", f"straggler evidence for {name} rank {p.rank} is stale: no action",
+                               p.ts, target=f"{name}/rebalance", job=name, evidence=[p.id])
+        if job.last_rebalance_ts is not None and p.ts - job.last_rebalance_ts < pol.cooldown_s:
+            return self._audit("cooldown", f"{name} was rebalanced {p.ts - job.last_rebalance_ts:.0f} s ago "
+                               f"(cooldown {pol.cooldown_s:g} s)", p.ts, target=f"{name}/rebalance",
+                               job=name, evidence=[p.id])
+        current, new, total = self._rebalance_shares(job)
+        gain = _step_gain(current, new, job)
+        verb = "slower" if dp in job.slow else "back to expected speed"
+        if gain < pol.min_gain and dp in job.slow:
+            return self._audit("small_gain", f"rebalancing {name} for rank {p.rank} would gain {gain:.1%} "
+                               f"(< {pol.min_gain:.0%})", p.ts, target=f"{name}/rebalance", job=name,
+                               evidence=[p.id])
+        job.last_rebalance_ts = p.ts
+        params: dict[str, Any] = {"speed_factors": {str(d): round(f, 4) for d, f in sorted(job.slow.items())},
+                                  "predicted_gain": round(gain, 4)}
+        if total is not None:
+            params["samples"] = {str(d): s for d, s in sorted(new.items())}
+            params["global_samples"] = total
+        job.shares = dict(new)
+        cmd = Command(
+            id=command_id("rebalance", name, p.rank, p.id), type="rebalance", ts=p.ts, job=name,
+            node=p.node, gpu=p.gpu,
+            reason=f"rank {p.rank} on {p.node}/gpu{p.gpu} runs {verb} (speed factor {factor:.2f}); "
+                   f"predicted step-time gain {gain:.1%}",
+            evidence=[p.id], params={**params, "signals": {"factor": factor, "probability": p.probability}},
+        )
+        return self._send(cmd, pol.mode)
+
+    def _rebalance_shares(self, job: JobState) -> tuple[dict[int, int], dict[int, int], int | None]:
+        """(current, new) samples per dp rank and the global batch; relative units without a plan."""
+        if job.plan:
+            base = _replica_samples(job.plan)
+            total = int(job.plan["global_batch"])
+            current = job.shares or base
+            order = sorted(base)
+            shares = proportional_shares([base[d] * job.slow.get(d, 1.0) for d in order], total)
+            return current, dict(zip(order, shares, strict=True)), total
+        dps = sorted(set(job.dp_of(r) for r in job.ranks) | set(job.slow))
+        unit = 1000 * max(len(dps), 1)  # relative shares; the plugin applies speed_factors
+        current = job.shares or dict(zip(dps, proportional_shares([1.0] * len(dps), unit), strict=True))
+        new = dict(zip(dps, proportional_shares([job.slow.get(d, 1.0) for d in dps], unit), strict=True))
+        return current, new, None
+
+    # -- inventory, plans, operators ----------------------------------------------------------
+    def _on_inventory(self, inv: NodeInventory) -> list[Record]:
+        self.inventory[inv.node] = inv
+        out: list[Record] = []
+        for g in inv.gpus:
+            key = (inv.node, g.index)
+            self.fleet.known(key)
+            state = self.fleet.gpus[key]
+            if state.status in ("drained", "hibernating") and inv.ts > state.since_ts:
+                out += self._return(key, inv.ts, f"inventory of {inv.node} at {inv.ts:.0f} lists it again")
+        return out
+
+    def _on_plan(self, plan: Plan) -> None:
+        job = self._job(plan.job)
+        job.plan = plan.model_dump(mode="json", exclude_none=True)
+        job.ranks = {r.rank: (r.node, r.gpu) for r in plan.ranks}
+        job.shares = {}
+
+    def _on_operator(self, op: OperatorAction) -> list[Record]:
+        if op.action == "return_gpu":
+            return self._return((op.node, int(op.gpu)), op.ts,  # type: ignore[arg-type]
+                                f"returned by {op.by}" + (f": {op.reason}" if op.reason else ""))
+        pending = self.fleet.commands.get(op.command_id or "")
+        if pending is None or pending.status != "held":
+            return self._audit("operator_ignored", f"{op.action} {op.command_id}: no command waits for "
+                               "approval under that id", op.ts, target=str(op.command_id), once=False)
+        if op.action == "deny":
+            pending.status = "rejected"
+            pending.detail = f"denied by {op.by}"
+            return self._audit("denied", f"{pending.id} denied by {op.by}: {op.reason}", op.ts,
+                               target=pending.id, command_id=pending.id, once=False)
+        cmd = Command.model_validate({**pending.command, "ts": op.ts})
+        del self.fleet.commands[pending.id]
+        return [self._issue(cmd, op.ts, pending.follow_up)]
+
+    def _return(self, key: GpuKey, ts: float, why: str) -> list[Record]:
+        if self.fleet.status(key) == "in_service":
+            return []
+        self.fleet.set_status(key, "in_service", ts, why)
+        out = self._audit("gpu_returned", f"{key[0]}/gpu{key[1]} back in service: {why}", ts,
+                          target=f"{key[0]}/{key[1]}", node=key[0], gpu=key[1], once=False)
+        for name, job in sorted(self.jobs.items()):
+            if key in job.left:
+                job.left.remove(key)
+                cmd = Command(
+                    id=command_id("resize", name, "join", key[0], key[1], ts), type="resize", ts=ts, job=name,
+                    node=key[0], gpu=key[1], reason=f"{key[0]}/gpu{key[1]} is back: {name} grows again",
+                    params={"join": [list(key)], "world_size": self._job_size(job) - len(job.left)},
+                )
+                out += self._send(cmd, self.config.resize.mode)
+        return out
+
+
+def _event_ts(record: Record) -> float:
+    ts = getattr(record, "ts", None)
+    return float("-inf") if ts is None else float(ts)
+
+
+def _replica_samples(plan: dict[str, Any]) -> dict[int, int]:
+    """Samples per step of each data-parallel replica of a plan (as JSON)."""
+    return {int(r["dp_rank"]): int(r["micro_batch"]) * int(r["num_micro_batches"])
+            for r in plan["ranks"] if r["tp_rank"] == 0 and r["stage"] == 0}
+
+
+def _step_gain(current: dict[int, int], new: dict[int, int], job: JobState) -> float:
+    """Predicted step-time gain of `new` over `current` shares: a step lasts as long as its
+    slowest replica, shares / speed (speed = the plan's share of an unslowed replica x factor)."""
+    if not current or not new:
+        return 0.0
+
+    def step(shares: dict[int, int]) -> float:
+        base = sum(current.values()) / max(len(current), 1)
+        base_of = _replica_samples(job.plan) if job.plan else {}
+        return max(s / (base_of.get(d, base) * job.slow.get(d, 1.0)) for d, s in shares.items())
+    before, after = step(current), step(new)
+    return 0.0 if before <= 0 else max(0.0, 1.0 - after / before)

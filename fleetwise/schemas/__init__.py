@@ -1,7 +1,15 @@
 """Record types (pydantic v2) and the topic registry: the contracts between components."""
 
 from fleetwise.schemas._base import Record, Timestamp, describe_error, is_dcgm_blank
-from fleetwise.schemas.decisions import Ack, Command, DeadLetter, Prediction, Signal
+from fleetwise.schemas.decisions import (
+    Ack,
+    AuditEvent,
+    Command,
+    DeadLetter,
+    OperatorAction,
+    Prediction,
+    Signal,
+)
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import GpuInventory, Nic, NodeInventory
 from fleetwise.schemas.jobs import JobConstraints, JobIntent, ModelShape
@@ -10,8 +18,8 @@ from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas.topics import TOPICS, Topic, topic
 
 __all__ = [
-    "Ack", "Command", "DeadLetter", "FeatureVector", "GpuInventory", "GpuSample", "JobConstraints",
-    "JobIntent", "ModelShape", "Nic", "NodeBatch", "NodeInventory", "Plan", "Prediction", "RankPlan",
-    "Record", "Signal", "TOPICS", "Timestamp", "Topic", "TrainingStep", "describe_error",
-    "is_dcgm_blank", "topic",
+    "Ack", "AuditEvent", "Command", "DeadLetter", "FeatureVector", "GpuInventory", "GpuSample",
+    "JobConstraints", "JobIntent", "ModelShape", "Nic", "NodeBatch", "NodeInventory",
+    "OperatorAction", "Plan", "Prediction", "RankPlan", "Record", "Signal", "TOPICS", "Timestamp",
+    "Topic", "TrainingStep", "describe_error", "is_dcgm_blank", "topic",
 ]

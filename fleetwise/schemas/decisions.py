@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fleetwise.schemas._base import Record, Timestamp
 
@@ -88,3 +88,42 @@ class DeadLetter(Record):
     reason: str
     original: str  # original payload, decoded as UTF-8 with replacement (or base64 when binary)
     encoding: Literal["utf-8", "base64"] = "utf-8"
+
+
+class AuditEvent(Record):
+    """What the control plane decided not to do, or noticed, with the reason (`fleetwise.audit`).
+
+    Commands go to the audit topic as they are; these record the rest: a rail that held a
+    command back, a circuit breaker opening or closing, a command that expired without an ack,
+    a command waiting for an operator's approval, a GPU returned to service."""
+
+    kind: Literal["audit"] = "audit"
+    ts: Timestamp
+    event: str  # e.g. "suppressed", "breaker_open", "expired", "awaiting_approval", "gpu_returned"
+    reason: str
+    command_id: str | None = None
+    job: str | None = None
+    node: str | None = None
+    gpu: int | None = None
+    evidence: list[str] = Field(default_factory=list)
+
+
+class OperatorAction(Record):
+    """An operator's word to the control plane (`fleetwise approve`, `fleetwise gpu return`)."""
+
+    kind: Literal["operator"] = "operator"
+    ts: Timestamp
+    action: Literal["approve", "deny", "return_gpu"]
+    command_id: str | None = None  # approve / deny
+    node: str | None = None  # return_gpu
+    gpu: int | None = None
+    by: str = "operator"
+    reason: str = ""
+
+    @model_validator(mode="after")
+    def _target(self) -> OperatorAction:
+        if self.action in ("approve", "deny") and not self.command_id:
+            raise ValueError(f"command_id: required for action {self.action!r}")
+        if self.action == "return_gpu" and (self.node is None or self.gpu is None):
+            raise ValueError("node, gpu: both required for action 'return_gpu'")
+        return self

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from fleetwise.schemas.decisions import Ack, Command, DeadLetter, Prediction
+from fleetwise.schemas.decisions import Ack, AuditEvent, Command, DeadLetter, OperatorAction, Prediction
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import NodeInventory
 from fleetwise.schemas.jobs import JobIntent, ModelShape
@@ -25,6 +25,8 @@ RECORD_TYPES: dict[str, type[BaseModel]] = {
     "plan": Plan,
     "prediction": Prediction,
     "ack": Ack,
+    "audit": AuditEvent,
+    "operator": OperatorAction,
     "command": Command,
     "deadletter": DeadLetter,
 }

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from fleetwise.schemas.decisions import Ack, Command, DeadLetter, Prediction
+from fleetwise.schemas.decisions import Ack, Command, DeadLetter, OperatorAction, Prediction
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import NodeInventory
 from fleetwise.schemas.plans import Plan
@@ -40,13 +40,16 @@ COMMANDS_KUBE = Topic("fleetwise.commands.kube", "job", Command, 4,
                       description="commands for the Kubernetes / KAI consumer")
 ACKS = Topic("fleetwise.acks", "job", Ack, 4,
              description="consumers' acknowledgements of commands (key: job, else node)")
-AUDIT = Topic("fleetwise.audit", "job", Command, 4, description="every command emitted, for audit")
+OPERATOR = Topic("fleetwise.operator", "target", OperatorAction, 1,
+                 description="operators' approvals, denials and GPU returns")
+AUDIT = Topic("fleetwise.audit", "job", Command, 4,
+              description="every command emitted, and every rail, expiry and approval event (AuditEvent)")
 DEADLETTER = Topic("fleetwise.deadletter", "source", DeadLetter, 1,
                    description="rejected records with the reason and original bytes")
 
 TOPICS: tuple[Topic, ...] = (
     INVENTORY, TELEMETRY_GPU, TELEMETRY_STEPS, FEATURES, PLANS, PREDICTIONS,
-    COMMANDS_TRAINING, COMMANDS_KUBE, ACKS, AUDIT, DEADLETTER,
+    COMMANDS_TRAINING, COMMANDS_KUBE, ACKS, OPERATOR, AUDIT, DEADLETTER,
 )
 
 

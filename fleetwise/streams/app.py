@@ -875,8 +875,11 @@ def make_app(
 
     telemetry_topic = source(T.TELEMETRY_GPU)
     steps_topic = source(T.TELEMETRY_STEPS)
+    # Context: inventories and plans, and what drives the fleet state: consumers' acks and
+    # operators' actions (approvals, GPU returns).
     context_topic = app.topic(
         topic_name(T.INVENTORY, topic_prefix), topic_name(T.PLANS, topic_prefix),
+        topic_name(T.ACKS, topic_prefix), topic_name(T.OPERATOR, topic_prefix),
         key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw",
     )
     # Entries are bytes we encode ourselves (`encode_entry`): no serializer work in faust.
@@ -1047,7 +1050,8 @@ def make_app(
 
     @app.agent(context_topic, name="fleetwise.context")
     async def context(stream: faust.StreamT) -> None:
-        # Inventories and plans: latest per node / job, kept in the ControlPlane.
+        # Inventories and plans (latest per node / job), acks and operator actions: the
+        # ControlPlane keeps them and its policy answers them (a drain after its checkpoint's ack).
         async for event in stream.events():
             name = unprefix.get(event.message.topic, event.message.topic)
             records = control.decode(name, event.value,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from isal import igzip
 
-from fleetwise.schemas import Command, DeadLetter, Prediction, Record
+from fleetwise.actuators import Keyring, verify_command
+from fleetwise.schemas import Ack, AuditEvent, Command, DeadLetter, Prediction, Record
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import TraceBlock
 from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig, Item, Routed
@@ -120,20 +121,64 @@ class ReplaySummary:
         return self.outputs.get(T.PREDICTIONS.name, 0) + self.outputs.get(T.AUDIT.name, 0)
 
 
-class EmbeddedRuntime:
-    """Feeds records through a ControlPlane and publishes what it routes onto an EventBus."""
+class SimulatedConsumers:
+    """Stand-ins for the training plugin and the KAI consumer in a replay, so a replay shows
+    what the system would do if every command were carried out: each command is checked with
+    the shared `verify_command` as a real consumer does, applied once (a repeat is acked `done`
+    with detail "duplicate") and acked `done` at its own event time (`rejected` with the reason
+    when the check refuses it; a dry-run command is not applied)."""
 
-    def __init__(self, control: ControlPlane | None = None, bus: EventBus | None = None) -> None:
+    def __init__(self, keyring: Keyring | None = None) -> None:
+        self.keyring = keyring or Keyring()
+        self.applied: set[tuple[str, str]] = set()
+        self.last_seq: dict[tuple[str, str], int] = {}
+
+    def answer(self, topic: str, cmd: Command) -> Ack:
+        by = "training-plugin" if topic == T.COMMANDS_TRAINING.name else "kube-consumer"
+        ack = {"command_id": cmd.id, "ts": cmd.ts, "job": cmd.job, "node": cmd.node, "gpu": cmd.gpu, "by": by}
+        if (by, cmd.id) in self.applied:
+            return Ack(**ack, status="done", detail="duplicate")
+        scope = (by, cmd.job) if cmd.job else None
+        verdict = verify_command(cmd, self.keyring, now=cmd.ts,
+                                 last_seq=self.last_seq.get(scope) if scope else None)
+        if not verdict:
+            return Ack(**ack, status="rejected", detail=verdict.reason)
+        if cmd.dry_run:
+            return Ack(**ack, status="rejected", detail="dry run: not applied")
+        self.applied.add((by, cmd.id))
+        if scope and cmd.seq is not None:
+            self.last_seq[scope] = cmd.seq
+        result = {"checkpoint_uri": f"sim://{cmd.job}/{cmd.id}"} if cmd.type == "checkpoint" else {}
+        return Ack(**ack, status="done", detail="simulated consumer", result=result)
+
+
+COMMAND_TOPICS = frozenset({T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name})
+
+
+class EmbeddedRuntime:
+    """Feeds records through a ControlPlane and publishes what it routes onto an EventBus;
+    with `consumers`, commands are answered by simulated consumers whose acks flow back."""
+
+    def __init__(self, control: ControlPlane | None = None, bus: EventBus | None = None,
+                 consumers: SimulatedConsumers | None = None) -> None:
         self.control = control or ControlPlane()
         self.bus = bus or EventBus()
+        self.consumers = consumers
         self.summary = ReplaySummary()
 
     def _publish(self, routed: Iterable[Routed]) -> None:
+        acks: list[Ack] = []
         for topic, key, record in routed:
             self.summary.outputs[topic] += 1
             if isinstance(record, DeadLetter):
                 self.summary.bad_lines.append((record.source, record.reason))
             self.bus.publish(topic, key, record)
+            if self.consumers is not None and topic in COMMAND_TOPICS:
+                ack = self.consumers.answer(topic, record)  # type: ignore[arg-type]
+                self.bus.publish(T.ACKS.name, key, ack)
+                acks.append(ack)
+        if acks:
+            self._publish(self.control.handle(T.ACKS.name, acks))
 
     def feed(self, topic: str, records: list[Item]) -> None:
         self._publish(self.control.handle(topic, records))
@@ -295,9 +340,13 @@ class EmbeddedRuntime:
     def decisions(self) -> list[Prediction | Command]:
         """Predictions and commands in emission order (the replay's decision output)."""
         out: list[Prediction | Command] = list(self.bus.records(T.PREDICTIONS.name))  # type: ignore[arg-type]
-        out.extend(self.bus.records(T.AUDIT.name))  # type: ignore[arg-type]
+        out.extend(r for r in self.bus.records(T.AUDIT.name) if isinstance(r, Command))
         out.sort(key=lambda r: (r.ts, 0 if r.kind == "prediction" else 1))
         return out
+
+    def audit_events(self) -> list[AuditEvent]:
+        """What the policy held back or noticed (rails, expiries, approvals), in order."""
+        return [r for r in self.bus.records(T.AUDIT.name) if isinstance(r, AuditEvent)]
 
 
 class LineSources(Sequence[str]):
@@ -328,6 +377,8 @@ def _topic_of(record: Record) -> str:
         "TrainingStep": T.TELEMETRY_STEPS.name,
         "NodeInventory": T.INVENTORY.name,
         "Plan": T.PLANS.name,
+        "Ack": T.ACKS.name,
+        "OperatorAction": T.OPERATOR.name,
     }[name]
 
 
@@ -338,15 +389,22 @@ def replay(
     inventory: Path | None = None,
     control: ControlPlane | None = None,
     features: Path | None = None,
+    simulate_acks: bool = True,
+    audit: Path | None = None,
 ) -> EmbeddedRuntime:
     """Run the whole control plane over recorded telemetry; write decisions as JSON lines.
 
     Per-GPU feature vectors are computed either way (the predictors score them); they become
     records on the features topic, kept in memory and written to `features`, only when
-    `features` is given (a month of a 512-GPU fleet is ~2 million of them)."""
+    `features` is given (a month of a 512-GPU fleet is ~2 million of them).
+
+    `simulate_acks`: consumers answer every command (`SimulatedConsumers`), so drains follow
+    their checkpoints and resizes their drains; off, commands go unanswered and expire (acks
+    recorded in the trace itself are read either way). `audit`: write the audit events."""
     if control is None:
         control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
-    runtime = EmbeddedRuntime(control)
+    consumers = SimulatedConsumers(control.config.keyring) if simulate_acks else None
+    runtime = EmbeddedRuntime(control, consumers=consumers)
     if inventory is not None:
         runtime.feed_text_blocks(read_text_blocks(inventory), str(inventory))
     for path in traces:
@@ -360,4 +418,8 @@ def replay(
         with open(features, "w") as fh:
             for record in runtime.bus.records(T.FEATURES.name):
                 fh.write(record.to_json() + "\n")
+    if audit is not None:
+        with open(audit, "w") as fh:
+            for event in runtime.audit_events():
+                fh.write(event.to_json() + "\n")
     return runtime

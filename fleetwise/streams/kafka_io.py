@@ -16,7 +16,18 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from fleetwise.schemas import TOPICS, Command, DeadLetter, FeatureVector, Prediction, Record, Topic
+from fleetwise.schemas import (
+    TOPICS,
+    Ack,
+    AuditEvent,
+    Command,
+    DeadLetter,
+    FeatureVector,
+    OperatorAction,
+    Prediction,
+    Record,
+    Topic,
+)
 from fleetwise.schemas.inventory import NodeInventory
 from fleetwise.schemas.plans import Plan
 from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
@@ -66,6 +77,10 @@ def record_key(record: BaseModel) -> str:
         return record.source
     if isinstance(record, Plan):
         return record.job
+    if isinstance(record, Ack | AuditEvent):
+        return record.job or (f"{record.node}/{record.gpu}" if record.node else record.command_id or "")
+    if isinstance(record, OperatorAction):
+        return record.command_id or f"{record.node}/{record.gpu}"
     raise TypeError(f"no registry key rule for {type(record).__name__}")
 
 

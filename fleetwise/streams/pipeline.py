@@ -17,17 +17,20 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ValidationError
 from threadpoolctl import threadpool_limits
 
-from fleetwise.actuators import ActionPolicy, PolicyConfig
+from fleetwise.actuators import ActionPolicy, Keyring, PolicyConfig
 from fleetwise.catalog import UnknownGpuError, lookup
 from fleetwise.predictors.failure import FailurePredictor
 from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows, sample_columns
 from fleetwise.predictors.stragglers import StragglerDetector
 from fleetwise.schemas import (
+    Ack,
+    AuditEvent,
     Command,
     DeadLetter,
     FeatureVector,
     GpuSample,
     NodeInventory,
+    OperatorAction,
     Plan,
     Prediction,
     Record,
@@ -58,6 +61,7 @@ class Routed(NamedTuple):
 @dataclass
 class ControlPlaneConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    keyring: Keyring | None = None  # signing keys (None: the development key)
     failure_predictor: bool = True
     straggler_detector: bool = True
     # Publish feature vectors on fleetwise.features, per GPU-hop and per rank window (off:
@@ -90,7 +94,11 @@ def classify_line(obj: dict[str, Any]) -> str:
         return T.INVENTORY.name
     if "ranks" in obj and "dp" in obj:
         return T.PLANS.name
-    raise ValueError("not a GPU sample, node batch, training step, inventory or plan record")
+    if "command_id" in obj and "status" in obj:
+        return T.ACKS.name
+    if obj.get("kind") == "operator":
+        return T.OPERATOR.name
+    raise ValueError("not a GPU sample, node batch, training step, inventory, plan, ack or operator record")
 
 
 class ControlPlane:
@@ -104,7 +112,7 @@ class ControlPlane:
             _one_native_thread()
         self.stragglers = (StragglerDetector(features=self.config.publish_features)
                            if self.config.straggler_detector else None)
-        self.policy = ActionPolicy(self.config.policy)
+        self.policy = ActionPolicy(self.config.policy, self.config.keyring)
         self.inventory: dict[str, NodeInventory] = {}
         self.plans: dict[str, Plan] = {}
         self._model_ids: dict[str, str | None] = {}
@@ -240,6 +248,8 @@ class ControlPlane:
                 T.TELEMETRY_STEPS.name: TrainingStep,
                 T.INVENTORY.name: NodeInventory,
                 T.PLANS.name: Plan,
+                T.ACKS.name: Ack,
+                T.OPERATOR.name: OperatorAction,
             }[kind]
             return [model.model_validate(obj)]  # type: ignore[list-item]
         except ValidationError as exc:
@@ -306,9 +316,14 @@ class ControlPlane:
             if self.stragglers is not None:
                 self.stragglers.learn_models((r.node, g.index, g.model)  # type: ignore[attr-defined]
                                              for r in good for g in r.gpus)  # type: ignore[attr-defined]
+            out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         elif topic == T.PLANS.name:
             for r in good:
                 self.plans[r.job] = r  # type: ignore[attr-defined]
+            out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
+        elif topic in (T.ACKS.name, T.OPERATOR.name):
+            # The fleet state follows the consumers' acks and the operators' word.
+            out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         return out
 
     def _teach_gpu_models(self) -> None:
@@ -367,8 +382,10 @@ class ControlPlane:
                 predictions.append(r)
             elif isinstance(r, Command):
                 routed.extend(_route_command(r))
-        for cmd in self.policy.process(predictions):
-            routed.extend(_route_command(cmd))  # type: ignore[arg-type]
+            elif isinstance(r, AuditEvent):
+                routed.append(Routed(T.AUDIT.name, r.job or r.node or "", r))
+        if predictions:
+            routed.extend(self._route_outputs(self.policy.process(predictions)))
         return routed
 
     # -- state for changelogged tables -------------------------------------------------------
@@ -412,11 +429,23 @@ def _one_native_thread() -> None:
 _NATIVE_LIMITED = False
 
 
+# Training-side commands go to the plugin, placement-side ones to the KAI consumer; a drain of a
+# GPU a job runs on goes to both (the rank leaves; the GPU is cordoned).
+TRAINING_COMMANDS = frozenset({"rebalance", "checkpoint", "resize", "migrate"})
+
+
+def command_topics(cmd: Command) -> list[str]:
+    """The command topics a command is published on."""
+    if cmd.type in TRAINING_COMMANDS:
+        return [T.COMMANDS_TRAINING.name]
+    if cmd.type == "drain" and cmd.job:
+        return [T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name]
+    return [T.COMMANDS_KUBE.name]
+
+
 def _route_command(cmd: Command) -> list[Routed]:
     key = cmd.job or cmd.node or ""
-    # Training-side commands go to the plugin; placement-side ones to the KAI consumer.
-    target = T.COMMANDS_TRAINING if cmd.type in ("rebalance", "checkpoint", "resize") else T.COMMANDS_KUBE
-    return [Routed(target.name, key, cmd), Routed(T.AUDIT.name, key, cmd)]
+    return [*(Routed(t, key, cmd) for t in command_topics(cmd)), Routed(T.AUDIT.name, key, cmd)]
 
 
 def _ts_of(obj: Any) -> float:
