@@ -1,0 +1,508 @@
+"""The training plugin's command consumer: commands from the control plane, applied at a step boundary.
+
+Two layers:
+
+- `CommandGate` (pure, no torch): what the contract (DESIGN.md "Command lifecycle") asks of a
+  consumer, in order: a command already accepted is a duplicate (ack `done`, "duplicate",
+  nothing changes); then `verify_command` (unsigned, forged, unknown key, other job, expired,
+  out of sequence -> ack `rejected` with the reason); then it waits until every command it
+  `requires` is done; then it is due. Its state goes into checkpoints.
+- `TrainingPlugin` (inside the training loop, every rank): step telemetry, and at each step
+  boundary (every `sync_every` steps) rank 0 polls its job's commands, runs them through the
+  gate and broadcasts the due ones (one int64 broadcast per boundary; the commands themselves
+  only when there are some), so every rank applies them at the same step:
+
+  - `rebalance`: new per-rank shares (`samples`, or `speed_factors` relative to the plan's
+    shares) into the `ShareSampler` (and a `WeightedHookState` when given);
+  - `checkpoint`: torch.distributed.checkpoint, `done` ack with {"checkpoint_uri", "step"};
+  - `drain` / `resize`: checkpoint, then the leaving rank's node leaves and the others
+    re-rendezvous through torch's elastic agent at the new size (`fleetwise.training.elastic`);
+    the new group loads the checkpoint resharded and continues at the same step and data
+    position, and acks `done`;
+  - `migrate`: phase "snapshot" checkpoints to the given URI, acks, and ends the job here;
+    phase "restore" loads a URI at a boundary (a job restarted elsewhere also calls
+    `restore(uri)` at start); phase "transfer" is the orchestrator's.
+
+Acks go to `fleetwise.acks` (key job), by "training-plugin", with the step at which the
+command took effect (the number of steps completed at that boundary).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from fleetwise.actuators.signing import Keyring, keyring_from_env, verify_command
+from fleetwise.schemas import Ack, Command
+from fleetwise.schemas import topics as T
+from fleetwise.training import elastic
+from fleetwise.training.telemetry import ComputeTimer, Outbox, StepReporter, gpu_model
+
+__all__ = ["ACK_BY", "HANDLED", "CommandGate", "TrainingPlugin", "scaled_shares"]
+
+ACK_BY = "training-plugin"
+HANDLED = frozenset({"rebalance", "checkpoint", "drain", "resize", "migrate"})
+
+
+def scaled_shares(base: Sequence[int], factors: Mapping[str, float] | Mapping[int, float],
+                  total: int | None = None) -> list[int]:
+    """Shares proportional to `base[i] * factor[i]` (a rank without a factor keeps 1.0), summing
+    to `total` (default: the sum of `base`), by largest remainder (ties to the lower rank).
+
+    `speed_factors` are plan-relative: a rank at 0.5 gets about half its plan share and the
+    others take the rest, so every rank's step time evens out again."""
+    keyed = {int(k): float(v) for k, v in factors.items()}
+    bad = [k for k in keyed if not 0 <= k < len(base)]
+    if bad:
+        raise ValueError(f"speed_factors: ranks {bad} are not in this job's {len(base)} ranks")
+    weights = [b * max(keyed.get(i, 1.0), 1e-3) for i, b in enumerate(base)]
+    total = sum(base) if total is None else int(total)
+    if sum(weights) <= 0:
+        raise ValueError(f"speed_factors: no rank left with a positive share (base {list(base)})")
+    exact = [w * total / sum(weights) for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(out)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _even(total: int, world: int) -> list[int]:
+    return scaled_shares([1] * world, {}, total)
+
+
+def _shares_list(samples: Mapping[str, Any] | Sequence[int], world: int, field: str) -> list[int]:
+    if isinstance(samples, Mapping):
+        try:
+            keyed = {int(k): int(v) for k, v in samples.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}: expected {{dp_rank: samples}} integers, got {dict(samples)}") \
+                from None
+        if sorted(keyed) != list(range(world)):
+            raise ValueError(f"{field}: needs ranks 0..{world - 1}, got {sorted(keyed)}")
+        out = [keyed[i] for i in range(world)]
+    else:
+        out = [int(v) for v in samples]
+        if len(out) != world:
+            raise ValueError(f"{field}: {len(out)} shares for {world} ranks")
+    if any(v < 0 for v in out) or sum(out) <= 0:
+        raise ValueError(f"{field}: shares must be >= 0 and sum to > 0, got {out}")
+    return out
+
+
+class CommandGate:
+    """Dedupe -> verify -> wait for `requires` -> due, and the ack each step of that earns.
+
+    `now` is the consumer's clock (wall time live; event time in replay and benches).
+    """
+
+    def __init__(self, job: str, keys: Keyring | Mapping[str, bytes] | None = None, *,
+                 node: str | None = None, gpu: int | None = None, rank: int | None = 0) -> None:
+        self.job = job
+        self.keys = keys if keys is not None else keyring_from_env()
+        self.node, self.gpu, self.rank = node, gpu, rank
+        self.accepted: dict[str, str] = {}  # id -> "pending" | "done"
+        self.pending: list[Command] = []
+        self.done: set[str] = set()  # ids whose `done` ack was seen (ours or another consumer's)
+        self.last_seq: int | None = None
+
+    def ack(self, command: Command | str, status: str, now: float, *, step: int | None = None,
+            detail: str | None = None, result: Mapping[str, Any] | None = None) -> Ack:
+        cid = command if isinstance(command, str) else command.id
+        return Ack(command_id=cid, ts=now, job=self.job, node=self.node, gpu=self.gpu, rank=self.rank,
+                   by=ACK_BY, status=status, step=step, detail=detail, result=dict(result or {}))
+
+    def offer(self, command: Command, now: float, step: int | None = None) -> Ack:
+        """One arriving command: `received` (accepted, pending), `rejected`, or `done` "duplicate"."""
+        if command.id in self.accepted:
+            return self.ack(command, "done", now, step=step, detail="duplicate")
+        verdict = verify_command(command, self.keys, now, last_seq=self.last_seq, job=self.job)
+        if not verdict:
+            return self.ack(command, "rejected", now, step=step, detail=verdict.reason)
+        if command.type not in HANDLED:
+            return self.ack(command, "rejected", now, step=step,
+                            detail=f"command type {command.type!r} is not the training plugin's "
+                                   f"(it handles {', '.join(sorted(HANDLED))})")
+        if command.dry_run:
+            self.accepted[command.id] = "done"
+            return self.ack(command, "done", now, step=step, detail="dry run: nothing applied")
+        self.accepted[command.id] = "pending"
+        if command.seq is not None:
+            self.last_seq = command.seq if self.last_seq is None else max(self.last_seq, command.seq)
+        self.pending.append(command)
+        return self.ack(command, "received", now, step=step)
+
+    @staticmethod
+    def requirements(command: Command) -> list[str]:
+        """Ids that must be done first: `requires`, and a drain's `requires_checkpoint` param."""
+        need = list(command.requires)
+        extra = command.params.get("requires_checkpoint")
+        if isinstance(extra, str) and extra not in need:
+            need.append(extra)
+        return need
+
+    @property
+    def waiting(self) -> bool:
+        """True when a pending command waits for another's `done` ack."""
+        return any(not set(self.requirements(c)) <= self.done for c in self.pending)
+
+    def note_done(self, command_ids: Iterable[str]) -> None:
+        """`done` acks seen on fleetwise.acks (another consumer's, e.g. the kube consumer's)."""
+        self.done.update(command_ids)
+
+    def due(self, now: float, step: int | None = None) -> tuple[list[Command], list[Ack]]:
+        """Pending commands whose requirements are done, in arrival order (removed from pending),
+        and `rejected` acks for those that expired while waiting."""
+        ready: list[Command] = []
+        acks: list[Ack] = []
+        keep: list[Command] = []
+        for c in self.pending:
+            if c.expires_ts is not None and now > c.expires_ts:
+                self.accepted[c.id] = "done"
+                acks.append(self.ack(c, "rejected", now, step=step,
+                                     detail=f"expired at {c.expires_ts:.3f} while waiting for "
+                                            f"{', '.join(self.requirements(c))}"))
+            elif set(self.requirements(c)) <= self.done:
+                ready.append(c)
+            else:
+                keep.append(c)
+        self.pending = keep
+        return ready, acks
+
+    def finished(self, command_id: str) -> None:
+        """The command's `done` ack was sent: it satisfies others' `requires`."""
+        self.accepted[command_id] = "done"
+        self.done.add(command_id)
+
+    def state(self) -> dict[str, Any]:
+        return {"accepted": dict(self.accepted), "pending": [c.model_dump(mode="json") for c in self.pending],
+                "done": sorted(self.done), "last_seq": self.last_seq}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.accepted = dict(state.get("accepted", {}))
+        self.pending = [Command.model_validate(c) for c in state.get("pending", [])]
+        self.done = set(state.get("done", []))
+        self.last_seq = state.get("last_seq")
+
+
+class TrainingPlugin:
+    """Telemetry and commands inside a torch.distributed training loop (every rank makes it).
+
+    The loop calls `restore()` once, `with plugin.compute():` around forward + backward, and
+    `end_step(samples)` after the optimizer step. A drain, resize or migrate ends the process
+    from `end_step` (SystemExit) after its checkpoint: the elastic agent starts the next group.
+
+    `model`/`optimizer`: what checkpoints hold (DDP or FSDP2 modules work: DCP state dicts);
+    `sampler`: a `fleetwise.training.ShareSampler` (shares and data position);
+    `transport`: a `fleetwise.training.transport` Transport; `checkpoint_dir`: where
+    checkpoints go (a shared file system for several nodes); `keys`: the signing keyring
+    (default `keyring_from_env()`); `sync_every`: boundaries between command checks (1: every
+    step); `checkpoint_every`: periodic checkpoints for failure recovery (0: none);
+    `clock`: the time commands' expiry is judged by and records carry (wall time live).
+    """
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        model: Any,
+        optimizer: Any,
+        sampler: Any,
+        transport: Any,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        keys: Keyring | Mapping[str, bytes] | None = None,
+        node: str | None = None,
+        gpu: int | None = None,
+        model_name: str | None = None,
+        hook_state: Any = None,
+        sync_every: int = 1,
+        checkpoint_every: int = 0,
+        telemetry: bool = True,
+        capacity: int = 1024,
+        clock: Callable[[], float] = time.time,
+        park_timeout_s: float = 120.0,
+        group: Any = None,
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self._torch, self._dist = torch, dist
+        self.job, self.model, self.optimizer, self.sampler = job, model, optimizer, sampler
+        self.transport, self.hook_state, self.group = transport, hook_state, group
+        self.checkpoint_dir = checkpoint_dir
+        self.sync_every, self.checkpoint_every = sync_every, checkpoint_every
+        self.clock, self.park_timeout_s = clock, park_timeout_s
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.node = node or os.environ.get("FLEETWISE_NODE") or socket.gethostname()
+        self.gpu = int(gpu if gpu is not None else os.environ.get("LOCAL_RANK", 0))
+        self.model_name = model_name or gpu_model()
+        self.step = 0
+        self.base_shares: list[int] = list(sampler.shares)
+        self.gate = CommandGate(job, keys, node=self.node, gpu=self.gpu, rank=self.rank)
+        # The (node, gpu) of every rank: who leaves on a drain of a GPU.
+        members: list[Any] = [None] * self.world_size
+        dist.all_gather_object(members, (self.node, self.gpu), group=group)
+        self.members: list[tuple[str, int]] = [(str(n), int(g)) for n, g in members]
+        self.acks = Outbox(transport.publish, capacity=capacity, name=f"fleetwise-acks-{self.rank}")
+        self.reporter = (StepReporter(transport.publish, job=job, rank=self.rank, node=self.node,
+                                      gpu=self.gpu, model=self.model_name, capacity=capacity, clock=clock)
+                         if telemetry else None)
+        self.timer = ComputeTimer(cuda=torch.cuda.is_available() and _on_cuda(model))
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self.sync_s = 0.0  # time spent deciding commands at boundaries (the plugin's overhead)
+        self.syncs = 0
+        self.history: list[tuple[int, str, str]] = []  # (step, command id, what happened)
+        self._step_start = time.perf_counter()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def compute(self) -> ComputeTimer:
+        """`with plugin.compute():` around forward + backward (barrier-free timer)."""
+        return self.timer
+
+    def end_step(self, samples: int, micro_batch: int | None = None) -> None:
+        """After the optimizer step: this step's record, then the boundary (commands, checkpoints)."""
+        now = time.perf_counter()
+        if self.reporter is not None:
+            compute = self.timer.last_s if self.timer.last_s is not None else 0.0
+            self.reporter.record(self.step, now - self._step_start, compute, micro_batch=micro_batch,
+                                 samples=samples)
+        self.step += 1
+        if self.step % self.sync_every == 0:
+            t0 = time.perf_counter()
+            commands = self._sync()
+            self.sync_s += time.perf_counter() - t0
+            self.syncs += 1
+            for command in commands:
+                self._apply(command)
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0 and self.checkpoint_dir:
+            self.checkpoint()
+        self._step_start = time.perf_counter()
+
+    @property
+    def shares(self) -> list[int]:
+        return list(self.sampler.shares)
+
+    # ---- commands ---------------------------------------------------------------------------
+    def _publish_ack(self, ack: Ack) -> None:
+        self.acks.put(T.ACKS.name, self.job, ack)
+
+    def _sync(self) -> list[Command]:
+        """Rank 0 decides which commands act at this boundary; every rank learns it."""
+        dist = self._dist
+        payload: list[str] = []
+        if self.rank == 0:
+            now = self.clock()
+            for command in self.transport.poll(T.COMMANDS_TRAINING.name, self.job):
+                ack = self.gate.offer(command, now, step=self.step)
+                self._publish_ack(ack)
+                if ack.status != "received":
+                    self.history.append((self.step, command.id, f"{ack.status}: {ack.detail}"))
+            if self.gate.waiting:
+                seen = self.transport.poll(T.ACKS.name, self.job)
+                self.gate.note_done(a.command_id for a in seen if a.status == "done")
+            ready, expired = self.gate.due(now, step=self.step)
+            for ack in expired:
+                self._publish_ack(ack)
+            payload = [c.model_dump_json() for c in ready]
+        self._flag[0] = len(payload)
+        dist.broadcast(self._flag, 0, group=self.group)
+        if not int(self._flag[0]):
+            return []
+        box: list[Any] = [payload]
+        dist.broadcast_object_list(box, 0, group=self.group)
+        return [Command.model_validate_json(text) for text in box[0]]
+
+    def _ack(self, command: Command, status: str, *, detail: str | None = None,
+             result: Mapping[str, Any] | None = None) -> None:
+        self.history.append((self.step, command.id, status if detail is None else f"{status}: {detail}"))
+        if status == "done":
+            self.gate.finished(command.id)
+        if self.rank == 0:
+            self._publish_ack(self.gate.ack(command, status, self.clock(), step=self.step, detail=detail,
+                                            result=result))
+
+    def _apply(self, command: Command) -> None:
+        try:
+            handler = getattr(self, f"_apply_{command.type}")
+            handler(command)
+        except (ValueError, KeyError, TypeError) as exc:  # bad params: nothing changed
+            self._ack(command, "failed", detail=str(exc))
+
+    def _apply_rebalance(self, command: Command) -> None:
+        p = command.params
+        if "samples" in p:
+            new = _shares_list(p["samples"], self.world_size, "samples")
+        elif "speed_factors" in p:
+            new = scaled_shares(self.base_shares, p["speed_factors"], sum(self.base_shares))
+        else:
+            raise ValueError("rebalance params need 'samples' or 'speed_factors'")
+        if "global_samples" in p and int(p["global_samples"]) != sum(new):
+            raise ValueError(f"samples sum to {sum(new)}, global_samples is {p['global_samples']}")
+        result = {"samples": {str(i): n for i, n in enumerate(new)}, "global_samples": sum(new)}
+        if new == self.shares:
+            self._ack(command, "done", detail="no change: shares already in force", result=result)
+            return
+        if "samples" in p:
+            self.base_shares = list(new)  # the new plan's shares: later speed factors scale these
+        self.sampler.set_shares(new, from_step=self.sampler.step)
+        if self.hook_state is not None:
+            self.hook_state.set_samples(new[self.rank], sum(new))
+        self._ack(command, "done", result=result)
+
+    def _apply_checkpoint(self, command: Command) -> None:
+        uri = command.params.get("checkpoint_uri") or command.params.get("uri")
+        where = self.checkpoint(uri)
+        self._ack(command, "done", result={"checkpoint_uri": where, "step": self.step})
+
+    def _apply_drain(self, command: Command) -> None:
+        if command.node is None:
+            raise ValueError("drain needs the node (and gpu) to drain")
+        leave = [[command.node, command.gpu]] if command.gpu is not None else [
+            [n, g] for n, g in self.members if n == command.node]
+        if not any(tuple(x) in self.members for x in map(tuple, leave)):
+            self._ack(command, "done", detail=f"no rank of {self.job} runs on {command.node}/{command.gpu}")
+            return
+        self._resize(command, leave=leave, join=[], samples=None, world_size=None)
+
+    def _apply_resize(self, command: Command) -> None:
+        p = command.params
+        self._resize(command, leave=p.get("leave", []), join=p.get("join", []), samples=p.get("samples"),
+                     world_size=p.get("world_size"))
+
+    def _resize(self, command: Command, *, leave: Sequence[Sequence[Any]], join: Sequence[Any],
+                samples: Any, world_size: int | None) -> None:
+        leaving = [r for r, m in enumerate(self.members) if [m[0], m[1]] in [[n, g] for n, g in leave]]
+        if world_size is not None and not leave and not join and int(world_size) < self.world_size:
+            leaving = list(range(int(world_size), self.world_size))  # the highest ranks leave
+        new_world = self.world_size - len(leaving) + len(join)
+        if world_size is not None and int(world_size) != new_world:
+            raise ValueError(f"world_size {world_size} does not match {self.world_size} ranks "
+                             f"- {len(leaving)} leaving + {len(join)} joining")
+        if new_world < 1:
+            raise ValueError("a resize cannot leave no rank")
+        if samples is not None:
+            _shares_list(samples, new_world, "samples")
+        if new_world == self.world_size and not leaving:
+            self._ack(command, "done", detail="no change: same members")
+            return
+        self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
+        resize = {"id": command.id, "type": command.type, "from_world": self.world_size,
+                  "world_size": new_world, "samples": samples, "leaving": leaving,
+                  "join": [list(j) for j in join]}
+        where = self.checkpoint(extra={"resize": resize})
+        self._ack(command, "applied", detail=f"checkpointed; {len(leaving)} leaving, {len(join)} joining",
+                  result={"checkpoint_uri": where, "step": self.step, "world_size": new_world})
+        if self.rank in leaving:
+            self._exit(leave=True)
+        self._exit(park=bool(join))
+
+    def _apply_migrate(self, command: Command) -> None:
+        phase = command.params.get("phase", "snapshot")
+        uri = command.params.get("checkpoint_uri")
+        if phase == "snapshot":
+            where = self.checkpoint(uri)
+            self._ack(command, "done", detail="snapshot taken; this job stops here",
+                      result={"checkpoint_uri": where, "step": self.step})
+            self._exit(code=0)
+        elif phase == "restore":
+            if not uri:
+                raise ValueError("migrate restore needs params.checkpoint_uri")
+            self.restore(uri)
+            self._ack(command, "done", result={"checkpoint_uri": uri, "step": self.step})
+        else:
+            self._ack(command, "done", detail=f"phase {phase!r} is the orchestrator's: nothing to do here")
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _meta(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"job": self.job, "step": self.step, "world_size": self.world_size,
+                                "sampler": self.sampler.state_dict(), "base_shares": self.base_shares,
+                                "gate": self.gate.state(),
+                                "commands_position": self.transport.position(T.COMMANDS_TRAINING.name)}
+        meta.update(extra or {})
+        return meta
+
+    def checkpoint(self, uri: str | os.PathLike[str] | None = None, *,
+                   extra: Mapping[str, Any] | None = None) -> str:
+        """Checkpoint now (every rank calls it at the same boundary); returns the file:// URI."""
+        if uri is None:
+            if self.checkpoint_dir is None:
+                raise ValueError("no checkpoint URI given and the plugin has no checkpoint_dir")
+            uri = elastic.checkpoint_dir_for(self.checkpoint_dir, self.step)
+        # Rank 0's consumer state is the job's: every rank writes the same meta through rank 0.
+        return elastic.save_checkpoint(uri, self.model, self.optimizer, self._meta(extra), group=self.group)
+
+    def restore(self, uri: str | os.PathLike[str] | None = None) -> int:
+        """Load `uri`, else the newest checkpoint in `checkpoint_dir` (none: start at step 0);
+        returns the step to run next. Re-splits the shares when the world size changed."""
+        path = elastic.path_of(uri) if uri is not None else (
+            elastic.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None)
+        if path is None:
+            return self.step
+        meta = elastic.load_checkpoint(path, self.model, self.optimizer, group=self.group)
+        self.step = int(meta["step"])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.base_shares = list(meta.get("base_shares") or self.sampler.shares)
+        if self.rank == 0:
+            self.gate.restore(meta.get("gate", {}))
+            if meta.get("commands_position"):
+                self.transport.seek(T.COMMANDS_TRAINING.name, meta["commands_position"])
+        resize = meta.get("resize")
+        if len(self.sampler.shares) != self.world_size or resize:
+            total = sum(self.sampler.shares)
+            wanted = resize.get("samples") if resize else None
+            if wanted is not None and len(wanted) == self.world_size:
+                new = _shares_list(wanted, self.world_size, "samples")
+            else:
+                new = _even(total, self.world_size)
+            self.sampler.set_shares(new, from_step=self.sampler.step, rank=self.rank)
+            self.base_shares = list(new)
+            if self.hook_state is not None:
+                self.hook_state.set_samples(new[self.rank], sum(new))
+        elif self.sampler.rank != self.rank:
+            self.sampler.set_rank(self.rank)
+        if resize and self.rank == 0:
+            detail = f"resumed at world size {self.world_size}"
+            if self.world_size != resize["world_size"]:
+                detail += f" (asked {resize['world_size']})"
+            self.gate.finished(resize["id"])
+            result = {"checkpoint_uri": path.resolve().as_uri(), "step": self.step,
+                      "world_size": self.world_size}
+            self._publish_ack(self.gate.ack(resize["id"], "done", self.clock(), step=self.step, detail=detail,
+                                            result=result))
+        self._step_start = time.perf_counter()
+        return self.step
+
+    # ---- leaving ----------------------------------------------------------------------------
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send queued records and acks (up to `timeout_s`)."""
+        if self.reporter is not None:
+            self.reporter.close(timeout_s)
+        self.acks.close(timeout_s)
+
+    def _exit(self, *, leave: bool = False, park: bool = False, code: int | None = None) -> None:
+        self.close()
+        if leave:
+            elastic.leave_agent()
+            raise SystemExit(0)
+        if code is not None:
+            self._dist.destroy_process_group()
+            raise SystemExit(code)
+        if park and elastic.under_elastic_agent():
+            # Wait at the boundary for the agent to restart us when the new node has joined.
+            deadline = time.monotonic() + self.park_timeout_s
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        raise SystemExit(elastic.RESTART_EXIT_CODE)
+
+
+def _on_cuda(model: Any) -> bool:
+    try:
+        return next(model.parameters()).is_cuda
+    except (StopIteration, AttributeError):
+        return False

@@ -1,0 +1,231 @@
+"""A small, complete training script with the plugin: the reference for docs, tests, bench, demo.
+
+An MLP (float64 by default) regresses synthetic data; each rank takes its share of every global
+batch from a `ShareSampler`, gradients combine as the global-batch mean (`allreduce_gradients`),
+and a `TrainingPlugin` reports step records and applies commands. Run under torchrun (one
+process per node: `fleetwise.training.elastic.agent_command`) or with `launch` below.
+
+Each rank appends one JSON line per step to `--log-dir/rank-<node>.jsonl`: step, world size,
+rank, the sample ids it processed, the sum of its per-sample losses and its step time, so a test
+can rebuild the loss trajectory and check that no sample was skipped or repeated.
+
+`--slow NODE:FACTOR[@STEP]` emulates an older or throttled GPU: the node's compute takes
+`--sample-time x samples x FACTOR` seconds (a sleep proportional to its samples) from STEP on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["launch", "make_data", "make_model", "reference_losses", "read_logs", "trajectory"]
+
+
+def make_model(dim: int = 8, hidden: int = 16, seed: int = 0, dtype: str = "float64") -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    return model.to(getattr(torch, dtype))
+
+
+def make_data(num_samples: int, dim: int = 8, seed: int = 1, dtype: str = "float64") -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, dim, generator=g, dtype=torch.float64)
+    noise = torch.randn(num_samples, 1, generator=g, dtype=torch.float64)
+    y = torch.sin(x.sum(dim=1, keepdim=True)) + 0.1 * noise
+    return x.to(getattr(torch, dtype)), y.to(getattr(torch, dtype))
+
+
+def _optimizer(model: Any, lr: float) -> Any:
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def reference_losses(steps: int, num_samples: int, global_batch: int, *, seed: int = 0, lr: float = 0.05,
+                     dim: int = 8, hidden: int = 16) -> list[float]:
+    """The uninterrupted run on one process: each step's global batch (the sampler's global
+    order) as one batch. Any split of it over any number of ranks gives these losses."""
+    import torch
+
+    from fleetwise.training.sampler import ShareSampler
+
+    model = make_model(dim, hidden, seed)
+    opt = _optimizer(model, lr)
+    x, y = make_data(num_samples, dim)
+    order = ShareSampler(num_samples, [global_batch], 0, seed=seed)
+    out = []
+    for step in range(steps):
+        ids = order.global_indices(step)
+        loss = torch.nn.functional.mse_loss(model(x[ids]), y[ids])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def _slow_factor(specs: Sequence[str], node: str, step: int) -> float:
+    factor = 1.0
+    for spec in specs:
+        who, _, rest = spec.partition(":")
+        value, _, start = rest.partition("@")
+        if who == node and step >= int(start or 0):
+            factor = float(value)
+    return factor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", default="example")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--num-samples", type=int, default=4096)
+    p.add_argument("--shares", default="16,16,16,16", help="initial samples per rank per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--bus-dir", help="LocalTransport directory (default: no bus)")
+    p.add_argument("--kafka", help="Kafka bootstrap (instead of --bus-dir)")
+    p.add_argument("--kafka-prefix", default="")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument("--log-dir")
+    p.add_argument("--model-name", help="GPU model for step records (default: what CUDA reports)")
+    p.add_argument("--sample-time", type=float, default=0.0, help="emulated compute seconds per sample")
+    p.add_argument("--slow", action="append", default=[], help="NODE:FACTOR[@STEP]")
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (tests: time to act)")
+    p.add_argument("--gloo-timeout", type=float, default=60.0)
+    ns = p.parse_args(argv)
+
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from fleetwise.training import allreduce_gradients
+    from fleetwise.training.control import TrainingPlugin
+    from fleetwise.training.sampler import ShareSampler
+    from fleetwise.training.transport import BusTransport, KafkaTransport, LocalTransport
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=ns.gloo_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node = os.environ.get("FLEETWISE_NODE", f"node-{rank}")
+    shares = [int(s) for s in ns.shares.split(",")]
+    if len(shares) != world:  # started at another size than the plan: keep the global batch
+        from fleetwise.training.control import scaled_shares
+
+        shares = scaled_shares([1] * world, {}, sum(shares))
+
+    model = make_model(seed=ns.seed)
+    opt = _optimizer(model, ns.lr)
+    x, y = make_data(ns.num_samples)
+    sampler = ShareSampler(ns.num_samples, shares, rank, seed=ns.seed)
+    if ns.kafka:
+        transport: Any = KafkaTransport(ns.kafka, prefix=ns.kafka_prefix, from_beginning=True)
+    elif ns.bus_dir:
+        transport = LocalTransport(ns.bus_dir)
+    else:
+        from fleetwise.streams.embedded import EventBus
+
+        transport = BusTransport(EventBus())
+    plugin = TrainingPlugin(job=ns.job, model=model, optimizer=opt, sampler=sampler, transport=transport,
+                            checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
+                            sync_every=ns.sync_every, node=node, model_name=ns.model_name)
+    resumed = plugin.restore()
+    log = None
+    if ns.log_dir:
+        Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
+        log = open(Path(ns.log_dir) / f"rank-{node}.jsonl", "a", buffering=1)  # noqa: SIM115
+    batches = iter(sampler)
+    try:
+        while plugin.step < ns.steps:
+            step = plugin.step
+            t0 = time.perf_counter()
+            ids = next(batches)
+            with plugin.compute():
+                out = model(x[ids])
+                losses = (out - y[ids]).pow(2).sum(dim=1)
+                loss = losses.mean() if ids else out.sum() * 0.0
+                loss.backward()
+                delay = ns.sample_time * len(ids) * _slow_factor(ns.slow, node, step)
+                if delay > 0:
+                    time.sleep(delay)
+            allreduce_gradients(model, len(ids), sampler.global_samples(sampler.step - 1))
+            opt.step()
+            opt.zero_grad()
+            if ns.step_delay:
+                time.sleep(ns.step_delay)
+            if log is not None:
+                log.write(json.dumps({"step": step, "world": plugin.world_size, "rank": rank, "node": node,
+                                      "ids": ids, "loss_sum": float(losses.detach().sum()),
+                                      "n": len(ids), "step_time_s": time.perf_counter() - t0,
+                                      "shares": plugin.shares, "resumed": resumed, "t": time.time(),
+                                      "pid": os.getpid()}) + "\n")
+            plugin.end_step(samples=len(ids))
+    finally:
+        if log is not None:
+            log.close()
+    plugin.close()
+    if rank == 0 and ns.log_dir:
+        params = [p.detach().flatten().tolist() for p in model.parameters()]
+        (Path(ns.log_dir) / "final.json").write_text(json.dumps({"step": plugin.step, "params": params,
+                                                                  "sync_s": plugin.sync_s,
+                                                                  "syncs": plugin.syncs}))
+    dist.destroy_process_group()
+    return 0
+
+
+def read_logs(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's step lines."""
+    rows = []
+    for path in sorted(Path(log_dir).glob("rank-*.jsonl")):
+        rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return rows
+
+
+def trajectory(rows: list[dict[str, Any]]) -> tuple[list[float], dict[int, list[int]]]:
+    """(global loss per step, sample ids per step) from the rank logs, keeping for each step the
+    records of its last run (a step re-run after a restart from a checkpoint replaces the
+    first attempt: the restarted group's state is the checkpoint's)."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    losses, ids = [], {}
+    for step in sorted(by_step):
+        attempts = by_step[step]
+        last = max(attempts, key=lambda r: r["t"])
+        group = [r for r in attempts if (r["world"], r["resumed"]) == (last["world"], last["resumed"])]
+        current = {r["node"]: r for r in sorted(group, key=lambda r: r["t"])}.values()
+        n = sum(r["n"] for r in current)
+        losses.append(sum(r["loss_sum"] for r in current) / n)
+        ids[step] = sorted(i for r in current for i in r["ids"])
+    return losses, ids
+
+
+def launch(nprocs: int, args: Sequence[str], *, port: int, nodes: Sequence[str] | None = None,
+           env: dict[str, str] | None = None, cwd: str | None = None) -> list[subprocess.Popen]:
+    """Start `nprocs` ranks of this script without an elastic agent (static membership)."""
+    procs = []
+    for rank in range(nprocs):
+        e = dict(os.environ, **(env or {}))
+        e.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), FLEETWISE_NODE=(nodes[rank] if nodes else f"node-{rank}"),
+                 OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "fleetwise.training.example", *args]
+        procs.append(subprocess.Popen(cmd, env=e, cwd=cwd))
+    return procs
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
