@@ -68,6 +68,18 @@ DECISIONS_OUT = Counter(
     "records emitted by the worker: features, predictions, commands",
     ["kind", "type"],
 )
+# The alerting rules (deploy/prometheus/rules.yml) watch these: audit events by event name
+# ("breaker_open", "breaker_held", "expired", "suppressed", ...: one label value per event the
+# policy emits, a small fixed set) and whether the drain circuit breaker is open now.
+AUDIT_EVENTS = Counter(
+    "fleetwise_audit_events_total",
+    "audit events the control plane emitted (rails, circuit breaker, expiries, approvals), by event",
+    ["event"],
+)
+BREAKER_OPEN = Gauge(
+    "fleetwise_breaker_open",
+    "1 while the drain circuit breaker is open in this worker's policy, else 0",
+)
 AGENT_DROPPED = Counter(
     "fleetwise_agent_dropped_total",
     "node batches the agent dropped (oldest first) because its buffer was full",
