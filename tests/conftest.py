@@ -6,4 +6,4 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-pytest_plugins = ["tests.kafka_broker"]
+pytest_plugins = ["tests.kafka_broker", "tests.kube_server"]

@@ -654,7 +654,7 @@ def test_kai_envelope_pod_hints_resolve_back_to_plan_gpus():
         product = spec["nodeSelector"]["nvidia.com/gpu.product"]
         # The GFD product label resolves, through the catalog, to the GPU the plan uses.
         assert lookup(product).id == template["gpu_model"]
-        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     names = {s["name"] for s in env["pod_group"]["spec"]["subGroups"]}
     assert {t["metadata"]["labels"]["kai.scheduler/subgroup-name"] for t in env["pod_templates"]} == names
     assert env["pod_group"]["metadata"]["name"] == "llm-test"  # a DNS label

@@ -677,7 +677,8 @@ def kai_envelope(
                 "schedulerName": KAI_SCHEDULER_NAME,
                 "nodeSelector": {GFD_PRODUCT_LABEL: g["gpu_product"]},
                 "containers": [
-                    {"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": g["gpus_per_pod"]}}}
+                    # Quantities as strings: the official Python client refuses ints.
+                    {"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": str(g["gpus_per_pod"])}}}
                 ],
             },
         }

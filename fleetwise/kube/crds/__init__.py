@@ -18,6 +18,7 @@ __all__ = ["CRD_FILES", "crd_schema", "validate_manifest"]
 CRD_FILES: dict[str, str] = {
     "PodGroup": "scheduling.run.ai_podgroups.yaml",
     "Queue": "scheduling.run.ai_queues.yaml",
+    "Topology": "kai.scheduler_topologies.yaml",
 }
 
 
