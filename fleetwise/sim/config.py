@@ -73,6 +73,40 @@ class SimConfig:
     # the previous sample, else 0. Generate both to check a predictor does not depend on one.
     xid_field: str = "last"
     class_mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CLASS_MIX))
+    # --- domain randomisation (issue 16; defaults reproduce the traces above exactly) ---
+    # Draws for these knobs come from their own generator (seeded from `seed`), so turning one
+    # on changes what it is about and nothing else. `fleetwise.sim.randomize` draws whole
+    # families of configurations from ranges of them.
+    site_inlet_c: tuple[float, ...] | None = None  # room set point per site (None: 22/24/23/25 C)
+    rack_inlet_sd_c: float = 1.0  # rack-to-rack inlet spread
+    cooling_rise_c: float = 42.0  # die-over-inlet rise at TDP of a typical board (cooling design)
+    board_r_sd: float = 0.07  # board-to-board thermal-resistance spread (log sd)
+    temp_noise_c: float = 0.3  # die-temperature sensor noise per sample
+    temp_offset_sd_c: float = 0.0  # per-GPU constant temperature-sensor offset
+    power_noise: float = 0.01  # relative power-reading noise
+    # Inlet rise of a GPU when the other GPUs of its node run at TDP (hot air from neighbours:
+    # a GPU's temperature then moves with its peers' power, not only its own).
+    neighbour_heat_c: float = 0.0
+    # Background error rates per GPU-day (healthy, lemon); None: the simulator's calibration.
+    bg_sbe_per_day: tuple[float, float] | None = None
+    bg_pcie_per_day: tuple[float, float] | None = None
+    bg_nvl_per_day: tuple[float, float] | None = None
+    bg_rate_sd: float = 0.0  # per-GPU log-normal spread of the background rates
+    # Benign replay bursts on healthy GPUs (a marginal riser or cable that never fails): bursts
+    # per GPU-day and the mean replays per burst.
+    pcie_burst_rate_per_gpu_day: float = 0.0
+    nvl_burst_rate_per_gpu_day: float = 0.0
+    link_burst_size: float = 20.0
+    # Scrape defects: a sample whose counter or gauge reads DCGM's blank sentinel, one that
+    # lacks an error counter (the ECC / PCIe / NVLink fields drop out too).
+    dcgm_blank_prob: float = 0.0
+    missing_counter_prob: float = 0.0
+    gpu_reset_rate_per_gpu_day: float = 0.0  # one GPU's volatile counters restart (GPU reset)
+    # Trap shapes.
+    benign_sbe_total: tuple[int, int] = (5, 60)  # single-bit errors per benign burst
+    benign_sbe_minutes: tuple[float, float] = (10.0, 60.0)  # burst length
+    xid74_peer_prob: float = 0.4  # each NVLink peer logs a sympathetic XID 74
+    hot_healthy_excess_c: tuple[float, float] = (7.0, 12.0)  # hotter than its node at 70% TDP
 
     def validate(self) -> None:
         """Raise SimConfigError naming the first bad field."""
@@ -114,6 +148,28 @@ class SimConfig:
             raise SimConfigError(f"unknown failure classes {sorted(unknown)}; known: {list(FAILURE_CLASSES)}")
         if any(v < 0 for v in self.class_mix.values()) or sum(self.class_mix.values()) <= 0:
             raise SimConfigError("class_mix weights must be >= 0 and not all zero")
+        for name in ("rack_inlet_sd_c", "cooling_rise_c", "board_r_sd", "temp_noise_c", "temp_offset_sd_c",
+                     "power_noise", "neighbour_heat_c", "bg_rate_sd", "pcie_burst_rate_per_gpu_day",
+                     "nvl_burst_rate_per_gpu_day", "link_burst_size", "gpu_reset_rate_per_gpu_day"):
+            if not getattr(self, name) >= 0:
+                raise SimConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.cooling_rise_c > 0:
+            raise SimConfigError(f"cooling_rise_c must be > 0, got {self.cooling_rise_c}")
+        for name in ("dcgm_blank_prob", "missing_counter_prob", "xid74_peer_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise SimConfigError(f"{name} must be within [0, 1], got {value}")
+        if self.site_inlet_c is not None and not self.site_inlet_c:
+            raise SimConfigError("site_inlet_c must name at least one set point (or be None)")
+        for name in ("bg_sbe_per_day", "bg_pcie_per_day", "bg_nvl_per_day", "benign_sbe_total",
+                     "benign_sbe_minutes", "hot_healthy_excess_c"):
+            pair = getattr(self, name)
+            if pair is not None and (len(pair) != 2 or not 0 <= pair[0] <= pair[1]):
+                raise SimConfigError(f"{name} must be (low, high) with 0 <= low <= high, got {pair}")
+        if self.benign_sbe_total[0] < 1 or self.benign_sbe_total[0] >= self.benign_sbe_total[1] \
+                or self.benign_sbe_minutes[0] <= 0:
+            raise SimConfigError("benign_sbe_total must be (low, high) with 1 <= low < high, "
+                                 "benign_sbe_minutes > 0")
         parse_gpu_spec(self.gpus)
 
 

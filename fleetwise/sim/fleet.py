@@ -32,7 +32,7 @@ SW_THERMAL_C = 87.0
 HW_SLOWDOWN_C = 89.5
 # Design temperature rise die-over-inlet at TDP for air-cooled SXM boards (H100 at 700 W runs at
 # ~65-75 C with 25 C inlet): our calibration, not a datasheet figure.
-NOMINAL_RISE_C = 42.0
+NOMINAL_RISE_C = 42.0  # SimConfig.cooling_rise_c default
 # Idle power as a share of TDP (H100: ~70 W of 700 W, sample-metrics.prom shows 71 W idle).
 IDLE_POWER_SHARE = 0.10
 # ASHRAE A1 recommended inlet 18-27 C; room set points in that band.
@@ -118,10 +118,11 @@ class Fleet:
         self.has_nvlink = np.array([s.nvlink_gbs > 0 and s.nvlink_domain > 1 for s in specs], dtype=bool)
 
         # Inlet temperature: site set point + rack offset + hot-spot racks + node position.
-        self.site_inlet = np.array([SITE_INLET_C[i % len(SITE_INLET_C)] for i in range(sites)])
+        set_points = config.site_inlet_c or SITE_INLET_C
+        self.site_inlet = np.array([set_points[i % len(set_points)] for i in range(sites)], dtype=float)
         # Sites in different time zones peak at different UTC hours.
         self.site_phase_h = np.array([15.0 - 6.0 * i for i in range(sites)])
-        rack_off = rng.normal(0.0, 1.0, n_racks)
+        rack_off = rng.normal(0.0, config.rack_inlet_sd_c, n_racks)
         n_hot = int(round(config.hot_rack_share * n_racks))
         self.hot_racks = (
             np.sort(rng.choice(n_racks, size=n_hot, replace=False)) if n_hot else np.array([], int)
@@ -131,8 +132,9 @@ class Fleet:
         node_off = rng.uniform(0.0, 2.0, len(self.nodes))  # higher in the rack runs warmer
         self.static_inlet = self.site_inlet[self.gpu_site] + rack_off[self.gpu_rack] + node_off[self.gpu_node]
         # Thermal resistance die-to-inlet, C/W: design rise over TDP, lognormal spread per board.
-        spread = np.clip(rng.normal(0.0, 0.07, g), -0.18, 0.18)
-        self.r_base = NOMINAL_RISE_C / self.tdp_w * np.exp(spread)
+        lim = 0.18 * (config.board_r_sd / 0.07)  # +-2.6 sd
+        spread = np.clip(rng.normal(0.0, config.board_r_sd, g), -lim, lim)
+        self.r_base = config.cooling_rise_c / self.tdp_w * np.exp(spread)
 
         # Lemons and hot-but-healthy GPUs (disjoint).
         order = rng.permutation(g)
@@ -149,7 +151,7 @@ class Fleet:
             # Poor airflow position: 7-12 C hotter than its node's typical board at 70% of TDP,
             # but kept below the thermal target at full TDP and the warmest inlet of the day, so
             # it never throttles.
-            want_full = rng.uniform(7.0, 12.0) / 0.7
+            want_full = rng.uniform(*config.hot_healthy_excess_c) / 0.7
             ref_r = node_median_r[int(self.gpu_node[i])]
             hottest = self.static_inlet[i] + DIURNAL_AMPLITUDE_C + 1.0
             room = SW_THERMAL_C - 4.0 - hottest - self.tdp_w[i] * ref_r
@@ -167,6 +169,22 @@ class Fleet:
             (typical_temp - np.median(typical_temp)) / 10.0
         )
         self.hazard[self.hot_healthy] = 0.0
+
+        # Domain randomisation (SimConfig knobs; all off by default): drawn from a generator of
+        # their own so that the draws above, and the traces of default configs, do not change.
+        xrng = np.random.default_rng([config.seed, 16])
+        self.temp_offset = (xrng.normal(0.0, config.temp_offset_sd_c, g) if config.temp_offset_sd_c > 0
+                            else np.zeros(g))
+        # Per-GPU background error rates per day (healthy, lemon), each GPU's own multiple.
+        self.bg_per_day: dict[str, np.ndarray] = {}
+        for key, knob, default in (("sbe", config.bg_sbe_per_day, (0.05, 1.5)),
+                                   ("pcie", config.bg_pcie_per_day, (0.2, 4.0)),
+                                   ("nvl_flit", config.bg_nvl_per_day, (0.3, 6.0))):
+            lo, hi = knob if knob is not None else default
+            rate = np.where(self.lemon, hi, lo)
+            if config.bg_rate_sd > 0:
+                rate = rate * np.exp(xrng.normal(0.0, config.bg_rate_sd, g))
+            self.bg_per_day[key] = rate
 
     # --- helpers ---------------------------------------------------------------------------
     def spec(self, gpu: int) -> GpuSpec:

@@ -577,8 +577,8 @@ class Schedule:
                 break
             g = int(healthy[int(rng.integers(len(healthy)))])
             t0 = float(rng.uniform(self.start, self.end))
-            t1 = t0 + float(rng.uniform(10.0, 60.0)) * 60.0
-            total = int(rng.integers(5, 60))
+            t1 = t0 + float(rng.uniform(*self.config.benign_sbe_minutes)) * 60.0
+            total = int(rng.integers(*self.config.benign_sbe_total))
             self.windows.append(Window(t0, t1, "benign_sbe", gpu=g, data={"total": total}))
             node = fleet.node_of(g)
             self.labels.append(
@@ -619,7 +619,7 @@ class Schedule:
         node = fleet.node_of(gpu)
         if self_log:
             self.events.append(Event(ts, "xid74", gpu=gpu, code=74, data={"crc": int(rng.integers(5, 80))}))
-        peers = [p for p in fleet.nvlink_peers(gpu) if rng.random() < 0.4]
+        peers = [p for p in fleet.nvlink_peers(gpu) if rng.random() < self.config.xid74_peer_prob]
         if not origin_failure and not peers:
             peers = fleet.nvlink_peers(gpu)[:1]
         for p in peers:

@@ -121,6 +121,13 @@ BG_PER_DAY = {
 }
 
 
+# Error counters a scrape may lack (`SimConfig.missing_counter_prob`).
+COUNTER_KEYS = frozenset(
+    (P + "PCIE_REPLAY_COUNTER", P + "ECC_SBE_VOL_TOTAL", P + "ECC_DBE_VOL_TOTAL", P + "ECC_SBE_AGG_TOTAL",
+     P + "ECC_DBE_AGG_TOTAL", *INT_KEYS_NVLINK)
+)
+
+
 class Tick(NamedTuple):
     ts: float
     samples: list[dict]
@@ -201,8 +208,7 @@ class FleetSimulator:
         uuids = list(fleet.uuids)
         temp = fleet.static_inlet + fleet.tdp_w * 0.1 * fleet.r_base
         activity = np.ones(g_n)
-        lemon = fleet.lemon
-        bg = {k: np.where(lemon, hi, lo) * dt / DAY for k, (lo, hi) in BG_PER_DAY.items()}
+        bg = {k: fleet.bg_per_day[k] * dt / DAY for k in BG_PER_DAY}
         bg["nvl_flit"] = bg["nvl_flit"] * fleet.has_nvlink
         energy = self._initial_state(rng, ctr)
         last_xid = np.zeros(g_n, dtype=np.int64)
@@ -253,6 +259,15 @@ class FleetSimulator:
         # One-shot effects that already happened in this iteration (windows stay immutable, so
         # iterating ticks() again gives the same records).
         fired: set[int] = set()
+        # Domain randomisation draws (SimConfig knobs, off by default) come from their own
+        # generator: a default config draws nothing from it, so its trace is unchanged.
+        xrng = np.random.default_rng([cfg.seed, 16, 2])
+        burst_p = {"pcie": cfg.pcie_burst_rate_per_gpu_day * dt / DAY,
+                   "nvl_flit": cfg.nvl_burst_rate_per_gpu_day * dt / DAY * fleet.has_nvlink}
+        reset_p = cfg.gpu_reset_rate_per_gpu_day * dt / DAY
+        node_of_gpu = fleet.gpu_node
+        node_size = np.bincount(node_of_gpu).astype(float)
+        peer_load = np.zeros(g_n)  # other GPUs' mean power/TDP in the node, last tick
 
         for k in range(self.n_ticks):
             ts = start + k * dt
@@ -402,6 +417,8 @@ class FleetSimulator:
                 + DIURNAL_AMPLITUDE_C * np.cos(2.0 * np.pi * (hour - site_phase) / 24.0)
                 + 0.2 * noise[0]
             )
+            if cfg.neighbour_heat_c > 0:
+                inlet = inlet + cfg.neighbour_heat_c * peer_load
             tdp, idle = fleet.tdp_w, fleet.idle_w
             demand = idle + (tdp - idle) * intensity * load * (0.7 + 0.3 * activity)
             capped = demand > tdp
@@ -423,7 +440,7 @@ class FleetSimulator:
                 clock = np.where(hold, np.minimum(clock, forced), clock)
                 power = np.where(hold, idle + (power - idle) * forced**DVFS_EXPONENT, power)
                 t_ss = np.where(hold, SW_THERMAL_C + 1.2 + 0.8 * noise[1], t_ss)
-            temp = temp + alpha * (t_ss - temp) + 0.3 * noise[2]
+            temp = temp + alpha * (t_ss - temp) + cfg.temp_noise_c * noise[2]
             # GPU Boost trims clocks as the die warms even below the thermal target: ~0.1% per C
             # above 60 C (our calibration; Llama 3 saw a 1-2% diurnal throughput swing from heat).
             clock = clock * (1.0 - BOOST_TEMP_COEF * np.clip(temp - 60.0, 0.0, None))
@@ -439,7 +456,11 @@ class FleetSimulator:
                 | np.where(thermal_limited & busy, REASON_SW_THERMAL, 0)
                 | np.where(temp > HW_SLOWDOWN_C, REASON_HW_THERMAL | REASON_HW_SLOWDOWN, 0)
             )
-            power_meas = power * (1.0 + 0.01 * noise[5])
+            power_meas = power * (1.0 + cfg.power_noise * noise[5])
+            if cfg.neighbour_heat_c > 0:
+                frac = power / tdp
+                node_sum = np.bincount(node_of_gpu, weights=frac, minlength=len(node_size))
+                peer_load = (node_sum[node_of_gpu] - frac) / np.maximum(node_size[node_of_gpu] - 1.0, 1.0)
             energy += power_meas * dt * 1000.0
             ctr["pviol"] += (capped * dt * 1e9).astype(np.int64)
             ctr["tviol"] += ((thermal_limited & busy) * dt * 1e9).astype(np.int64)
@@ -453,6 +474,19 @@ class FleetSimulator:
                 else:
                     ctr["nvl_flit"] += hits
                     ctr["nvl_replay"] += hits // 2
+            for key, p_burst in burst_p.items():
+                if np.any(p_burst > 0):
+                    hit = np.flatnonzero((xrng.random(g_n) < p_burst) & alive)
+                    if len(hit):
+                        n = xrng.geometric(1.0 / max(cfg.link_burst_size, 1.0), len(hit))
+                        ctr["pcie" if key == "pcie" else "nvl_flit"][hit] += n
+                        if key != "pcie":
+                            ctr["nvl_replay"][hit] += n // 2
+            if reset_p > 0:
+                hit = np.flatnonzero(xrng.random(g_n) < reset_p)
+                for key in VOLATILE:
+                    if key != "energy":
+                        ctr[key][hit] = 0
             # ---- steps ----
             steps: list[dict] = []
             m0 = math.ceil((prev_ts - start) / step_iv + 1e-9)
@@ -502,7 +536,7 @@ class FleetSimulator:
             last_xid = np.where(xid > 0, xid, last_xid)
             report = alive & ~silent_node[fleet.gpu_node] & ~gpu_down
             cols = {
-                P + "GPU_TEMP": np.rint(temp),
+                P + "GPU_TEMP": np.rint(temp + fleet.temp_offset if cfg.temp_offset_sd_c > 0 else temp),
                 P + "MEMORY_TEMP": np.rint(mem_temp),
                 P + "SM_CLOCK": np.rint(sm_clock),
                 P + "MEM_CLOCK": fleet.mem_clock,
@@ -580,9 +614,29 @@ class FleetSimulator:
                     continue
                 for key in rng.choice(DROPPABLE_KEYS, size=int(rng.integers(1, 4)), replace=False):
                     metrics.pop(str(key), None)
+            if samples and (cfg.dcgm_blank_prob > 0 or cfg.missing_counter_prob > 0):
+                self._scrape_defects(xrng, samples)
             for g in dying:
                 alive[g] = False
             yield Tick(ts, samples, steps)
+
+    def _scrape_defects(self, xrng: np.random.Generator, samples: list[dict]) -> None:
+        """Blank sentinels in any integer field, error counters missing from a scrape (knobs
+        `dcgm_blank_prob`, `missing_counter_prob`)."""
+        cfg = self.config
+        for prob, blank in ((cfg.dcgm_blank_prob, True), (cfg.missing_counter_prob, False)):
+            if prob <= 0:
+                continue
+            for pos in np.flatnonzero(xrng.random(len(samples)) < prob).tolist():
+                metrics = samples[pos]["metrics"]
+                pool = [k for k in metrics if (k not in FLOAT_KEYS) if blank or k in COUNTER_KEYS]
+                if not pool:
+                    continue
+                for key in xrng.choice(pool, size=min(len(pool), int(xrng.integers(1, 4))), replace=False):
+                    if blank:
+                        metrics[str(key)] = DCGM_BLANK_INT64
+                    else:
+                        metrics.pop(str(key), None)
 
     def _initial_state(self, rng: np.random.Generator, ctr: dict[str, np.ndarray]) -> np.ndarray:
         """Counters as a fleet in service has them at the trace start; returns energy in mJ.
@@ -596,8 +650,8 @@ class FleetSimulator:
         uptime_d = rng.uniform(1.0, 60.0, len(fleet.nodes))[fleet.gpu_node]
         age_d = np.maximum(uptime_d, rng.uniform(60.0, 900.0, g_n))
         lemon = fleet.lemon
-        for key, (lo, hi) in BG_PER_DAY.items():
-            rate = np.where(lemon, hi, lo)
+        for key in BG_PER_DAY:
+            rate = fleet.bg_per_day[key]
             if key == "nvl_flit":
                 rate = rate * fleet.has_nvlink
             since_boot = rng.poisson(rate * uptime_d)
