@@ -790,9 +790,164 @@ def demo(
     console.print(scorecard)
     report = out_dir / "report.html"
     _write_report(report, decisions, labels_path)
+    _demo_actions(runtime, decisions, plan, inventories, trace, when)
     console.rule("[bold]Files")
     for path in (plan_png, trace, labels_path, decisions_path, report):
         console.print(f"  {path}")
+
+
+def _demo_actions(runtime: Any, decisions: list, plan: Any, inventories: list, trace: Path,
+                  when: Any) -> None:
+    """The demo's acting half: fleet state from acks, a drain in the main job with its resize
+    and plan diff, a placement for a new job, a consolidation at low load."""
+    from rich.table import Table
+
+    from fleetwise.schemas import Prediction
+    from fleetwise.schemas import topics as T
+    from fleetwise.streams.embedded import EmbeddedRuntime, SimulatedConsumers
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    # 6. Fleet state: what the consumers acknowledged.
+    console.rule("[bold]6. Fleet state from the consumers' acks (simulated consumers in a replay)")
+    policy = runtime.control.policy
+    drains = [d for d in decisions if d.kind == "command" and d.type == "drain"]
+    state = Table("GPU", "status", "since (UTC)", "drains sent", "by command", title="GPUs out of service")
+    for (node, gpu), g in sorted(policy.fleet.gpus.items()):
+        if g.status != "in_service":
+            sent = sum(1 for d in drains if (d.node, d.gpu) == (node, gpu))
+            state.add_row(f"{node}/{gpu}", g.status, when(g.since_ts), str(sent), g.command_id or "-")
+    console.print(state)
+    events: dict[str, int] = {}
+    for e in runtime.audit_events():
+        events[e.event] = events.get(e.event, 0) + 1
+    console.print(f"audit events (rails that held something back, expiries): {events or 'none'}")
+
+    # 7. A failure alert inside the main job: checkpoint -> drain -> resize, re-planned.
+    alert = next((d for d in decisions if isinstance(d, Prediction) and d.type == "failure" and d.alert
+                  and any((r.node, r.gpu) == (d.node, d.gpu) for r in plan.ranks)), None)
+    if alert is not None:
+        console.rule(f"[bold]7. The alert on {alert.node}/gpu{alert.gpu} inside {plan.job}: "
+                     "checkpoint, drain, resize")
+        rank = next(r.rank for r in plan.ranks if (r.node, r.gpu) == (alert.node, alert.gpu))
+        config = ControlPlaneConfig(failure_predictor=False, straggler_detector=False, publish_features=False)
+        acting = EmbeddedRuntime(ControlPlane(config), consumers=SimulatedConsumers())
+        acting.feed(T.INVENTORY.name, inventories)
+        acting.feed(T.PLANS.name, [plan])
+        acting.feed(T.PREDICTIONS.name, [alert.model_copy(update={"job": plan.job, "rank": rank})])
+        chain = Table("seq", "command", "requires", "acked", "reason")
+        acks = {a.command_id: a.status for a in acting.bus.records(T.ACKS.name)}
+        resize = None
+        for c in acting.decisions():
+            if c.kind == "command":
+                chain.add_row(str(c.seq), f"{c.type} {c.id}", ", ".join(c.requires) or "-",
+                              acks.get(c.id, "-"), c.reason[:60])
+                resize = c if c.type == "resize" else resize
+        console.print(chain)
+        if resize is not None and resize.params.get("plan_diff"):
+            p = resize.params
+            console.print(f"re-planned: {plan.dp}x{plan.tp}x{plan.pp} (dp x tp x pp) -> "
+                          f"{p['strategy']['dp']}x{p['strategy']['tp']}x{p['strategy']['pp']}, "
+                          f"predicted step {p['predicted_step_s']['before']:.3f} s -> "
+                          f"{p['predicted_step_s']['after']:.3f} s")
+            diff = Table("GPU", "before (micro-batch x count, dp rank)", "after", title="Plan diff per GPU")
+
+            def part(v: dict | None) -> str:
+                if v is None:
+                    return "left"
+                return f"{v['micro_batch']} x {v['num_micro_batches']}, dp {v['dp_rank']}"
+            for d in p["plan_diff"][:12]:
+                diff.add_row(f"{d['node']}/{d['gpu']}", part(d["before"]), part(d["after"]))
+            if len(p["plan_diff"]) > 12:
+                diff.add_row("...", f"{len(p['plan_diff']) - 12} more GPUs", "")
+            console.print(diff)
+
+    # 8. Placement of a new job over the fleet (what is in service now).
+    console.rule("[bold]8. Placement of a new job")
+    from fleetwise.planner import resolve_model
+    from fleetwise.planner.placement import PlacementError, PlacementSettings, place_job
+    from fleetwise.schemas import JobConstraints, JobIntent
+
+    out = policy.fleet.out_of_service()
+    in_service = [inv.model_copy(update={"gpus": [g for g in inv.gpus if (inv.node, g.index) not in out]})
+                  for inv in inventories]
+    intent = JobIntent(job="demo-new", model=resolve_model("llama-7b"), global_batch=256,
+                       constraints=JobConstraints(min_gpus=8, max_gpus=8))
+    try:
+        # The demo fleet has one rack per GPU type and site: a job may fill a rack here.
+        result = place_job(intent, in_service, settings=PlacementSettings(max_rack_share=1.0))
+    except PlacementError as exc:
+        console.print(f"no placement: {exc}")
+    else:
+        ranked = Table("#", "site", "GPU", "nodes", "step s", "largest cost terms (weighted)", "total",
+                       title=f"{intent.job}: llama-7b on 8 GPUs, options ranked "
+                       "(every term: fleetwise place --json)")
+        for opt in result.options[:5]:
+            top = sorted(opt.weighted.items(), key=lambda kv: -kv[1])[:3]
+            ranked.add_row(str(opt.rank), opt.site, opt.gpu_type, str(opt.nodes), f"{opt.step_s:.3g}",
+                           ", ".join(f"{k} {v:.2f}" for k, v in top), f"{opt.total:.3f}")
+        console.print(ranked)
+
+    # 9. Consolidation at low load: the quietest hour of the trace.
+    console.rule("[bold]9. Consolidation at low load")
+    _demo_consolidation(trace, in_service, when)
+
+
+def _demo_consolidation(trace: Path, inventories: list, when: Any) -> None:
+    """Plan a consolidation over the trace's quietest hour (jobs and utilisation from the samples)."""
+    from fleetwise.actuators.consolidation import (
+        ConsolidationConfig,
+        FleetSnapshot,
+        JobState,
+        UtilSample,
+        nodes_from_inventory,
+        plan_consolidation,
+    )
+
+    samples: list[UtilSample] = []
+    for obj in _iter_jsonl(trace):
+        util = obj.get("metrics", {}).get("DCGM_FI_DEV_GPU_UTIL")
+        if util is None:
+            continue
+        samples.append(UtilSample(ts=float(obj["ts"]), node=obj["node"], gpu=int(obj["gpu"]),
+                                  util=util / 100))
+    if not samples:
+        console.print("no utilisation samples in the trace")
+        return
+    hour = 3600.0
+    start = min(s.ts for s in samples)
+    by_hour: dict[int, list[float]] = {}
+    for s in samples:
+        by_hour.setdefault(int((s.ts - start) // hour), []).append(s.util)
+    jobs_by_hour: dict[int, dict[str, dict[int, tuple[str, int]]]] = {}
+    for obj in _iter_jsonl(trace):  # who runs where at the end of each hour
+        h, into = divmod(float(obj["ts"]) - start, hour)
+        if "metrics" in obj and obj.get("job") and into >= hour - 120:
+            jobs_by_hour.setdefault(int(h), {}).setdefault(obj["job"], {})[int(obj.get("rank") or 0)] = (
+                obj["node"], int(obj["gpu"]))
+    # The quietest full hour in which at least two jobs ran (there is something to pack).
+    busy = [h for h in by_hour if h > 0 and len(jobs_by_hour.get(h, {})) >= 2] or [max(by_hour)]
+    quiet = min(busy, key=lambda h: sum(by_hour[h]) / len(by_hour[h]))
+    end = start + (quiet + 1) * hour
+    window = [s for s in samples if end - hour <= s.ts < end]
+    placed = jobs_by_hour.get(quiet, {})
+    nodes, budgets = nodes_from_inventory(inventories)
+    serving = {(n.node, g) for n in nodes for g in n.gpus}
+    # A job that lost a GPU to a drain runs on the rest (its resize).
+    jobs = tuple(JobState(job=j, gpus=tuple(g for _, g in sorted(r.items()) if g in serving))
+                 for j, r in sorted(placed.items()) if set(r.values()) & serving)
+    snapshot = FleetSnapshot(ts=end, nodes=nodes, jobs=jobs, rack_power_budget_w=budgets,
+                             samples=tuple(window))
+    mean = sum(s.util for s in window) / len(window)
+    plan = plan_consolidation(snapshot, ConsolidationConfig())
+    console.print(f"hour ending {when(end)}: mean GPU utilisation {mean:.0%}, {len(jobs)} jobs running; "
+                  f"{len(plan.moves)} job moves, {len(plan.hibernate)} nodes to hibernate "
+                  f"({plan.active_nodes_before} -> {plan.active_nodes_after} nodes awake)")
+    for move in plan.moves[:6]:
+        console.print(f"  move {move.job}: {move.reason}", highlight=False)
+    sv = plan.savings
+    console.print(f"saved: {sv.watts_saved:,.0f} W, {sv.gpu_hours_saved:,.1f} GPU-hours and "
+                  f"{sv.gco2_saved / 1000:,.1f} kg CO2 over {ConsolidationConfig().horizon_h:g} h "
+                  "(commands need an operator's approval by default: policy consolidate.mode)")
 
 
 def _write_report(path: Path, decisions: list, labels: Path | None) -> None:

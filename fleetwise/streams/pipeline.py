@@ -46,6 +46,7 @@ from fleetwise.schemas.fast import (
     training_step,
     training_steps,
 )
+from fleetwise.streams.limits import SampleGate
 
 # What decoding yields: records, or GPU samples validated on the fast path.
 Item = Record | FastGpuSample | FastTrainingStep | SampleColumns
@@ -113,6 +114,8 @@ class ControlPlane:
         self.stragglers = (StragglerDetector(features=self.config.publish_features)
                            if self.config.straggler_detector else None)
         self.policy = ActionPolicy(self.config.policy, self.config.keyring)
+        # Plausibility, clock-skew and rate limits before the windows (fleetwise/streams/limits.py)
+        self.gate = SampleGate(self.features, self.dead_letter)
         self.inventory: dict[str, NodeInventory] = {}
         self.plans: dict[str, Plan] = {}
         self._model_ids: dict[str, str | None] = {}
@@ -250,6 +253,7 @@ class ControlPlane:
                 T.PLANS.name: Plan,
                 T.ACKS.name: Ack,
                 T.OPERATOR.name: OperatorAction,
+                T.PREDICTIONS.name: Prediction,
             }[kind]
             return [model.model_validate(obj)]  # type: ignore[list-item]
         except ValidationError as exc:
@@ -302,7 +306,8 @@ class ControlPlane:
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
-            samples = sample_columns(good)  # type: ignore[arg-type]
+            samples, refused = self.gate.check(sample_columns(good))  # type: ignore[arg-type]
+            out.extend(Routed(T.DEADLETTER.name, r.source, r) for r in refused)
             self.counts["samples_in"] += len(samples)
             out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
         elif topic == T.TELEMETRY_STEPS.name:
@@ -321,6 +326,9 @@ class ControlPlane:
             for r in good:
                 self.plans[r.job] = r  # type: ignore[attr-defined]
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
+        elif topic == T.PREDICTIONS.name:
+            # Predictions made elsewhere (a file, another system): routed and acted on as ours.
+            out.extend(self._route_outputs(good))  # type: ignore[arg-type]
         elif topic in (T.ACKS.name, T.OPERATOR.name):
             # The fleet state follows the consumers' acks and the operators' word.
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
