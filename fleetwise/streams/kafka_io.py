@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,103 @@ from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
 # consumer can measure produce -> output latency even when the broker rewrites timestamps
 # (message.timestamp.type=LogAppendTime). Metrics only: processing never reads it.
 PRODUCED_AT_HEADER = "fleetwise-produced-at"
+
+
+# --------------------------------------------------------------------------- security
+# Client security comes from the environment (or files it names), never from code; see
+# docs/security.md. Unset FLEETWISE_KAFKA_SECURITY means PLAINTEXT: no settings are added.
+SECURITY_ENV = "FLEETWISE_KAFKA_SECURITY"
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+
+
+class KafkaSecurityError(ValueError):
+    """Bad or incomplete Kafka client security settings; the message names the variable."""
+
+
+def _secret(env: Mapping[str, str], name: str) -> str | None:
+    """`name` from the environment, or the first line of the file `name`_FILE names."""
+    value = env.get(name)
+    path = env.get(f"{name}_FILE")
+    if value and path:
+        raise KafkaSecurityError(f"set {name} or {name}_FILE, not both")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except OSError as exc:
+            raise KafkaSecurityError(f"{name}_FILE={path}: cannot read it ({exc.strerror})") from None
+        if not value:
+            raise KafkaSecurityError(f"{name}_FILE={path} is empty")
+    return value or None
+
+
+def client_security_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """aiokafka client kwargs (producer, consumer, admin) for the security settings in the
+    environment; `{}` for PLAINTEXT (the default), so plain clients are built exactly as before.
+
+    FLEETWISE_KAFKA_SECURITY         PLAINTEXT (default) | SSL | SASL_SSL | SASL_PLAINTEXT
+    FLEETWISE_KAFKA_SASL_MECHANISM   SCRAM-SHA-512 (default) | SCRAM-SHA-256 | PLAIN
+    FLEETWISE_KAFKA_USER             SASL user name (or FLEETWISE_KAFKA_USER_FILE)
+    FLEETWISE_KAFKA_PASSWORD         SASL password, or FLEETWISE_KAFKA_PASSWORD_FILE (preferred)
+    FLEETWISE_KAFKA_CA_FILE          PEM CA bundle the broker certificate must chain to
+                                     (default: the system's trust store)
+    FLEETWISE_KAFKA_CERT_FILE / FLEETWISE_KAFKA_KEY_FILE   optional client certificate (mTLS)
+
+    `kafka.sh start --secure DIR` writes one file of these per component (DIR/env/<user>.env).
+    The TLS context verifies the broker's certificate and host name; there is no switch to
+    turn that off.
+    """
+    env = os.environ if env is None else env
+    protocol = (env.get(SECURITY_ENV) or "PLAINTEXT").strip().upper()
+    if protocol not in SECURITY_PROTOCOLS:
+        raise KafkaSecurityError(f"{SECURITY_ENV}={protocol!r} is not one of {', '.join(SECURITY_PROTOCOLS)}")
+    if protocol == "PLAINTEXT":
+        return {}
+    params: dict[str, Any] = {"security_protocol": protocol}
+    if protocol.startswith("SASL_"):
+        mechanism = (env.get("FLEETWISE_KAFKA_SASL_MECHANISM") or "SCRAM-SHA-512").strip().upper()
+        if mechanism not in SASL_MECHANISMS:
+            raise KafkaSecurityError(f"FLEETWISE_KAFKA_SASL_MECHANISM={mechanism!r} is not one of "
+                                     f"{', '.join(SASL_MECHANISMS)}")
+        user = _secret(env, "FLEETWISE_KAFKA_USER")
+        password = _secret(env, "FLEETWISE_KAFKA_PASSWORD")
+        if not user:
+            raise KafkaSecurityError(f"{SECURITY_ENV}={protocol} needs FLEETWISE_KAFKA_USER")
+        if not password:
+            raise KafkaSecurityError(f"{SECURITY_ENV}={protocol} needs FLEETWISE_KAFKA_PASSWORD_FILE "
+                                     "(or FLEETWISE_KAFKA_PASSWORD)")
+        params.update(sasl_mechanism=mechanism, sasl_plain_username=user, sasl_plain_password=password)
+    if protocol.endswith("SSL"):
+        params["ssl_context"] = _ssl_context(env)
+    return params
+
+
+def _ssl_context(env: Mapping[str, str]) -> Any:
+    import ssl
+
+    cafile = env.get("FLEETWISE_KAFKA_CA_FILE") or None
+    if cafile and not os.path.isfile(cafile):
+        raise KafkaSecurityError(f"FLEETWISE_KAFKA_CA_FILE={cafile} is not a file")
+    try:
+        context = ssl.create_default_context(cafile=cafile)  # verifies certificate and host name
+    except ssl.SSLError as exc:
+        raise KafkaSecurityError(f"FLEETWISE_KAFKA_CA_FILE={cafile}: not a PEM CA bundle ({exc})") from None
+    cert, key = env.get("FLEETWISE_KAFKA_CERT_FILE"), env.get("FLEETWISE_KAFKA_KEY_FILE")
+    if bool(cert) != bool(key):
+        raise KafkaSecurityError("FLEETWISE_KAFKA_CERT_FILE and FLEETWISE_KAFKA_KEY_FILE go together")
+    if cert:
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise KafkaSecurityError(f"FLEETWISE_KAFKA_CERT_FILE={cert} / FLEETWISE_KAFKA_KEY_FILE={key}: "
+                                     f"{exc}") from None
+    return context
+
+
+def _client_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The environment's security settings under explicit `kwargs` (which win)."""
+    return {**client_security_from_env(), **kwargs}
 
 
 def topic_name(topic: Topic | str, prefix: str = "") -> str:
@@ -116,7 +214,8 @@ async def ensure_topics(
 
     topics = list(topics)
     wanted = {topic_name(t, prefix): t for t in topics}
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    admin = AIOKafkaAdminClient(**_client_kwargs(
+        {"bootstrap_servers": bootstrap, "request_timeout_ms": int(timeout_s * 1000)}))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -167,7 +266,7 @@ async def start_producer(bootstrap: str, *, idempotent: bool = True, linger_ms: 
         "acks": "all" if idempotent else 1,
     }
     params.update(kwargs)
-    producer = AIOKafkaProducer(**params)
+    producer = AIOKafkaProducer(**_client_kwargs(params))
     await producer.start()
     return producer
 
@@ -277,12 +376,14 @@ async def consume_until(
 
     consumer = AIOKafkaConsumer(
         *topics,
-        bootstrap_servers=bootstrap,
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest" if from_beginning else "latest",
-        isolation_level=isolation_level,
-        metadata_max_age_ms=1000,
+        **_client_kwargs({
+            "bootstrap_servers": bootstrap,
+            "group_id": None,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest" if from_beginning else "latest",
+            "isolation_level": isolation_level,
+            "metadata_max_age_ms": 1000,
+        }),
     )
     await consumer.start()
     messages: list[Consumed] = []
