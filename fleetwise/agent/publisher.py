@@ -25,7 +25,13 @@ from fleetwise.agent import metrics
 from fleetwise.agent.buffer import DropOldestBuffer
 from fleetwise.schemas import NodeBatch, NodeInventory
 from fleetwise.schemas.topics import INVENTORY, TELEMETRY_GPU
-from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, encode_record, ensure_topics, topic_name
+from fleetwise.streams.kafka_io import (
+    PRODUCED_AT_HEADER,
+    client_security_from_env,
+    encode_record,
+    ensure_topics,
+    topic_name,
+)
 
 log = logging.getLogger("fleetwise.agent")
 
@@ -201,6 +207,9 @@ class BatchPublisher:
             request_timeout_ms=self.request_timeout_ms,
             retry_backoff_ms=100,
             compression_type=None,
+            # TLS / SASL from the environment, read at every (re)connect: a rotated password
+            # file takes effect at the next reconnect (docs/security.md)
+            **client_security_from_env(),
         )
         try:
             await producer.start()

@@ -64,7 +64,7 @@ from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
 from fleetwise.streams import metrics as M
-from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, topic_name
+from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, client_security_from_env, topic_name
 from fleetwise.streams.pipeline import ControlPlane, Item, Routed
 
 log = logging.getLogger(__name__)
@@ -810,6 +810,20 @@ class BatchTransport(faust_aiokafka.Transport):
         self.batch_handlers: dict[str, BatchHandler] = {}
 
 
+def faust_credentials(security: dict[str, Any]) -> Any:
+    """faust's `broker_credentials` for aiokafka kwargs from `client_security_from_env` (None
+    for PLAINTEXT): the worker's consumer, producer and topic creation all use them."""
+    protocol = security.get("security_protocol", "PLAINTEXT")
+    if protocol == "PLAINTEXT":
+        return None
+    if protocol == "SSL":
+        return faust.SSLCredentials(security["ssl_context"])
+    return faust.SASLCredentials(username=security["sasl_plain_username"],
+                                 password=security["sasl_plain_password"],
+                                 ssl_context=security.get("ssl_context"),
+                                 mechanism=security["sasl_mechanism"])
+
+
 def make_app(
     bootstrap: str,
     *,
@@ -842,6 +856,10 @@ def make_app(
     if "datadir" not in settings:
         (cache / "faust").mkdir(parents=True, exist_ok=True)  # faust makes only the last level
         settings["datadir"] = str(cache / "faust" / "{conf.name}-data")
+    if "broker_credentials" not in settings:
+        credentials = faust_credentials(client_security_from_env())
+        if credentials is not None:
+            settings["broker_credentials"] = credentials
     app = faust.App(
         app_id,
         broker=[f"kafka://{hp.strip()}" for hp in bootstrap.split(",")],
