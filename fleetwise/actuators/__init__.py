@@ -2,7 +2,8 @@
 
 from fleetwise.actuators.config import PolicyConfig, PolicyFileError, parse_policy, policy_yaml
 from fleetwise.actuators.fleet import FleetState, PendingCommand
-from fleetwise.actuators.policy import ActionPolicy, command_id, proportional_shares
+from fleetwise.actuators.ids import command_id
+from fleetwise.actuators.policy import ActionPolicy, proportional_shares
 from fleetwise.actuators.signing import (
     Keyring,
     KeyringError,

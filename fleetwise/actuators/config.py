@@ -54,13 +54,17 @@ class ResizeActions(_Section):
 
 class ConsolidateActions(_Section):
     mode: Mode = "approve"
-    utilisation_below: float = Field(default=0.3, gt=0, lt=1)
-    sustained_s: float = Field(default=3600.0, gt=0)
+    utilisation_below: float = Field(default=0.3, gt=0, lt=1)  # a node's GPUs all below this ...
+    sustained_s: float = Field(default=3600.0, gt=0)  # ... for this long (event time)
+    check_every_s: float = Field(default=3600.0, gt=0)
+    max_moves: int = Field(default=16, ge=0)  # jobs moved per consolidation
 
 
 class MigrateActions(_Section):
     mode: Mode = "approve"
-    min_saving: float = Field(default=0.2, gt=0, lt=1)  # share of the job's cost a move must save
+    min_saving: float = Field(default=0.2, gt=0, lt=1)  # share of the placement cost a move must save
+    check_every_s: float = Field(default=6 * 3600.0, gt=0)
+    remaining_s: float = Field(default=24 * 3600.0, gt=0)  # assumed remaining run time of a job
 
 
 class Rails(_Section):

@@ -31,7 +31,7 @@ from functools import cache
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fleetwise.actuators.policy import command_id
+from fleetwise.actuators.ids import command_id
 from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
 from fleetwise.schemas import Command
 from fleetwise.schemas.inventory import NodeInventory

@@ -13,13 +13,20 @@ job's resize over its remaining GPUs is sent once the drain is `done`.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetwise.actuators.config import PolicyConfig
+from fleetwise.actuators.consolidation import ConsolidationConfig, ConsolidationError, plan_consolidation
 from fleetwise.actuators.fleet import FleetState, GpuKey, PendingCommand
+from fleetwise.actuators.ids import command_id
+from fleetwise.actuators.moves import (
+    UtilisationWindow,
+    consolidation_snapshot,
+    hibernating_nodes,
+    migration_for,
+)
 from fleetwise.actuators.signing import Keyring, sign
 from fleetwise.schemas import (
     Ack,
@@ -37,12 +44,6 @@ DISRUPTIVE = frozenset({"drain", "resize", "migrate", "consolidate"})
 # Re-audit the same held-back decision (rail, target) at most this often: a flapping alert
 # re-raised every hop must not flood the audit topic.
 AUDIT_REPEAT_S = 3600.0
-
-
-def command_id(kind: str, *parts: object) -> str:
-    """A stable id: the same decision over the same evidence always gets the same id."""
-    text = "|".join(str(p) for p in (kind, *parts))
-    return f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def proportional_shares(weights: Sequence[float], total: int) -> list[int]:
@@ -119,6 +120,9 @@ class ActionPolicy:
         self._audited: dict[tuple[str, str], float] = {}
         self.suppressed: dict[str, int] = {}  # rail or reason -> count (metrics)
         self.expired = 0
+        cons = self.config.consolidate
+        self.utilisation = UtilisationWindow(cons.sustained_s) if cons.mode != "off" else None
+        self._next_check: dict[str, float] = {}
 
     # -- processor contract ------------------------------------------------------------------
     def process(self, records: Sequence[Record]) -> list[Record]:
@@ -368,7 +372,15 @@ class ActionPolicy:
         if ack.status == "done" and pending.follow_up.get("then"):
             nxt = Command.model_validate({**pending.follow_up["then"], "ts": ack.ts,
                                           "requires": [pending.id]})
-            out += [self._issue(nxt, ack.ts, None)]
+            out += [self._issue(nxt, ack.ts, pending.follow_up.get("after"))]
+        hib = pending.follow_up.get("hibernate")
+        if hib and ack.status == "done":  # the node sleeps: its GPUs leave every plan until woken
+            for gpu in hib["gpus"]:
+                self.fleet.set_status((hib["node"], int(gpu)), "hibernating", ack.ts, c["reason"], pending.id)
+        wake = pending.follow_up.get("wake")
+        if wake and ack.status == "done":
+            for gpu in wake["gpus"]:
+                self.fleet.set_status((wake["node"], int(gpu)), "in_service", ack.ts, c["reason"], pending.id)
         return out
 
     def _after_drain(self, drain: PendingCommand, ts: float) -> list[Record]:
@@ -483,6 +495,102 @@ class ActionPolicy:
         current = job.shares or dict(zip(dps, proportional_shares([1.0] * len(dps), unit), strict=True))
         new = dict(zip(dps, proportional_shares([job.slow.get(d, 1.0) for d in dps], unit), strict=True))
         return current, new, None
+
+    # -- consolidation and migration, checked on a period of event time ----------------------
+    @property
+    def wants_utilisation(self) -> bool:
+        return self.utilisation is not None
+
+    def observe_utilisation(self, keys: Sequence[GpuKey], ts: Any, util: Any,
+                            jobs: Sequence[str | None] | None = None,
+                            ranks: Sequence[int | None] | None = None) -> list[Record]:
+        """Per-GPU utilisation of closed feature hops (arrays); returns the commands and audit
+        events of a consolidation or migration check that falls due."""
+        if self.utilisation is None or not len(keys):
+            return []
+        self.utilisation.observe(keys, ts, util, jobs, ranks)
+        now = float(max(ts))
+        out: list[Record] = []
+        if self._due("consolidate", now, self.config.consolidate.check_every_s):
+            out += self._consider_consolidation(now)
+        if self.config.migrate.mode != "off" and self._due("migrate", now, self.config.migrate.check_every_s):
+            out += self._consider_migrations(now)
+        return out
+
+    def _due(self, what: str, now: float, every: float) -> bool:
+        nxt = self._next_check.get(what)
+        if nxt is None:  # the first window fills before the first check
+            self._next_check[what] = now + every
+            return False
+        if now < nxt:
+            return False
+        self._next_check[what] = now + every
+        return True
+
+    def _consider_consolidation(self, now: float) -> list[Record]:
+        if self.utilisation is None or not self.inventory or self.fleet.open_commands("consolidate"):
+            return []  # one consolidation at a time; nothing to pack without inventory
+        cons = self.config.consolidate
+        asleep = hibernating_nodes({k: g.status for k, g in self.fleet.gpus.items()})
+        leaving = self.fleet.out_of_service() - {k for k in self.fleet.gpus if k[0] in asleep}
+        try:
+            snapshot = consolidation_snapshot(self.utilisation, list(self.inventory.values()), now,
+                                              cons.utilisation_below * 100.0, leaving, asleep)
+            if snapshot is None:
+                return []
+            plan = plan_consolidation(snapshot, ConsolidationConfig(
+                low_util_threshold=cons.utilisation_below, window_s=cons.sustained_s,
+                max_moves=cons.max_moves, dry_run=self.config.dry_run))
+        except ConsolidationError as exc:
+            return self._audit("consolidation_skipped", f"consolidation not planned: {exc}", now,
+                               target="consolidate")
+        out: list[Record] = []
+        saved = plan.savings
+        for cmd in plan.commands:
+            action = cmd.params.get("action")
+            follow: dict[str, Any] = {}
+            if action in ("hibernate", "wake") and cmd.node:
+                follow[action] = {"node": cmd.node, "gpus": cmd.params.get("gpus", [])}
+            params = {**cmd.params, "savings": {"watts": round(saved.watts_saved, 1),
+                                                "gco2": round(saved.gco2_saved, 1),
+                                                "gpu_hours": round(saved.gpu_hours_saved, 2),
+                                                "horizon_h": saved.horizon_h}}
+            out += self._send(cmd.model_copy(update={"params": params}), cons.mode, follow)
+        return out
+
+    def _consider_migrations(self, now: float) -> list[Record]:
+        out: list[Record] = []
+        pol = self.config.migrate
+        gone = self.fleet.out_of_service()
+        for name, job in sorted(self.jobs.items()):
+            if not job.plan or self.fleet.open_commands("migrate") and any(
+                    p.command.get("job") == name for p in self.fleet.open_commands("migrate")):
+                continue
+            plan = Plan.model_validate(job.plan)
+            if not {r.node for r in plan.ranks} <= set(self.inventory):
+                continue
+            move = migration_for(plan, list(self.inventory.values()), gone, pol.min_saving, pol.remaining_s)
+            if move is None:
+                continue
+            dest = [list(k) for k in move.destination]
+            saving = 1 - move.best_total / move.current_total
+            why = (f"placement cost {move.best_total:.3f} on {len(dest)} {move.gpu_type} at {move.site} vs "
+                   f"{move.current_total:.3f} where {name} runs ({saving:.0%} "
+                   f"cheaper, >= {pol.min_saving:.0%}); transfer {move.transfer_s:.0f} s")
+            base = {"job": name, "ts": now, "evidence": [], "reason": why}
+            uri = f"fleetwise://checkpoints/{name}/migrate-{int(now)}"
+            phases = [
+                Command(id=command_id("migrate", name, "snapshot", now), type="migrate",
+                        params={"phase": "snapshot", "checkpoint_uri": uri, "destination": dest}, **base),
+                Command(id=command_id("migrate", name, "transfer", now), type="migrate",
+                        params={"phase": "transfer", "checkpoint_uri": uri, "destination": dest}, **base),
+                Command(id=command_id("migrate", name, "restore", now), type="migrate",
+                        params={"phase": "restore", "checkpoint_uri": uri, "destination": dest}, **base),
+            ]
+            follow = {"then": phases[1].model_dump(mode="json", exclude_none=True),
+                      "after": {"then": phases[2].model_dump(mode="json", exclude_none=True)}}
+            out += self._send(phases[0], pol.mode, follow)
+        return out
 
     # -- inventory, plans, operators ----------------------------------------------------------
     def _on_inventory(self, inv: NodeInventory) -> list[Record]:

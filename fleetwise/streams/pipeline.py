@@ -20,7 +20,7 @@ from threadpoolctl import threadpool_limits
 from fleetwise.actuators import ActionPolicy, Keyring, PolicyConfig
 from fleetwise.catalog import UnknownGpuError, lookup
 from fleetwise.predictors.failure import FailurePredictor
-from fleetwise.predictors.features import SAMPLE_DECODER, GpuFeatureWindows, sample_columns
+from fleetwise.predictors.features import FEATURE_NAMES, SAMPLE_DECODER, GpuFeatureWindows, sample_columns
 from fleetwise.predictors.stragglers import StragglerDetector
 from fleetwise.schemas import (
     Ack,
@@ -51,6 +51,7 @@ from fleetwise.streams.limits import SampleGate
 # What decoding yields: records, or GPU samples validated on the fast path.
 Item = Record | FastGpuSample | FastTrainingStep | SampleColumns
 _MODEL = attrgetter("model")
+_UTIL_MEAN = FEATURE_NAMES.index("util_mean")
 
 
 class Routed(NamedTuple):
@@ -367,13 +368,20 @@ class ControlPlane:
             return routed
         if self.config.publish_features:
             routed.extend(self._route_outputs(self.features.to_records(slots, ts, feats)))
-        if self.failure is not None:
+        keys = None
+        if self.failure is not None or self.policy.wants_utilisation:
             meta = self.features.slot_meta
             keys = [(m["node"], m["gpu"]) for m in map(meta, slots)]
+        if self.failure is not None:
             predictions, _ = self.failure.process_arrays(
                 keys, ts, feats, job_ranks=self.features.closed_job_ranks
             )
             routed.extend(self._route_outputs(predictions))
+        if self.policy.wants_utilisation:
+            # Consolidation watches each GPU's mean utilisation per hop and who runs there.
+            job_ranks = self.features.closed_job_ranks
+            routed.extend(self._route_outputs(self.policy.observe_utilisation(
+                keys, ts, feats[:, _UTIL_MEAN], job_ranks.jobs, job_ranks.ranks)))
         return routed
 
     def _route_outputs(self, outputs: Sequence[Record]) -> list[Routed]:

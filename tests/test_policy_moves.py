@@ -1,0 +1,113 @@
+"""The policy's consolidation and migration triggers: sustained low utilisation -> consolidate
+(hibernate on its ack), a much cheaper placement -> migrate in three acked phases."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleetwise.actuators import ActionPolicy, PolicyConfig
+from fleetwise.schemas import Ack, AuditEvent, Command, GpuInventory, NodeInventory
+
+T0 = 1764547200.0
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def inventory(nodes: int, model: str = H100, rack_budget: float | None = None, site: str = "s0") -> list:
+    return [NodeInventory(ts=T0 - 10, node=f"n{i}", rack=f"r{i // 2}", site=site,
+                          rack_power_budget_w=rack_budget,
+                          gpus=[GpuInventory(index=g, model=model) for g in range(8)],
+                          nvlink_groups=[list(range(8))]) for i in range(nodes)]
+
+
+def feed_util(policy: ActionPolicy, hops: int, util_of, jobs_of, start: float = T0, hop_s: float = 300.0):
+    """One closed hop per GPU every hop_s: utilisation and (job, rank) per GPU."""
+    out = []
+    keys = [(f"n{i}", g) for i in range(4) for g in range(8)]
+    for h in range(hops):
+        ts = np.full(len(keys), start + h * hop_s)
+        util = np.array([util_of(k) for k in keys], dtype=float)
+        jobs = [jobs_of(k)[0] for k in keys]
+        ranks = [jobs_of(k)[1] for k in keys]
+        out += policy.observe_utilisation(keys, ts, util, jobs, ranks)
+    return out
+
+
+def job_layout(key):
+    node, gpu = key
+    # a on n0 (8 GPUs), b on n1 gpus 0-3, c on n2 gpus 0-1; n3 idle
+    if node == "n0":
+        return ("a", gpu)
+    if node == "n1" and gpu < 4:
+        return ("b", gpu)
+    if node == "n2" and gpu < 2:
+        return ("c", gpu)
+    return (None, None)
+
+
+def test_sustained_low_utilisation_consolidates_and_hibernates_on_the_ack():
+    policy = ActionPolicy(PolicyConfig.model_validate({"consolidate": {"mode": "auto", "sustained_s": 3600,
+                                                                       "check_every_s": 3600}}))
+    policy.process(inventory(4))
+    out = feed_util(policy, 30, lambda k: 10.0 if job_layout(k)[0] else 0.0, job_layout)
+    cmds = [r for r in out if isinstance(r, Command)]
+    assert cmds and all(c.type == "consolidate" and c.signature for c in cmds)
+    hibernate = [c for c in cmds if c.params["action"] == "hibernate"]
+    moves = [c for c in cmds if c.params["action"] == "move"]
+    assert hibernate and hibernate[0].params["savings"]["watts"] > 0
+    # b and c fit beside each other: at least one job moves, emptying its node.
+    assert moves
+    for h in hibernate:  # a hibernation waits for the moves that empty its node
+        assert set(h.requires) <= {m.id for m in moves}
+    # Nothing is asleep until the consumer says so; then the node's GPUs leave every plan.
+    node = hibernate[0].node
+    assert policy.fleet.status((node, 0)) == "in_service"
+    for m in moves:
+        policy.process([Ack(command_id=m.id, ts=T0 + 9000, job=m.job, by="kube-consumer", status="done")])
+    policy.process([Ack(command_id=hibernate[0].id, ts=T0 + 9001, node=node, by="kube-consumer",
+                        status="done")])
+    assert policy.fleet.status((node, 0)) == "hibernating"
+    # One consolidation at a time, and none again for nodes already asleep.
+    again = feed_util(policy, 3, lambda k: 10.0 if job_layout(k)[0] else 0.0, job_layout, start=T0 + 9300)
+    assert all(c.params.get("action") != "hibernate" or c.node != node
+               for c in again if isinstance(c, Command))
+
+
+def test_busy_fleet_is_not_consolidated_and_approval_mode_holds_it():
+    busy = ActionPolicy(PolicyConfig.model_validate({"consolidate": {"mode": "auto"}}))
+    busy.process(inventory(4))
+    assert [r for r in feed_util(busy, 30, lambda k: 90.0, job_layout) if isinstance(r, Command)] == []
+    held = ActionPolicy()  # default: consolidation needs an operator's approval
+    held.process(inventory(4))
+    out = feed_util(held, 30, lambda k: 5.0, job_layout)
+    assert not [r for r in out if isinstance(r, Command)]
+    assert any(isinstance(r, AuditEvent) and r.event == "awaiting_approval" for r in out)
+    off = ActionPolicy(PolicyConfig.model_validate({"consolidate": {"mode": "off"}}))
+    assert not off.wants_utilisation
+
+
+def test_a_much_cheaper_placement_migrates_in_three_acked_phases():
+    from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
+
+    old = inventory(1, model="NVIDIA A100-SXM4-80GB", site="old")
+    new = [n.model_copy(update={"node": f"m{i}"}) for i, n in enumerate(inventory(1, model="NVIDIA B200",
+                                                                                  site="old"))]
+    request = PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job="llm", strategy=(1, 1, 8))
+    plan = plan_job(request, cluster_from_inventory(old))
+    policy = ActionPolicy(PolicyConfig.model_validate({
+        "consolidate": {"mode": "auto", "check_every_s": 10 ** 6},
+        "migrate": {"mode": "auto", "check_every_s": 600, "min_saving": 0.2}}))
+    policy.process([*old, *new, plan])
+    keys = [("n0", g) for g in range(8)]
+    out = []
+    for h in range(6):
+        out += policy.observe_utilisation(keys, np.full(8, T0 + 300 * h), np.full(8, 95.0),
+                                          ["llm"] * 8, list(range(8)))
+    snap = [c for c in out if isinstance(c, Command) and c.type == "migrate"]
+    assert [c.params["phase"] for c in snap] == ["snapshot"]
+    assert {tuple(d) for d in snap[0].params["destination"]} == {("m0", g) for g in range(8)}
+    done = Ack(command_id=snap[0].id, ts=T0 + 2000, job="llm", by="training-plugin", status="done")
+    transfer = [c for c in policy.process([done]) if isinstance(c, Command)]
+    assert [c.params["phase"] for c in transfer] == ["transfer"] and transfer[0].requires == [snap[0].id]
+    restore = [c for c in policy.process([Ack(command_id=transfer[0].id, ts=T0 + 2100, job="llm",
+                                              by="kube-consumer", status="done")]) if isinstance(c, Command)]
+    assert [c.params["phase"] for c in restore] == ["restore"] and restore[0].requires == [transfer[0].id]
