@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 KAFKA_DIR ?= $(CURDIR)/.kafka-run
+KUBE_DIR ?= $(CURDIR)/build/kube-run
 PYTEST_ARGS ?=
 
 .PHONY: demo test venv venv-all lint kafka-start kafka-stop clean
@@ -35,11 +36,19 @@ demo: venv
 	$(VENV)/bin/fleetwise demo
 
 # The broker is stopped whatever pytest returns; pytest's status is make's status.
+# etcd + kube-apiserver (+ kube-controller-manager) for the Kubernetes tests: built from the Go
+# module proxy on first use (minutes; cached under ~/.cache/fleetwise/), stopped whatever pytest
+# returns. If it cannot start, the kube tests' fixture says why (the other tests still run).
 test: venv-all
 	@bash deploy/kafka/kafka.sh start $(KAFKA_DIR) >/dev/null
+	-@bash deploy/prometheus/install-prometheus.sh >/dev/null
+	-@bash deploy/helm/build-helm.sh >/dev/null
+	-@bash deploy/kube/kube.sh start $(KUBE_DIR) >/dev/null
 	@status=0; \
 	FLEETWISE_KAFKA_BOOTSTRAP=$$(bash deploy/kafka/kafka.sh bootstrap $(KAFKA_DIR)) \
+	FLEETWISE_KUBECONFIG=$$(bash deploy/kube/kube.sh kubeconfig $(KUBE_DIR) 2>/dev/null) \
 	  $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	bash deploy/kube/kube.sh stop $(KUBE_DIR) >/dev/null; \
 	bash deploy/kafka/kafka.sh stop $(KAFKA_DIR) >/dev/null; \
 	exit $$status
 

@@ -76,7 +76,7 @@ def schemas_export(directory: Path = typer.Argument(Path("docs/schemas"), help="
 
 
 # ---- plan ------------------------------------------------------------------------------------
-PLAN_FORMATS = ("table", "json", "megatron", "deepspeed", "ray", "kai")
+PLAN_FORMATS = ("table", "json", "megatron", "deepspeed", "ray", "kai", "kai-json")
 _MODEL_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 _INVENTORY_SUFFIXES = (".json", ".jsonl")
 
@@ -214,7 +214,8 @@ def plan_cmd(
     zero: int | None = typer.Option(None, "--zero", min=0, max=3, help="Fix the ZeRO stage (0-3)."),
     recompute: str = typer.Option("auto", "--recompute", help="auto, none, selective or full."),
     output_format: str = typer.Option(
-        "table", "--format", "-f", help="table, json, megatron, deepspeed, ray or kai."
+        "table", "--format", "-f",
+        help="table, json, megatron, deepspeed, ray, kai (KAI objects as YAML) or kai-json (the envelope).",
     ),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-GPU work and the pipeline."),
     job: str | None = typer.Option(None, "--job", help="Job name (default: the model name)."),
@@ -278,8 +279,13 @@ def plan_cmd(
             print_json(deepspeed_config(plan))
         elif fmt == "ray":
             print_json(ray_scaling_config(plan))
-        else:
+        elif fmt == "kai-json":
             print_json(kai_envelope(plan, job or shape.name, queue, gpus_per_pod=gpus_per_pod))
+        else:
+            from fleetwise.kube.render import dump_yaml, render_plan
+
+            objects = render_plan(plan, job or shape.name, queue, gpus_per_pod=gpus_per_pod)
+            sys.stdout.write(dump_yaml(objects))
     except ExportError as exc:
         fail(f"--format {fmt}: {exc}")
     if microbatch_map_file is not None:
@@ -496,6 +502,169 @@ def place_cmd(
         "Columns are weighted terms; * = lower-bound step estimate (not planned).", highlight=False)
     for r in result.rejected:
         console.print(f"rejected {r['site']} / {r['gpu_type']}: {r['reason']}", highlight=False)
+
+# ---- kube (KAI Scheduler objects, the KAI-side consumer) -------------------------------------
+kube_app = typer.Typer(help="Kubernetes / KAI Scheduler: render objects, run the command consumer.",
+                       no_args_is_help=True)
+app.add_typer(kube_app, name="kube")
+
+
+def _kube_plan_file(path: Path):  # -> Plan
+    """A plan as `fleetwise plan --format json` prints it."""
+    from pydantic import ValidationError
+
+    from fleetwise.schemas import Plan, describe_error
+
+    if not path.is_file():
+        fail(f"--plan: plan file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"--plan: cannot read {str(path)!r}: {exc}")
+    except json.JSONDecodeError as exc:
+        fail(f"--plan: {path} is not valid JSON: {exc.msg} (line {exc.lineno})")
+    if not isinstance(data, dict):
+        fail(f"--plan: {path} must hold a plan object (fleetwise plan --format json)")
+    data.pop("speedup", None)
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        fail(f"--plan: {path} is not a plan: {describe_error(exc)}")
+
+
+@kube_app.command("render")
+def kube_render_cmd(
+    plan_file: Path | None = typer.Option(None, "--plan", help="A plan (fleetwise plan --format json)."),
+    intent_file: Path | None = typer.Option(
+        None, "--intent", help="A job intent (YAML/JSON, as for `fleetwise place`); planned over --gpus."),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="With --intent: 'h100-sxm:16,b200:16' or an inventory."),
+    job: str | None = typer.Option(None, "--job", help="Job name (default: the plan's / intent's)."),
+    queue: str | None = typer.Option(
+        None, "--queue", help="KAI queue (default: the intent's, else 'default')."),
+    namespace: str = typer.Option("default", "--namespace", "-n", help="Namespace of the job's objects."),
+    workload: str = typer.Option("pods", "--workload", help="pods, jobset or pytorchjob (one GPU type)."),
+    image: str | None = typer.Option(None, "--image", help="Trainer container image."),
+    gpus_per_pod: int | None = typer.Option(
+        None, "--gpus-per-pod", min=1, help="Default: one pod per node."),
+    priority_class: str | None = typer.Option(
+        None, "--priority-class", help="PodGroup/pod priorityClassName."),
+    preemptible: bool | None = typer.Option(
+        None, "--preemptible/--non-preemptible", help="PodGroup preemptibility."),
+    topology: str = typer.Option("fleetwise", "--topology", help="KAI Topology the constraints refer to."),
+    no_topology: bool = typer.Option(False, "--no-topology", help="No topologyConstraint even where the plan "
+                                     "needs one NVLink or rack domain."),
+    with_topology_object: bool = typer.Option(
+        False, "--with-topology-object", help="Also print the Topology."),
+    team_queues: list[str] = typer.Option([], "--team-queue", help="TEAM=GPUS: a Queue per team (repeat)."),
+) -> None:
+    """KAI objects for a job (multi-document YAML for `kubectl apply -f -`)."""
+    from fleetwise.kube.render import (
+        DEFAULT_IMAGE,
+        RenderError,
+        dump_yaml,
+        render_plan,
+        render_queues,
+        render_topology,
+    )
+    from fleetwise.planner import InfeasiblePlanError, PlanRequest, plan_job
+    from fleetwise.planner.exports import ExportError
+
+    if (plan_file is None) == (intent_file is None):
+        fail("give exactly one of --plan PLAN.json or --intent JOB.yaml")
+    if intent_file is not None:
+        if gpus is None:
+            fail("--intent needs --gpus (the GPUs to plan the job over)")
+        intent = _place_intent(intent_file)
+        c = intent.constraints
+        request = PlanRequest(
+            model=intent.model, global_batch=intent.global_batch, seq_len=intent.seq_len, dtype=intent.dtype,
+            zero_stages=tuple(c.zero_stages) if c.zero_stages else (0, 1, 2, 3), job=intent.job,
+            memory_headroom=c.min_memory_headroom,
+        )
+        try:
+            plan = plan_job(request, _plan_cluster(gpus))
+        except (InfeasiblePlanError, ValueError) as exc:
+            fail(f"--intent {intent_file}: no plan fits: {exc}")
+        name, default_queue = job or intent.job, intent.queue
+    else:
+        assert plan_file is not None
+        plan = _kube_plan_file(plan_file)
+        name, default_queue = job or plan.job, "default"
+    quotas: dict[str, float] = {}
+    for item in team_queues:
+        team, sep, value = item.partition("=")
+        try:
+            quotas[team.strip()] = float(value)
+        except ValueError:
+            fail(f"--team-queue: {item!r} is not TEAM=GPUS")
+        if not sep or not team.strip():
+            fail(f"--team-queue: {item!r} is not TEAM=GPUS")
+    try:
+        objects = []
+        if quotas:
+            objects += render_queues(quotas)
+        if with_topology_object:
+            objects.append(render_topology(topology))
+        objects += render_plan(
+            plan, name, queue or default_queue, gpus_per_pod=gpus_per_pod, namespace=namespace,
+            workload=workload, image=image or DEFAULT_IMAGE, priority_class=priority_class,
+            preemptible=preemptible, topology_name=topology, with_topology=not no_topology,
+        )
+    except RenderError as exc:
+        fail(str(exc))
+    except ExportError as exc:
+        fail(f"cannot render the plan: {exc}")
+    sys.stdout.write(dump_yaml(objects))
+
+
+@kube_app.command("consumer")
+def kube_consumer_cmd(
+    bootstrap: str = typer.Option(..., "--bootstrap", help="Kafka bootstrap servers (host:port[,...])."),
+    kubeconfig: Path | None = typer.Option(
+        None, "--kubeconfig", help="Cluster credentials (default: in-cluster account, else ~/.kube)."),
+    namespace: str = typer.Option("default", "--namespace", "-n", help="Namespace of the jobs' pods."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the API calls, change nothing."),
+    prefix: str = typer.Option("", "--topic-prefix", help="Prefix of every topic name (tests)."),
+    from_beginning: bool = typer.Option(
+        True, "--from-beginning/--from-now", help="Read the topics from their start (commands already done "
+        "on the cluster are acked as duplicates) or only what arrives from now."),
+    max_seconds: float | None = typer.Option(None, "--max-seconds", help="Stop after this long."),
+) -> None:
+    """Carry out `fleetwise.commands.kube` on the cluster; ack each on `fleetwise.acks`."""
+    import signal
+    import threading
+
+    from fleetwise.actuators import KeyringError, keyring_from_env
+    from fleetwise.kube.consumer import ClientApi, DryRunApi, KubeConsumer
+    from fleetwise.training.transport import KafkaTransport
+
+    try:
+        keyring = keyring_from_env()
+    except KeyringError as exc:
+        fail(str(exc))
+    if kubeconfig is not None and not kubeconfig.is_file():
+        fail(f"--kubeconfig: {str(kubeconfig)!r} does not exist")
+    try:
+        live = None if (dry_run and kubeconfig is None) else ClientApi(
+            kubeconfig=str(kubeconfig) if kubeconfig else None)
+    except Exception as exc:  # noqa: BLE001 - no credentials: say so, no traceback
+        fail(f"cannot load cluster credentials: {exc}")
+    api = DryRunApi(reader=live, out=lambda line: console.print(line, highlight=False, soft_wrap=True)) \
+        if dry_run else live
+    consumer = KubeConsumer(api, keyring, namespace=namespace)
+    transport = KafkaTransport(bootstrap, prefix=prefix, from_beginning=from_beginning)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    err_console.print(f"kube consumer: {bootstrap} -> {'dry run' if dry_run else 'cluster'} "
+                      f"(namespace {namespace})", highlight=False)
+    try:
+        consumer.run(transport, stop, max_s=max_seconds)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        transport.close()
+
 
 # ---- sim -------------------------------------------------------------------------------------
 @app.command("sim")

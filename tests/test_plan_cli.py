@@ -87,7 +87,7 @@ def test_deepspeed_ray_kai_formats(small_json):
     ray = json.loads(ok(*SMALL, "--format", "ray").stdout)
     assert ray["num_workers"] == 8
     assert {g["accelerator_type"] for g in ray["worker_groups"]} == {"H100", "B200"}
-    kai = json.loads(ok(*SMALL, "--format", "kai", "--job", "my-job", "--queue", "research").stdout)
+    kai = json.loads(ok(*SMALL, "--format", "kai-json", "--job", "my-job", "--queue", "research").stdout)
     from fleetwise.kube.crds import validate_manifest
 
     assert validate_manifest(kai["pod_group"]) == []

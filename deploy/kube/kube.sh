@@ -153,6 +153,7 @@ cmd_start() {
     if [[ -f "$state/kubeconfig" ]] && cmd_status "$state" >/dev/null 2>&1; then
         echo "$state/kubeconfig"; return 0
     fi
+    rm -f "$state/kubeconfig"   # a stale one must not point `kubeconfig` at a dead server
     local bins; bins="$(cmd_build)"
     have_bins "$bins" || die "binaries missing in $bins"
     make_certs "$state/pki"
@@ -211,7 +212,7 @@ cmd_stop() {
     stop_pid "$state/kube-controller-manager.pid"
     stop_pid "$state/kube-apiserver.pid"
     stop_pid "$state/etcd.pid"
-    rm -f "$state/watch.pid"
+    rm -f "$state/watch.pid" "$state/kubeconfig"
 }
 
 cmd_kubeconfig() {

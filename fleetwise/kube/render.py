@@ -35,6 +35,7 @@ from fleetwise.planner.exports import (
     KAI_SCHEDULER_NAME,
     KAI_SUBGROUP_LABEL,
     ExportError,
+    _dns_label,
     kai_envelope,
     microbatch_map,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "RenderError",
     "dump_yaml",
     "envelope_configmap_name",
+    "pod_group_name",
     "render_envelope",
     "render_plan",
     "render_queues",
@@ -78,6 +80,11 @@ PYTORCHJOB_API = "kubeflow.org/v1"
 
 class RenderError(ExportError):
     """The envelope cannot be rendered in the asked form; the message names the option."""
+
+
+def pod_group_name(job: str) -> str:
+    """The PodGroup (and `fleetwise.io/job` label value) of a job: its name as a DNS label."""
+    return _dns_label(job)
 
 
 def envelope_configmap_name(pod_group: str) -> str:

@@ -1,0 +1,942 @@
+"""The KAI-side consumer: carries out `fleetwise.commands.kube` on a Kubernetes cluster.
+
+Two layers:
+
+- the decision (pure): `decide(command, view, ...) -> Decision`, a list of intended API
+  `Action`s from a command and a `ClusterView` (the few objects it touches, read from the
+  cluster). It reads the cluster's state, not the consumer's memory, so a consumer restarted
+  mid-command recomputes what is left (each action is idempotent: cordoning a cordoned node,
+  an event that exists, evicting a pod already terminating are no-ops);
+- `KubeConsumer`: the lifecycle of DESIGN.md "Command lifecycle" (duplicate by id first, then
+  `verify_command`, then `requires`, then act, then ack on `fleetwise.acks` as
+  "kube-consumer"), over an `Api` adapter: `ClientApi` (the official `kubernetes` client),
+  `DryRunApi` (prints the calls, changes nothing).
+
+What each command does:
+
+- `drain` (node[, gpu][, job]): cordon, taint `fleetwise.io/drain=<reason>:NoSchedule`, an
+  Event with the reason (all at once: nothing new lands there), then, only once every id in
+  `requires` (the training side's checkpoint) has a `done` ack, lower the job's PodGroup gang
+  by the pods that leave (so KAI does not hold the rest of the gang) and evict the job's pods
+  on the node through the Eviction API (PodDisruptionBudgets apply: a refused eviction, HTTP
+  429, is retried on the next tick);
+- `resize` (`world_size`, `leave`, `join`, `samples`): the PodGroup's minMember and subGroups
+  follow the GPUs per type that remain (whole pods), and the envelope ConfigMap records the new
+  world size and shares, so KAI reschedules within the new envelope;
+- `migrate` (`phase`, `checkpoint_uri`, `destination`): the PodGroup and the envelope
+  ConfigMap record the phase and destination (a `restore` with `destination.gpu_product` and
+  `pods` re-targets the gang);
+- `consolidate`: `action: hibernate` cordons the node and labels it
+  `fleetwise.io/hibernate=true` (after the moves in `requires` are done); `action: wake`
+  removes the label and uncordons (work returns); `action: move` records the moves on the
+  PodGroup;
+- a GPU return (`OperatorAction(action="return_gpu")` on `fleetwise.operator`): the GPU leaves
+  the node's drained set; when none is left the drain taint goes and the node is uncordoned
+  (only if Fleetwise cordoned it).
+
+The consumer's state lives on the cluster: annotation `fleetwise.io/commands` on the node (or
+PodGroup) maps recent command ids to their phase ("applied", "done").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleetwise.actuators.signing import Keyring, verify_command
+from fleetwise.kube.render import ANN_SUBGROUPS, JOB_LABEL, envelope_configmap_name, pod_group_name
+from fleetwise.schemas import Ack, Command, OperatorAction
+
+__all__ = [
+    "ANN_COMMANDS",
+    "ANN_CORDONED_BY",
+    "ANN_DRAINED_GPUS",
+    "BY",
+    "DRAIN_TAINT",
+    "HIBERNATE_LABEL",
+    "Action",
+    "ActionResult",
+    "Api",
+    "ClientApi",
+    "ClusterView",
+    "Decision",
+    "DryRunApi",
+    "KubeConsumer",
+    "decide",
+    "decide_return",
+    "required_rbac",
+]
+
+BY = "kube-consumer"
+DRAIN_TAINT = "fleetwise.io/drain"
+HIBERNATE_LABEL = "fleetwise.io/hibernate"
+ANN_COMMANDS = "fleetwise.io/commands"  # JSON {command id: "applied" | "done"}, most recent last
+ANN_DRAINED_GPUS = "fleetwise.io/drained-gpus"  # JSON list of drained GPU indices (-1: the node)
+ANN_CORDONED_BY = "fleetwise.io/cordoned-by"  # "drain" | "hibernate": we uncordon only our own
+ANN_MIGRATION = "fleetwise.io/migration"
+ANN_WORLD_SIZE = "fleetwise.io/world-size"
+ANN_MOVES = "fleetwise.io/consolidation"
+ANN_GANG_LEFT = "fleetwise.io/gang-left"  # JSON list of pods the gang no longer counts
+KEEP_IDS = 32  # command ids remembered per object
+EVENT_NAMESPACE = "default"  # where `kubectl describe node` looks for a Node's events
+KUBE_TYPES = frozenset({"drain", "resize", "migrate", "consolidate"})
+
+
+# ---- the cluster as the decision sees it ---------------------------------------------------------
+
+
+@dataclass
+class ClusterView:
+    """What the decision reads: nodes by name, the job's pods, its PodGroup and ConfigMap.
+
+    Nodes: {"labels": {}, "annotations": {}, "unschedulable": bool, "taints": [{key, value,
+    effect}]}. Pods: {"name", "namespace", "node", "deleting": bool}. pod_group: {"name",
+    "namespace", "spec", "annotations"} or None. configmap: {"name", "namespace", "data"} or None.
+    """
+
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    pod_group: dict[str, Any] | None = None
+    configmap: dict[str, Any] | None = None
+
+    @classmethod
+    def assumed(cls, command: Command, namespace: str = "default", pods_per_node: int = 1) -> ClusterView:
+        """A plausible cluster for a dry run without one: the command's nodes exist, schedulable,
+        each running `pods_per_node` pods of the job."""
+        names = {command.node} if command.node else set()
+        for key in ("leave", "join"):
+            names |= {str(p[0]) for p in command.params.get(key, []) if p}
+        view = cls(nodes={n: {"labels": {}, "annotations": {}, "unschedulable": False, "taints": []}
+                          for n in sorted(names)})
+        if command.job:
+            pg = pod_group_name(command.job)
+            view.pods = [{"name": f"{pg}-{n}-{i}", "namespace": namespace, "node": n, "deleting": False}
+                         for n in sorted(names) for i in range(pods_per_node)]
+        return view
+
+
+@dataclass(frozen=True)
+class Action:
+    """One intended API call. `verb`: patch | create | evict. `kind`: Node, Event, Pod,
+    PodGroup, ConfigMap. `patch`: "strategic" or "merge" for patches."""
+
+    verb: str
+    kind: str
+    name: str
+    body: Mapping[str, Any]
+    why: str
+    namespace: str | None = None
+    patch: str = "strategic"
+
+    def path(self) -> str:
+        ns = f"/namespaces/{self.namespace}" if self.namespace else ""
+        if self.kind == "Node":
+            return f"/api/v1/nodes/{self.name}"
+        if self.kind == "Event":
+            return f"/api/v1{ns}/events"
+        if self.kind == "Pod":
+            return f"/api/v1{ns}/pods/{self.name}/eviction"
+        if self.kind == "ConfigMap":
+            return f"/api/v1{ns}/configmaps/{self.name}"
+        if self.kind == "PodGroup":
+            return f"/apis/scheduling.run.ai/v2alpha2{ns}/podgroups/{self.name}"
+        raise ValueError(f"unknown kind {self.kind!r}")
+
+    def describe(self) -> str:
+        """The HTTP call, as `--dry-run` prints it."""
+        method = {"patch": "PATCH", "create": "POST", "evict": "POST"}[self.verb]
+        ctype = f" ({self.patch}-merge-patch)" if self.verb == "patch" and self.patch == "strategic" else (
+            " (merge-patch)" if self.verb == "patch" else "")
+        body = json.dumps(self.body, sort_keys=True, separators=(",", ":"))
+        return f"{method} {self.path()}{ctype} {body}  # {self.why}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verb": self.verb, "kind": self.kind, "name": self.name, "namespace": self.namespace,
+                "why": self.why}
+
+
+@dataclass
+class Decision:
+    """What to do now (`actions`), whether more waits on `requires` (`waiting`), and whether
+    the command is complete once the actions succeed (`done`); `error` refuses it."""
+
+    actions: list[Action] = field(default_factory=list)
+    finish: list[Action] = field(default_factory=list)  # run only when every action succeeded
+    waiting: list[str] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+    detail: str = ""
+
+
+# ---- pure decision ---------------------------------------------------------------------------
+
+
+def _ids(annotations: Mapping[str, str]) -> dict[str, str]:
+    try:
+        data = json.loads(annotations.get(ANN_COMMANDS, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def command_phase(annotations: Mapping[str, str], command_id: str) -> str | None:
+    """The phase the cluster records for a command ("applied", "done") or None."""
+    return _ids(annotations).get(command_id)
+
+
+def _with_id(annotations: Mapping[str, str], command_id: str, phase: str) -> str:
+    ids = _ids(annotations)
+    ids.pop(command_id, None)
+    ids[command_id] = phase
+    return json.dumps(dict(list(ids.items())[-KEEP_IDS:]), separators=(",", ":"))
+
+
+def _drained(annotations: Mapping[str, str]) -> list[int]:
+    try:
+        return sorted({int(x) for x in json.loads(annotations.get(ANN_DRAINED_GPUS, "[]"))})
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return []
+
+
+def _taint_value(reason: str) -> str:
+    """A label-value-safe form of the reason (<= 63 chars of [A-Za-z0-9._-])."""
+    text = "".join(c if c.isalnum() or c in "._-" else "-" for c in reason)
+    text = "-".join(p for p in text.split("-") if p)[:63].strip("._-")
+    return text or "fleetwise"
+
+
+def event_name(command_id: str, target: str) -> str:
+    """A deterministic Event name: re-creating it after a crash is a 409, not a second event."""
+    return f"fleetwise.{hashlib.sha256(f'{command_id}|{target}'.encode()).hexdigest()[:16]}"
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _event(command: Command, node: str, reason: str, message: str, now: float) -> Action:
+    body = {
+        "metadata": {"name": event_name(command.id, node), "namespace": EVENT_NAMESPACE,
+                     "labels": {"fleetwise.io/command": command.id[:63]}},
+        "involvedObject": {"kind": "Node", "name": node, "apiVersion": "v1"},
+        "reason": reason, "message": message[:1024], "type": "Warning",
+        "source": {"component": "fleetwise-kube-consumer"},
+        "reportingComponent": "fleetwise-kube-consumer", "reportingInstance": "fleetwise",
+        "firstTimestamp": _iso(now), "lastTimestamp": _iso(now), "count": 1,
+    }
+    return Action("create", "Event", body["metadata"]["name"], body, f"record {reason} on {node}",
+                  namespace=EVENT_NAMESPACE)
+
+
+def _node_patch(node: str, why: str, *, unschedulable: bool | None = None,
+                labels: Mapping[str, str | None] | None = None,
+                annotations: Mapping[str, str | None] | None = None,
+                add_taints: Sequence[Mapping[str, str]] = (), remove_taints: Sequence[str] = ()) -> Action:
+    body: dict[str, Any] = {"metadata": {}}
+    if labels:
+        body["metadata"]["labels"] = dict(labels)
+    if annotations:
+        body["metadata"]["annotations"] = dict(annotations)
+    spec: dict[str, Any] = {}
+    if unschedulable is not None:
+        spec["unschedulable"] = unschedulable
+    taints = [dict(t) for t in add_taints] + [{"$patch": "delete", "key": k} for k in remove_taints]
+    if taints:
+        spec["taints"] = taints
+    if spec:
+        body["spec"] = spec
+    if not body["metadata"]:
+        del body["metadata"]
+    return Action("patch", "Node", node, body, why)
+
+
+def _gang_patch(pg: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], why: str) -> Action | None:
+    """The PodGroup no longer counting `pods` in its gang (None: it already does not).
+
+    Idempotent: the pods let go are listed on the PodGroup (`fleetwise.io/gang-left`), so a
+    retried drain does not shrink the gang twice. KAI would otherwise hold (or evict) the rest
+    of a gang that fell below minMember."""
+    ann = pg.get("annotations", {})
+    try:
+        left = set(json.loads(ann.get(ANN_GANG_LEFT, "[]")))
+    except (json.JSONDecodeError, TypeError):
+        left = set()
+    newly = [p for p in pods if p["name"] not in left]
+    if not newly:
+        return None
+    spec = pg.get("spec", {})
+    subs = [dict(s) for s in spec.get("subGroups", [])]
+    for sub in subs:
+        gone = sum(1 for p in newly if p.get("subgroup") == sub["name"])
+        sub["minMember"] = max(0, int(sub.get("minMember", 1)) - gone)
+    body: dict[str, Any] = {
+        "metadata": {"annotations": {ANN_GANG_LEFT: json.dumps(sorted(left | {p["name"] for p in newly}))}},
+        "spec": {"minMember": max(1, int(spec.get("minMember", 1)) - len(newly))},
+    }
+    if subs:
+        body["spec"]["subGroups"] = [s for s in subs if s["minMember"] >= 1]
+    return Action("patch", "PodGroup", pg["name"], body, why, namespace=pg.get("namespace"), patch="merge")
+
+
+def _subgroups(pg: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    if not pg:
+        return {}
+    try:
+        data = json.loads(pg.get("annotations", {}).get(ANN_SUBGROUPS, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def decide(
+    command: Command, view: ClusterView, *, done_ids: Iterable[str] = (), now: float = 0.0,
+) -> Decision:
+    """The API calls a verified command needs now, given the cluster (pure).
+
+    `done_ids`: command ids whose `done` ack was seen (to release what waits on `requires`).
+    """
+    done = set(done_ids)
+    waiting = [r for r in command.requires if r not in done]
+    if command.type == "drain":
+        return _decide_drain(command, view, waiting, now)
+    if command.type == "resize":
+        return _decide_resize(command, view, waiting)
+    if command.type == "migrate":
+        return _decide_migrate(command, view, waiting)
+    if command.type == "consolidate":
+        return _decide_consolidate(command, view, waiting)
+    return Decision(error=f"type {command.type!r}: not a Kubernetes command (handled: "
+                          f"{', '.join(sorted(KUBE_TYPES))})")
+
+
+def _node_or_error(command: Command, view: ClusterView) -> tuple[dict[str, Any] | None, str | None]:
+    if not command.node:
+        return None, f"{command.type}: the command names no node"
+    node = view.nodes.get(command.node)
+    if node is None:
+        return None, f"{command.type}: node {command.node!r} not found on the cluster"
+    return node, None
+
+
+def _decide_drain(command: Command, view: ClusterView, waiting: list[str], now: float) -> Decision:
+    node, error = _node_or_error(command, view)
+    if error:
+        return Decision(error=error)
+    assert node is not None and command.node is not None
+    name = command.node
+    ann = node.get("annotations", {})
+    out = Decision(waiting=waiting)
+    gpus = _drained(ann)
+    gpu = -1 if command.gpu is None else int(command.gpu)
+    has_taint = any(t.get("key") == DRAIN_TAINT for t in node.get("taints") or [])
+    where = f"{name}/gpu{command.gpu}" if command.gpu is not None else name
+    first = command_phase(ann, command.id) is None
+    patch_ann: dict[str, str | None] = {}
+    if gpu not in gpus:
+        patch_ann[ANN_DRAINED_GPUS] = json.dumps(sorted({*gpus, gpu}))
+    if first:
+        patch_ann[ANN_COMMANDS] = _with_id(ann, command.id, "applied")
+    cordon = not node.get("unschedulable")
+    if cordon:
+        patch_ann[ANN_CORDONED_BY] = "drain"
+    taint = [] if has_taint else [{"key": DRAIN_TAINT, "value": _taint_value(command.reason),
+                                   "effect": "NoSchedule"}]
+    if first:
+        # The Event goes before the node records the command: a crash in between re-creates it
+        # (a 409, as its name is the command's), so it cannot be lost nor doubled.
+        out.actions.append(_event(command, name, "FleetwiseDrain", f"{where}: {command.reason}", now))
+    if cordon or taint or patch_ann:
+        out.actions.append(_node_patch(name, f"cordon and taint {where}: {command.reason}",
+                                       unschedulable=True if cordon else None, annotations=patch_ann,
+                                       add_taints=taint))
+    pods = [p for p in view.pods if p.get("node") == name and not p.get("deleting")] if command.job else []
+    if waiting:
+        out.detail = (f"cordoned and tainted {where}; evicting {len(pods)} pod(s) of {command.job} after "
+                      f"{', '.join(waiting)} is done")
+        return out
+    if pods and view.pod_group is not None:
+        gang = _gang_patch(view.pod_group, pods, f"the gang of {command.job} lets go of the pods on {name}")
+        if gang is not None:
+            out.actions.append(gang)
+    if pods:
+        for p in pods:
+            out.actions.append(Action("evict", "Pod", p["name"], {
+                "apiVersion": "policy/v1", "kind": "Eviction",
+                "metadata": {"name": p["name"], "namespace": p["namespace"]}},
+                f"evict {p['name']} of {command.job} from {name} (checkpoint done)",
+                namespace=p["namespace"]))
+    out.finish.append(_node_patch(name, f"{command.id} done", annotations={
+        ANN_COMMANDS: _with_id(ann, command.id, "done")}))
+    out.done = True
+    out.detail = f"drained {where}: cordoned, tainted, {len(pods)} pod(s) evicted"
+    return out
+
+
+def _needs_pg(command: Command, view: ClusterView, waiting: list[str]) -> Decision | None:
+    if not command.job:
+        return Decision(error=f"{command.type}: the command names no job")
+    if view.pod_group is None:
+        return Decision(
+            error=f"{command.type}: no PodGroup labelled {JOB_LABEL}={pod_group_name(command.job)}")
+    if waiting:
+        return Decision(waiting=waiting, detail=f"waiting for {', '.join(waiting)}")
+    return None
+
+
+def _cm_patch(view: ClusterView, command: Command, key: str, value: Mapping[str, Any], why: str) -> Action:
+    default = envelope_configmap_name(pod_group_name(command.job or ""))
+    name = view.configmap["name"] if view.configmap else default
+    ns = view.configmap["namespace"] if view.configmap else (view.pod_group or {}).get("namespace")
+    return Action("patch", "ConfigMap", name, {"data": {key: json.dumps(value, sort_keys=True)}}, why,
+                  namespace=ns, patch="merge")
+
+
+def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> Decision:
+    early = _needs_pg(command, view, waiting)
+    if early is not None:
+        return early
+    pg = view.pod_group
+    assert pg is not None
+    params = command.params
+    subs = _subgroups(pg)
+    by_product: dict[str, str] = {v.get("product", ""): k for k, v in subs.items()}
+    delta: dict[str, int] = {k: 0 for k in subs}
+    unknown: list[str] = []
+    for key, sign in (("leave", -1), ("join", 1)):
+        for item in params.get(key, []) or []:
+            node = str(item[0])
+            product = view.nodes.get(node, {}).get("labels", {}).get("nvidia.com/gpu.product")
+            sub = by_product.get(product or "")
+            if sub is None:
+                unknown.append(node)
+                continue
+            delta[sub] += sign
+    new_subs = {}
+    for name, info in subs.items():
+        gpus = int(info.get("pods", 0)) * int(info.get("gpus_per_pod", 1)) + delta.get(name, 0)
+        new_subs[name] = {**info, "pods": max(0, gpus // max(1, int(info.get("gpus_per_pod", 1)))),
+                          "gpus": max(0, gpus)}
+    spec_subs = [{**s, "minMember": new_subs[s["name"]]["pods"]} if s.get("name") in new_subs else dict(s)
+                 for s in pg.get("spec", {}).get("subGroups", [])]
+    kept = [s for s in spec_subs if s.get("minMember", 1) >= 1]
+    total = sum(int(s["minMember"]) for s in kept) if kept else int(pg.get("spec", {}).get("minMember", 1))
+    ann = pg.get("annotations", {})
+    world = params.get("world_size")
+    body: dict[str, Any] = {
+        "metadata": {"annotations": {ANN_SUBGROUPS: json.dumps(new_subs, sort_keys=True),
+                                     ANN_COMMANDS: _with_id(ann, command.id, "done"),
+                                     **({ANN_WORLD_SIZE: str(world)} if world is not None else {})}},
+        "spec": {"minMember": max(1, total), **({"subGroups": kept} if spec_subs else {})},
+    }
+    out = Decision(done=True)
+    out.actions.append(Action("patch", "PodGroup", pg["name"], body,
+                              f"{command.job} resized to {world} ranks: gang {max(1, total)} pod(s)",
+                              namespace=pg.get("namespace"), patch="merge"))
+    out.actions.append(_cm_patch(view, command, "resize.json", {
+        "command": command.id, "world_size": world, "samples": params.get("samples", {}),
+        "leave": params.get("leave", []), "join": params.get("join", [])},
+        "the envelope records the new world size and shares"))
+    out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)}" + (
+        f"; nodes without a known GPU product: {', '.join(sorted(set(unknown)))}" if unknown else "")
+    return out
+
+
+def _decide_migrate(command: Command, view: ClusterView, waiting: list[str]) -> Decision:
+    early = _needs_pg(command, view, waiting)
+    if early is not None:
+        return early
+    pg = view.pod_group
+    assert pg is not None
+    params = command.params
+    phase = params.get("phase")
+    if phase not in ("snapshot", "transfer", "restore"):
+        return Decision(error=f"migrate: params.phase must be snapshot, transfer or restore, got {phase!r}")
+    dest = params.get("destination") or {}
+    record = {"command": command.id, "phase": phase, "checkpoint_uri": params.get("checkpoint_uri"),
+              "destination": dest}
+    ann = pg.get("annotations", {})
+    body: dict[str, Any] = {"metadata": {"annotations": {
+        ANN_MIGRATION: json.dumps(record, sort_keys=True), ANN_COMMANDS: _with_id(ann, command.id, "done")}}}
+    if phase == "restore" and dest.get("gpu_product") and dest.get("pods"):
+        # The gang is re-targeted: one subgroup of the destination's product.
+        name = str(dest.get("subgroup") or "migrated")
+        pods = int(dest["pods"])
+        body["spec"] = {"minMember": pods, "subGroups": [{"name": name, "minMember": pods}]}
+        body["metadata"]["annotations"][ANN_SUBGROUPS] = json.dumps({name: {
+            "product": dest["gpu_product"], "gpus_per_pod": int(dest.get("gpus_per_pod", 8)), "pods": pods}})
+    out = Decision(done=True, detail=f"{command.job}: migration {phase} recorded on PodGroup {pg['name']}")
+    out.actions.append(Action("patch", "PodGroup", pg["name"], body, f"migrate {command.job}: {phase}",
+                              namespace=pg.get("namespace"), patch="merge"))
+    out.actions.append(_cm_patch(view, command, "migration.json", record,
+                                 "the envelope records the migration"))
+    return out
+
+
+def _decide_consolidate(command: Command, view: ClusterView, waiting: list[str]) -> Decision:
+    action = command.params.get("action")
+    if action == "move":
+        early = _needs_pg(command, view, waiting)
+        if early is not None:
+            return early
+        pg = view.pod_group
+        assert pg is not None
+        body = {"metadata": {"annotations": {
+            ANN_MOVES: json.dumps(command.params.get("moves", []), sort_keys=True),
+            ANN_COMMANDS: _with_id(pg.get("annotations", {}), command.id, "done")}}}
+        return Decision(done=True, detail=f"{command.job}: moves recorded on PodGroup {pg['name']}", actions=[
+            Action("patch", "PodGroup", pg["name"], body, f"consolidation moves of {command.job}",
+                   namespace=pg.get("namespace"), patch="merge")])
+    if action not in ("hibernate", "wake"):
+        return Decision(error=f"consolidate: params.action must be hibernate, wake or move, got {action!r}")
+    node, error = _node_or_error(command, view)
+    if error:
+        return Decision(error=error)
+    assert node is not None and command.node is not None
+    if waiting:
+        return Decision(waiting=waiting, detail=f"{action} {command.node} after {', '.join(waiting)}")
+    ann = node.get("annotations", {})
+    labels = node.get("labels", {})
+    ids = _with_id(ann, command.id, "done")
+    if action == "hibernate":
+        patch_ann: dict[str, str | None] = {ANN_COMMANDS: ids}
+        cordon = not node.get("unschedulable")
+        if cordon:
+            patch_ann[ANN_CORDONED_BY] = "hibernate"
+        return Decision(done=True, detail=f"{command.node} labelled for hibernation and cordoned", actions=[
+            _node_patch(command.node, f"hibernate {command.node}: {command.reason}",
+                        unschedulable=True if cordon else None, labels={HIBERNATE_LABEL: "true"},
+                        annotations=patch_ann)])
+    # wake: work returns. Uncordon only what hibernation cordoned (a drained node stays out).
+    uncordon = ann.get(ANN_CORDONED_BY) == "hibernate" and node.get("unschedulable")
+    patch_ann = {ANN_COMMANDS: ids}
+    if uncordon:
+        patch_ann[ANN_CORDONED_BY] = None
+    detail = f"{command.node} woken" + (" and uncordoned" if uncordon else "")
+    return Decision(done=True, detail=detail, actions=[
+        _node_patch(command.node, f"wake {command.node}: {command.reason}",
+                    unschedulable=False if uncordon else None,
+                    labels={HIBERNATE_LABEL: None} if HIBERNATE_LABEL in labels else None,
+                    annotations=patch_ann)])
+
+
+def decide_return(node_name: str, gpu: int | None, view: ClusterView, why: str) -> Decision:
+    """A GPU (or the whole node, `gpu=None`) back in service: it leaves the drained set; when
+    none is left, the drain taint goes and the node is uncordoned if a drain cordoned it."""
+    node = view.nodes.get(node_name)
+    if node is None:
+        return Decision(error=f"return: node {node_name!r} not found on the cluster")
+    ann = node.get("annotations", {})
+    drained = _drained(ann)
+    left = [] if gpu is None else [g for g in drained if g not in (int(gpu), -1)]
+    has_taint = any(t.get("key") == DRAIN_TAINT for t in node.get("taints") or [])
+    patch_ann: dict[str, str | None] = {ANN_DRAINED_GPUS: json.dumps(left) if left else None}
+    if left:
+        return Decision(done=True, detail=f"{node_name}: GPUs {left} still drained; node stays cordoned",
+                        actions=[_node_patch(node_name, f"{node_name}/gpu{gpu} returned",
+                                             annotations=patch_ann)])
+    uncordon = bool(node.get("unschedulable")) and ann.get(ANN_CORDONED_BY) == "drain"
+    if uncordon:
+        patch_ann[ANN_CORDONED_BY] = None
+    return Decision(done=True, detail=f"{node_name} back in service" + (": uncordoned" if uncordon else ""),
+                    actions=[_node_patch(node_name, f"return {node_name}: {why}",
+                                         unschedulable=False if uncordon else None, annotations=patch_ann,
+                                         remove_taints=[DRAIN_TAINT] if has_taint else [])])
+
+
+def required_rbac() -> list[dict[str, Any]]:
+    """The ClusterRole rules the consumer needs: only the verbs it uses."""
+    return [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"]},
+        {"apiGroups": ["scheduling.run.ai"], "resources": ["podgroups"], "verbs": ["list", "patch"]},
+    ]
+
+
+# ---- adapters --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """`status`: ok | exists (already there) | gone (nothing to act on) | blocked (eviction
+    refused by a PodDisruptionBudget: retry) | error."""
+
+    status: str
+    detail: str = ""
+
+
+class Api(Protocol):
+    """What the consumer needs from a cluster."""
+
+    def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
+        """Read the objects a command touches."""
+
+    def execute(self, action: Action) -> ActionResult:
+        """Carry out one action."""
+
+
+class DryRunApi:
+    """Prints each API call instead of making it (and keeps them in `calls`). Reads from
+    `reader` (a real `ClientApi`) when given; else it assumes a plausible cluster
+    (`ClusterView.assumed`) and plays its own calls on it, so a dry run of a command sequence
+    shows each call once, as a live run would make it."""
+
+    def __init__(self, reader: Api | None = None, out: Callable[[str], None] | None = print) -> None:
+        self.reader = reader
+        self.out = out
+        self.calls: list[str] = []
+        self.state = ClusterView()
+
+    def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
+        if self.reader is not None:
+            return self.reader.view(command, namespace, nodes)
+        if command is not None:
+            assumed = ClusterView.assumed(command, namespace)
+            for name, node in assumed.nodes.items():
+                self.state.nodes.setdefault(name, node)
+            known = {(p["namespace"], p["name"]) for p in self.state.pods}
+            self.state.pods += [p for p in assumed.pods if (p["namespace"], p["name"]) not in known]
+            names = set(assumed.nodes)
+        else:
+            names = set(nodes)
+        job_pods = [dict(p) for p in self.state.pods if command is not None and command.job
+                    and p["name"].startswith(pod_group_name(command.job) + "-")]
+        return ClusterView(nodes={n: json.loads(json.dumps(self.state.nodes[n]))
+                                  for n in names if n in self.state.nodes}, pods=job_pods)
+
+    def execute(self, action: Action) -> ActionResult:
+        line = action.describe()
+        self.calls.append(line)
+        if self.out is not None:
+            self.out(line)
+        if self.reader is None:
+            self._play(action)
+        return ActionResult("ok", "dry run")
+
+    def _play(self, action: Action) -> None:
+        if action.kind == "Pod":
+            for p in self.state.pods:
+                if p["name"] == action.name:
+                    p["deleting"] = True
+        if action.kind != "Node" or action.name not in self.state.nodes:
+            return
+        node = self.state.nodes[action.name]
+        meta = action.body.get("metadata", {})
+        for key in ("labels", "annotations"):
+            for k, v in meta.get(key, {}).items():
+                if v is None:
+                    node[key].pop(k, None)
+                else:
+                    node[key][k] = v
+        spec = action.body.get("spec", {})
+        if "unschedulable" in spec:
+            node["unschedulable"] = spec["unschedulable"]
+        for t in spec.get("taints", []):
+            node["taints"] = [x for x in node["taints"] if x.get("key") != t["key"]]
+            if t.get("$patch") != "delete":
+                node["taints"].append(dict(t))
+
+
+def _api_status(exc: Exception) -> int | None:
+    return getattr(exc, "status", None)
+
+
+class ClientApi:
+    """The official `kubernetes` client (the `kube` extra). Least privilege: `required_rbac()`."""
+
+    def __init__(self, api_client: Any = None, kubeconfig: str | None = None) -> None:
+        from kubernetes import client, config
+
+        if api_client is None:
+            if kubeconfig:
+                api_client = config.new_client_from_config(config_file=kubeconfig)
+            else:
+                try:
+                    config.load_incluster_config()
+                except config.ConfigException:
+                    config.load_kube_config()
+                api_client = client.ApiClient()
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def _node(self, name: str) -> dict[str, Any] | None:
+        try:
+            n = self.core.read_node(name)
+        except Exception as exc:  # noqa: BLE001 - ApiException; 404 means "no such node"
+            if _api_status(exc) == 404:
+                return None
+            raise
+        return {"labels": dict(n.metadata.labels or {}), "annotations": dict(n.metadata.annotations or {}),
+                "unschedulable": bool(n.spec.unschedulable),
+                "taints": [{"key": t.key, "value": t.value, "effect": t.effect}
+                           for t in (n.spec.taints or [])]}
+
+    def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
+        names = set(nodes)
+        if command is not None:
+            if command.node:
+                names.add(command.node)
+            for key in ("leave", "join"):
+                names |= {str(p[0]) for p in command.params.get(key, []) or [] if p}
+        view = ClusterView()
+        for name in sorted(names):
+            node = self._node(name)
+            if node is not None:
+                view.nodes[name] = node
+        if command is None or not command.job:
+            return view
+        pg_name = pod_group_name(command.job)
+        selector = f"{JOB_LABEL}={pg_name}"
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+        view.pods = [{"name": p.metadata.name, "namespace": p.metadata.namespace, "node": p.spec.node_name,
+                      "deleting": p.metadata.deletion_timestamp is not None,
+                      "subgroup": (p.metadata.labels or {}).get("kai.scheduler/subgroup-name")}
+                     for p in pods]
+        groups = self.custom.list_namespaced_custom_object(
+            "scheduling.run.ai", "v2alpha2", namespace, "podgroups", label_selector=selector)["items"]
+        if groups:
+            g = groups[0]
+            view.pod_group = {"name": g["metadata"]["name"], "namespace": g["metadata"]["namespace"],
+                              "spec": g.get("spec", {}),
+                              "annotations": g["metadata"].get("annotations") or {}}
+        try:
+            cm = self.core.read_namespaced_config_map(envelope_configmap_name(pg_name), namespace)
+            view.configmap = {"name": cm.metadata.name, "namespace": cm.metadata.namespace,
+                              "data": dict(cm.data or {})}
+        except Exception as exc:  # noqa: BLE001 - 404: the job was deployed without our ConfigMap
+            if _api_status(exc) != 404:
+                raise
+        return view
+
+    def execute(self, action: Action) -> ActionResult:
+        try:
+            if action.kind == "Node":
+                self.core.patch_node(action.name, dict(action.body))
+            elif action.kind == "Event":
+                self.core.create_namespaced_event(action.namespace, dict(action.body))
+            elif action.kind == "Pod":
+                self.core.create_namespaced_pod_eviction(action.name, action.namespace, dict(action.body))
+            elif action.kind == "PodGroup":
+                self.custom.patch_namespaced_custom_object(
+                    "scheduling.run.ai", "v2alpha2", action.namespace, "podgroups", action.name,
+                    dict(action.body))
+            elif action.kind == "ConfigMap":
+                self.core.patch_namespaced_config_map(action.name, action.namespace, dict(action.body))
+            else:
+                return ActionResult("error", f"unknown kind {action.kind}")
+        except Exception as exc:  # noqa: BLE001 - ApiException: classify by HTTP status
+            status = _api_status(exc)
+            if status == 409:
+                return ActionResult("exists")
+            if status == 404 and action.kind in ("Pod", "ConfigMap"):
+                return ActionResult("gone")
+            if status == 429:
+                return ActionResult("blocked", _reason(exc) or "eviction refused (PodDisruptionBudget)")
+            if status is None:
+                raise
+            return ActionResult("error", f"HTTP {status}: {_reason(exc)}")
+        return ActionResult("ok")
+
+
+def _reason(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    try:
+        return str(json.loads(body).get("message", body)) if body else str(getattr(exc, "reason", ""))
+    except (TypeError, ValueError):
+        return str(body)
+
+
+# ---- the consumer ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    command: Command
+    acked: set[str] = field(default_factory=set)  # statuses already acked
+
+
+class KubeConsumer:
+    """Lifecycle and bookkeeping around `decide` (see the module docstring).
+
+    In-process API: `on_command`, `on_ack`, `on_operator`, `tick` each return the acks to
+    publish. `run` drives it from a transport (`fleetwise.training.transport.KafkaTransport`
+    or `BusTransport`): commands from `fleetwise.commands.kube`, acks from `fleetwise.acks`,
+    operator returns from `fleetwise.operator`.
+    """
+
+    def __init__(self, api: Api, keyring: Keyring | None = None, *, namespace: str = "default",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.api = api
+        self.keyring = keyring or Keyring()
+        self.namespace = namespace
+        self.clock = clock
+        self.done_acks: set[str] = set()  # ids with a `done` ack seen (anyone's)
+        self.finished: set[str] = set()  # ids this consumer completed (fast duplicate path)
+        self.pending: dict[str, _Pending] = {}
+        self.last_seq: dict[str, int] = {}
+        self.log: list[str] = []
+
+    # -- acks ------------------------------------------------------------------------------
+    def _ack(self, command: Command, status: str, detail: str = "",
+             result: Mapping[str, Any] | None = None) -> Ack:
+        return Ack(command_id=command.id, ts=self.clock(), job=command.job, node=command.node,
+                   gpu=command.gpu, by=BY, status=status,  # type: ignore[arg-type]
+                   detail=detail or None, result=dict(result or {}))
+
+    def _target_annotations(self, command: Command, view: ClusterView) -> Mapping[str, str]:
+        if command.type in ("resize", "migrate") or (command.type == "consolidate"
+                                                     and command.params.get("action") == "move"):
+            return (view.pod_group or {}).get("annotations", {})
+        return view.nodes.get(command.node or "", {}).get("annotations", {})
+
+    # -- inputs ----------------------------------------------------------------------------
+    def on_command(self, command: Command) -> list[Ack]:
+        """A command from `fleetwise.commands.kube`: duplicate? verified? then act or wait."""
+        if command.id in self.finished:
+            return [self._ack(command, "done", "duplicate")]
+        if command.id in self.pending:
+            return []  # already waiting on its requires: the same command again changes nothing
+        try:
+            view = self.api.view(command, self.namespace)
+        except Exception as exc:  # noqa: BLE001 - the cluster did not answer: the command failed
+            return [self._ack(command, "failed", f"cannot read the cluster: {exc}")]
+        if command_phase(self._target_annotations(command, view), command.id) == "done":
+            self.finished.add(command.id)
+            return [self._ack(command, "done", "duplicate")]
+        scope = command.job
+        verdict = verify_command(command, self.keyring, now=self.clock(),
+                                 last_seq=self.last_seq.get(scope) if scope else None)
+        if not verdict:
+            return [self._ack(command, "rejected", verdict.reason)]
+        if command.type not in KUBE_TYPES:
+            return [self._ack(command, "rejected", f"type {command.type!r} is not for the kube consumer")]
+        if command.dry_run:
+            decision = decide(command, view, done_ids=self.done_acks | set(command.requires),
+                              now=self.clock())
+            return [self._ack(command, "rejected", "dry run: not applied",
+                              {"actions": [a.describe() for a in decision.actions + decision.finish]})]
+        if scope and command.seq is not None:
+            self.last_seq[scope] = command.seq
+        self.pending[command.id] = _Pending(command)
+        return self._advance(command.id, view)
+
+    def on_ack(self, ack: Ack) -> list[Ack]:
+        """An ack on `fleetwise.acks`: a `done` may release commands waiting on `requires`."""
+        if ack.status != "done" or ack.command_id in self.done_acks:
+            return []
+        self.done_acks.add(ack.command_id)
+        out: list[Ack] = []
+        for cid, p in list(self.pending.items()):
+            if ack.command_id in p.command.requires:
+                out += self._advance(cid)
+        return out
+
+    def on_operator(self, op: OperatorAction) -> list[Ack]:
+        """An operator's GPU return: untaint / uncordon when nothing of the node is drained."""
+        if op.action != "return_gpu" or op.node is None:
+            return []
+        cid = f"return_gpu:{op.node}:{op.gpu}:{op.ts:.3f}"
+        ref = Command(id=cid, type="drain", ts=op.ts, node=op.node, gpu=op.gpu,
+                      reason=op.reason or "returned")
+        if cid in self.finished:
+            return [self._ack(ref, "done", "duplicate")]
+        try:
+            view = self.api.view(None, self.namespace, [op.node])
+            decision = decide_return(op.node, op.gpu, view, op.reason or f"returned by {op.by}")
+        except Exception as exc:  # noqa: BLE001
+            return [self._ack(ref, "failed", f"cannot read the cluster: {exc}")]
+        if decision.error:
+            return [self._ack(ref, "failed", decision.error)]
+        failed = self._execute(decision.actions + decision.finish)
+        if failed:
+            return [self._ack(ref, "failed", failed)]
+        self.finished.add(cid)
+        calls = [a.describe() for a in decision.actions + decision.finish]
+        return [self._ack(ref, "done", decision.detail, {"actions": calls})]
+
+    def tick(self) -> list[Ack]:
+        """Retry what waits on the cluster (an eviction a PodDisruptionBudget refused)."""
+        out: list[Ack] = []
+        for cid, p in list(self.pending.items()):
+            if not [r for r in p.command.requires if r not in self.done_acks]:
+                out += self._advance(cid)
+        return out
+
+    # -- the work --------------------------------------------------------------------------
+    def _execute(self, actions: Sequence[Action]) -> str | None:
+        """Run actions in order; the first error (as text) stops them. Blocked evictions: 'blocked:'."""
+        blocked: list[str] = []
+        for action in actions:
+            result = self.api.execute(action)
+            self.log.append(f"{result.status}: {action.describe()}")
+            if result.status == "blocked":
+                blocked.append(f"{action.name}: {result.detail}")
+            elif result.status == "error":
+                return f"{action.verb} {action.kind} {action.name}: {result.detail}"
+        return ("blocked: " + "; ".join(blocked)) if blocked else None
+
+    def _advance(self, cid: str, view: ClusterView | None = None) -> list[Ack]:
+        p = self.pending[cid]
+        cmd = p.command
+        try:
+            view = view or self.api.view(cmd, self.namespace)
+        except Exception as exc:  # noqa: BLE001
+            return [self._ack(cmd, "failed", f"cannot read the cluster: {exc}")]
+        decision = decide(cmd, view, done_ids=self.done_acks, now=self.clock())
+        if decision.error:
+            del self.pending[cid]
+            return [self._ack(cmd, "failed", decision.error)]
+        failed = self._execute(decision.actions)
+        if not failed and decision.finish:
+            failed = self._execute(decision.finish)
+        out: list[Ack] = []
+        actions = {"actions": [a.describe() for a in decision.actions + decision.finish]}
+        if failed and not failed.startswith("blocked: "):
+            del self.pending[cid]
+            return [self._ack(cmd, "failed", failed, actions)]
+        if failed:  # evictions refused: applied so far, retried on tick
+            if "blocked" not in p.acked:
+                p.acked.add("blocked")
+                out.append(self._ack(cmd, "applied", f"waiting: {failed[len('blocked: '):]}", actions))
+            return out
+        if decision.done:
+            del self.pending[cid]
+            self.finished.add(cid)
+            out.append(self._ack(cmd, "done", decision.detail, actions))
+        elif decision.actions and "applied" not in p.acked:
+            p.acked.add("applied")
+            out.append(self._ack(cmd, "applied", decision.detail, actions))
+        elif "received" not in p.acked and not p.acked:
+            p.acked.add("received")
+            out.append(self._ack(cmd, "received", decision.detail))
+        return out
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, transport: Any, stop: threading.Event | None = None, poll_s: float = 0.2,
+            max_s: float | None = None) -> None:
+        """Poll the command, ack and operator topics and publish acks until `stop` is set."""
+        from fleetwise.schemas import topics as T
+
+        stop = stop or threading.Event()
+        deadline = None if max_s is None else time.monotonic() + max_s
+        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            out: list[Ack] = []
+            for ack in transport.poll(T.ACKS.name):
+                out += self.on_ack(ack)
+            for cmd in transport.poll(T.COMMANDS_KUBE.name):
+                out += self.on_command(cmd)
+            for op in transport.poll(T.OPERATOR.name):
+                out += self.on_operator(op)
+            out += self.tick()
+            for ack in out:
+                transport.publish(T.ACKS.name, ack.job or ack.node or "-", ack)
+                if ack.status == "done":
+                    self.done_acks.add(ack.command_id)
+            stop.wait(poll_s)
