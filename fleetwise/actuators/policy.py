@@ -19,7 +19,7 @@ from typing import Any
 
 from fleetwise.actuators.config import PolicyConfig
 from fleetwise.actuators.consolidation import ConsolidationConfig, ConsolidationError, plan_consolidation
-from fleetwise.actuators.fleet import FleetState, GpuKey, PendingCommand
+from fleetwise.actuators.fleet import FINISHED, FleetState, GpuKey, PendingCommand
 from fleetwise.actuators.ids import command_id
 from fleetwise.actuators.moves import (
     UtilisationWindow,
@@ -44,6 +44,7 @@ DISRUPTIVE = frozenset({"drain", "resize", "migrate", "consolidate"})
 # Re-audit the same held-back decision (rail, target) at most this often: a flapping alert
 # re-raised every hop must not flood the audit topic.
 AUDIT_REPEAT_S = 3600.0
+KEEP_FINISHED_S = 86400.0
 
 
 def proportional_shares(weights: Sequence[float], total: int) -> list[int]:
@@ -236,6 +237,12 @@ class ActionPolicy:
         return signed
 
     def _expire(self, now: float) -> list[Record]:
+        # Finished commands are kept a day (a crash replay re-derives their ids and must find
+        # them), then dropped so the changelogged state stays bounded.
+        horizon = now - KEEP_FINISHED_S
+        self.fleet.commands = {cid: p for cid, p in self.fleet.commands.items()
+                               if p.status not in FINISHED or p.updated_ts >= horizon}
+        self._audited = {k: t for k, t in self._audited.items() if t >= now - AUDIT_REPEAT_S}
         out: list[Record] = []
         for p in self.fleet.expire(now):
             self.expired += 1
