@@ -909,6 +909,7 @@ class KubeConsumer:
         if decision.done:
             del self.pending[cid]
             self.finished.add(cid)
+            self.done_acks.add(cid)  # a later command may require this one
             out.append(self._ack(cmd, "done", decision.detail, actions))
         elif decision.actions and "applied" not in p.acked:
             p.acked.add("applied")

@@ -1,0 +1,437 @@
+"""The KAI-side consumer against a real Kubernetes API server (tests/kube_server.py): drain,
+resize, migrate, consolidate and return act on real objects; unsigned commands are refused;
+evictions wait for the checkpoint's done ack and respect PodDisruptionBudgets; a repeat or a
+restarted consumer changes nothing twice. One test drives it through a real Kafka broker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+
+import pytest
+
+from fleetwise.actuators import Keyring, sign
+from fleetwise.kube.consumer import (
+    ANN_COMMANDS,
+    DRAIN_TAINT,
+    HIBERNATE_LABEL,
+    ClientApi,
+    ClusterView,
+    DryRunApi,
+    KubeConsumer,
+    decide,
+    required_rbac,
+)
+from fleetwise.kube.render import render_plan
+from fleetwise.schemas import Ack, Command, OperatorAction, Plan, RankPlan
+
+KEYS = Keyring.parse("k1=test-secret-one-0123456789")
+NOW = 1_800_000_000.0
+PRODUCTS = {"h100-sxm": "NVIDIA-H100-80GB-HBM3", "b200": "NVIDIA-B200"}
+
+
+# ---- pure decisions (no cluster) --------------------------------------------------------------
+
+
+def _cmd(**kw) -> Command:
+    base = {"id": f"c-{uuid.uuid4().hex[:8]}", "ts": NOW, "reason": "test"}
+    return Command(**{**base, **kw})
+
+
+def _node(**kw) -> dict:
+    return {"labels": {}, "annotations": {}, "unschedulable": False, "taints": [], **kw}
+
+
+def test_decide_drain_cordons_at_once_and_evicts_only_after_requires():
+    view = ClusterView(nodes={"n1": _node()}, pods=[
+        {"name": "p1", "namespace": "ns", "node": "n1", "deleting": False},
+        {"name": "p2", "namespace": "ns", "node": "n2", "deleting": False}])
+    cmd = _cmd(type="drain", job="j", node="n1", gpu=2, requires=["ckpt"])
+    d = decide(cmd, view, done_ids=[])
+    assert d.waiting == ["ckpt"] and not d.done
+    assert [a.verb for a in d.actions] == ["create", "patch"]  # event, then cordon + taint
+    assert d.actions[1].body["spec"]["unschedulable"] is True
+    assert d.actions[1].body["spec"]["taints"][0]["key"] == DRAIN_TAINT
+    d = decide(cmd, view, done_ids=["ckpt"])
+    evicted = [a.name for a in d.actions if a.verb == "evict"]
+    assert evicted == ["p1"] and d.done  # only the job's pod on the drained node
+    assert d.finish and "done" in d.finish[0].body["metadata"]["annotations"][ANN_COMMANDS]
+
+
+def test_decide_refuses_what_it_cannot_do():
+    assert "no node" in decide(_cmd(type="drain"), ClusterView()).error
+    assert "not found" in decide(_cmd(type="drain", node="ghost"), ClusterView()).error
+    assert "not a Kubernetes command" in decide(_cmd(type="rebalance", job="j"), ClusterView()).error
+    assert "no PodGroup" in decide(_cmd(type="resize", job="j"), ClusterView()).error
+    bad = _cmd(type="consolidate", node="n1", params={"action": "nap"})
+    assert "params.action" in decide(bad, ClusterView(nodes={"n1": _node()})).error
+
+
+def test_required_rbac_is_least_privilege():
+    verbs = {(r["apiGroups"][0], res): set(r["verbs"]) for r in required_rbac() for res in r["resources"]}
+    assert verbs[("", "pods/eviction")] == {"create"}
+    assert verbs[("", "pods")] == {"list"}  # never delete: pods leave through the Eviction API
+    assert all("delete" not in v and "*" not in v for v in verbs.values())
+
+
+def test_dry_run_prints_calls_and_plays_them_once():
+    lines: list[str] = []
+    consumer = KubeConsumer(DryRunApi(out=lines.append), KEYS, clock=lambda: NOW)
+    drain = sign(_cmd(type="drain", job="llm", node="n1", gpu=0, requires=["ck"]), KEYS)
+    assert [a.status for a in consumer.on_command(drain)] == ["applied"]
+    assert [a.status for a in consumer.on_ack(Ack(command_id="ck", ts=NOW, by="training-plugin",
+                                                  status="done"))] == ["done"]
+    assert sum("PATCH /api/v1/nodes/n1" in line and "unschedulable" in line for line in lines) == 1
+    assert sum("/eviction" in line for line in lines) == 1
+
+
+# ---- against the API server ------------------------------------------------------------------
+
+
+def _plan(nodes: dict[str, str], gpus_per_node: int = 8) -> Plan:
+    """One data-parallel replica per GPU over the given {node: gpu model}."""
+    ranks = []
+    for node, model in nodes.items():
+        for g in range(gpus_per_node):
+            r = len(ranks)
+            ranks.append(RankPlan(rank=r, node=node, gpu=g, model=model, capability_tflops=900.0,
+                                  micro_batch=2, num_micro_batches=1, stage=0, layers=(0, 31), dp_rank=r,
+                                  tp_rank=0, memory_gb=40, memory_capacity_gb=80))
+    return Plan(job="job", dp=len(ranks), tp=1, pp=1, zero_stage=1, global_batch=2 * len(ranks), seq_len=2048,
+                predicted_step_s=1.0, tokens_per_s=1.0, mfu=0.4, ranks=ranks)
+
+
+class Cluster:
+    """Nodes (API objects with GFD labels and GPU capacity) and a job's rendered objects."""
+
+    def __init__(self, kube, namespace: str) -> None:
+        from kubernetes import client
+
+        self.kube = kube
+        self.ns = namespace
+        self.core = client.CoreV1Api(kube.api_client())
+        self.custom = client.CustomObjectsApi(kube.api_client())
+        self.policy = client.PolicyV1Api(kube.api_client())
+        self.prefix = f"fw{uuid.uuid4().hex[:6]}"
+        self.nodes: list[str] = []
+
+    def node_name(self, i: int) -> str:
+        return f"{self.prefix}-n{i}"
+
+    def add_nodes(self, models: list[str]) -> dict[str, str]:
+        out = {}
+        for i, model in enumerate(models):
+            name = self.node_name(i)
+            resources = {"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi", "pods": "110"}
+            labels = {"nvidia.com/gpu.product": PRODUCTS[model], "nvidia.com/gpu.count": "8",
+                      "kubernetes.io/hostname": name}
+            self.core.create_node({"metadata": {"name": name, "labels": labels},
+                                   "status": {"capacity": resources, "allocatable": resources}})
+            self.nodes.append(name)
+            out[name] = model
+        return out
+
+    def deploy(self, job: str, nodes: dict[str, str]) -> list[dict]:
+        """The job's rendered objects, each pod bound to its node as a scheduler would."""
+        objects = render_plan(_plan(nodes), job, "team-a", namespace=self.ns)
+        by_product = {PRODUCTS[m]: [n for n, mm in nodes.items() if mm == m] for m in set(nodes.values())}
+        for o in objects:
+            if o["kind"] == "Pod":
+                o["spec"]["nodeName"] = by_product[o["spec"]["nodeSelector"]["nvidia.com/gpu.product"]].pop(0)
+        self.kube.apply(objects)
+        return objects
+
+    def node(self, name: str):
+        return self.core.read_node(name)
+
+    def pods(self, job: str) -> dict[str, object]:
+        return {p.metadata.name: p for p in self.core.list_namespaced_pod(
+            self.ns, label_selector=f"fleetwise.io/job={job}").items}
+
+    def pod_group(self, job: str) -> dict:
+        return self.custom.get_namespaced_custom_object("scheduling.run.ai", "v2alpha2", self.ns,
+                                                        "podgroups", job)
+
+    def cleanup(self) -> None:
+        for n in self.nodes:
+            with contextlib.suppress(Exception):  # best effort
+                self.core.delete_node(n)
+
+
+@pytest.fixture
+def cluster(kube_api, kube_crds, kube_namespace):
+    c = Cluster(kube_api, kube_namespace)
+    yield c
+    c.cleanup()
+
+
+def _consumer(cluster: Cluster, api=None) -> KubeConsumer:
+    return KubeConsumer(api or ClientApi(cluster.kube.api_client()), KEYS, namespace=cluster.ns,
+                        clock=lambda: NOW)
+
+
+def _statuses(acks: list[Ack]) -> list[tuple[str, str | None]]:
+    return [(a.status, a.detail) for a in acks]
+
+
+def _taints(node) -> dict[str, str]:
+    return {t.key: t.value for t in (node.spec.taints or [])}
+
+
+def _events(cluster: Cluster, node: str) -> list:
+    return [e for e in cluster.core.list_namespaced_event("default").items
+            if e.involved_object.name == node and e.reason == "FleetwiseDrain"]
+
+
+def test_drain_waits_for_the_checkpoint_then_evicts_and_is_idempotent(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "b200"])
+    cluster.deploy("llm", nodes)
+    target = cluster.node_name(1)
+    ckpt = "checkpoint-1"
+    drain = sign(_cmd(type="drain", job="llm", node=target, gpu=3, reason="XID 79: GPU fell off the bus",
+                      requires=[ckpt]), KEYS)
+    consumer = _consumer(cluster)
+    acks = consumer.on_command(drain)
+    assert [a.status for a in acks] == ["applied"] and all(a.by == "kube-consumer" for a in acks)
+    node = cluster.node(target)
+    assert node.spec.unschedulable is True
+    assert _taints(node)[DRAIN_TAINT].startswith("XID-79")
+    assert len(_events(cluster, target)) == 1 and "XID 79" in _events(cluster, target)[0].message
+    # Not evicted before the training side acked its checkpoint.
+    assert all(p.metadata.deletion_timestamp is None for p in cluster.pods("llm").values())
+    assert consumer.tick() == []
+    other = consumer.on_ack(Ack(command_id="unrelated", ts=NOW, by="training-plugin", status="done"))
+    assert other == [] and all(p.metadata.deletion_timestamp is None for p in cluster.pods("llm").values())
+
+    acks = consumer.on_ack(Ack(command_id=ckpt, ts=NOW, by="training-plugin", status="done"))
+    assert [a.status for a in acks] == ["done"]
+    pods = cluster.pods("llm")
+    leaving = {n for n, p in pods.items() if p.spec.node_name == target}
+    assert leaving and all(pods[n].metadata.deletion_timestamp is not None for n in leaving)
+    assert all(p.metadata.deletion_timestamp is None for n, p in pods.items() if n not in leaving)
+    pg = cluster.pod_group("llm")
+    assert pg["spec"]["minMember"] == 2  # 3 pods, one let go: KAI keeps the rest of the gang
+    assert {s["name"]: s["minMember"] for s in pg["spec"]["subGroups"]} == {"h100-sxm": 1, "b200": 1}
+
+    # The same command again: a duplicate, nothing changes (this consumer, and a restarted one).
+    assert _statuses(consumer.on_command(drain)) == [("done", "duplicate")]
+    assert _statuses(_consumer(cluster).on_command(drain)) == [("done", "duplicate")]
+    assert len(_events(cluster, target)) == 1
+    assert cluster.pod_group("llm")["spec"]["minMember"] == 2
+
+    # A return of the GPU: untainted and uncordoned.
+    acks = consumer.on_operator(OperatorAction(ts=NOW + 60, action="return_gpu", node=target, gpu=3))
+    assert [a.status for a in acks] == ["done"]
+    node = cluster.node(target)
+    assert not node.spec.unschedulable and DRAIN_TAINT not in _taints(node)
+
+
+def test_restarted_consumer_resumes_a_drain_from_the_cluster(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
+    cluster.deploy("resume", nodes)
+    target = cluster.node_name(0)
+    drain = sign(_cmd(type="drain", job="resume", node=target, gpu=0, requires=["ck-r"]), KEYS)
+    assert [a.status for a in _consumer(cluster).on_command(drain)] == ["applied"]
+    # The first consumer dies. A new one reads the topics again: the command, then the ack.
+    fresh = _consumer(cluster)
+    acks = fresh.on_command(drain)
+    assert [a.status for a in acks] == ["applied"]  # known on the node as applied, not done
+    assert [a.status for a in fresh.on_ack(Ack(command_id="ck-r", ts=NOW, by="training-plugin",
+                                               status="done"))] == ["done"]
+    assert len(_events(cluster, target)) == 1  # not recorded twice
+    assert json.loads(cluster.node(target).metadata.annotations[ANN_COMMANDS])[drain.id] == "done"
+
+
+def test_unsigned_and_forged_commands_are_refused_and_change_nothing(cluster):
+    (target,) = cluster.add_nodes(["b200"])
+    consumer = _consumer(cluster)
+    unsigned = _cmd(type="drain", node=target)
+    (ack,) = consumer.on_command(unsigned)
+    assert ack.status == "rejected" and "unsigned" in ack.detail
+    forged = sign(_cmd(type="drain", node=target), Keyring.parse("k1=not-the-key-0123456789abcdef"))
+    (ack,) = consumer.on_command(forged)
+    assert ack.status == "rejected" and "bad signature" in ack.detail
+    node = cluster.node(target)
+    assert not node.spec.unschedulable and DRAIN_TAINT not in _taints(node)
+    assert not (node.metadata.annotations or {}).get(ANN_COMMANDS)
+
+
+def test_eviction_respects_a_pod_disruption_budget(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
+    cluster.deploy("pdb", nodes)
+    cluster.policy.create_namespaced_pod_disruption_budget(cluster.ns, {
+        "metadata": {"name": "pdb"},
+        "spec": {"minAvailable": 2, "selector": {"matchLabels": {"fleetwise.io/job": "pdb"}}}})
+    # The disruption controller (kube-controller-manager) fills the PDB's status; without it
+    # the API server treats the budget as not yet computed and refuses evictions all the same.
+    target = cluster.node_name(0)
+    consumer = _consumer(cluster)
+    drain = sign(_cmd(type="drain", job="pdb", node=target, gpu=0), KEYS)
+    acks = consumer.on_command(drain)
+    assert [a.status for a in acks] == ["applied"] and "waiting" in acks[0].detail
+    assert all(p.metadata.deletion_timestamp is None for p in cluster.pods("pdb").values())
+    assert consumer.tick() == []  # still refused; acked once
+    cluster.policy.delete_namespaced_pod_disruption_budget("pdb", cluster.ns)
+    deadline = time.monotonic() + 20
+    acks = []
+    while not acks and time.monotonic() < deadline:
+        acks = consumer.tick()
+        time.sleep(0.2)
+    assert [a.status for a in acks] == ["done"]
+    pods = cluster.pods("pdb")
+    assert any(p.metadata.deletion_timestamp is not None for p in pods.values() if p.spec.node_name == target)
+
+
+def test_resize_updates_the_gang_and_the_envelope(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "b200", "b200"])
+    cluster.deploy("rs", nodes)
+    gone = cluster.node_name(1)
+    resize = sign(_cmd(type="resize", job="rs", node=gone, seq=1, params={
+        "world_size": 24, "leave": [[gone, g] for g in range(8)], "join": [],
+        "samples": {str(i): 2 for i in range(24)}}), KEYS)
+    consumer = _consumer(cluster)
+    assert [a.status for a in consumer.on_command(resize)] == ["done"]
+    pg = cluster.pod_group("rs")
+    assert pg["spec"]["minMember"] == 3
+    assert {s["name"]: s["minMember"] for s in pg["spec"]["subGroups"]} == {"h100-sxm": 1, "b200": 2}
+    assert pg["metadata"]["annotations"]["fleetwise.io/world-size"] == "24"
+    cm = cluster.core.read_namespaced_config_map("rs-fleetwise", cluster.ns)
+    assert json.loads(cm.data["resize.json"])["world_size"] == 24
+    # The node comes back: the gang grows again.
+    grow = sign(_cmd(type="resize", job="rs", node=gone, seq=2, params={
+        "world_size": 32, "join": [[gone, g] for g in range(8)]}), KEYS)
+    assert [a.status for a in consumer.on_command(grow)] == ["done"]
+    assert cluster.pod_group("rs")["spec"]["minMember"] == 4
+    # A replayed older command is out of sequence.
+    older = sign(_cmd(type="resize", job="rs", seq=1, params={"world_size": 8}), KEYS)
+    (ack,) = consumer.on_command(older)
+    assert ack.status == "rejected" and "out of sequence" in ack.detail
+
+
+def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
+    cluster.deploy("mg", nodes)
+    consumer = _consumer(cluster)
+    snap = sign(_cmd(type="migrate", job="mg",
+                     params={"phase": "snapshot", "checkpoint_uri": "s3://c/1"}), KEYS)
+    assert [a.status for a in consumer.on_command(snap)] == ["done"]
+    restore = sign(_cmd(type="migrate", job="mg", requires=[snap.id], params={
+        "phase": "restore", "checkpoint_uri": "s3://c/1",
+        "destination": {"gpu_product": "NVIDIA-B200", "pods": 1, "gpus_per_pod": 8,
+                        "subgroup": "b200"}}), KEYS)
+    assert [a.status for a in consumer.on_command(restore)] == ["done"]  # its requirement is done
+    pg = cluster.pod_group("mg")
+    assert json.loads(pg["metadata"]["annotations"]["fleetwise.io/migration"])["phase"] == "restore"
+    assert pg["spec"]["subGroups"] == [{"name": "b200", "minMember": 1}] and pg["spec"]["minMember"] == 1
+    cm = cluster.core.read_namespaced_config_map("mg-fleetwise", cluster.ns)
+    assert json.loads(cm.data["migration.json"])["checkpoint_uri"] == "s3://c/1"
+
+
+def test_consolidate_hibernates_after_the_moves_and_wakes_when_work_returns(cluster):
+    (node,) = cluster.add_nodes(["h100-sxm"])
+    consumer = _consumer(cluster)
+    hibernate = sign(_cmd(type="consolidate", node=node, requires=["move-1"],
+                          params={"action": "hibernate", "gpus": list(range(8))}), KEYS)
+    assert [a.status for a in consumer.on_command(hibernate)] == ["received"]
+    assert HIBERNATE_LABEL not in (cluster.node(node).metadata.labels or {})  # moves not done yet
+    assert [a.status for a in consumer.on_ack(Ack(command_id="move-1", ts=NOW, by="training-plugin",
+                                                  status="done"))] == ["done"]
+    n = cluster.node(node)
+    assert n.metadata.labels[HIBERNATE_LABEL] == "true" and n.spec.unschedulable is True
+    wake = sign(_cmd(type="consolidate", node=node, params={"action": "wake", "for": ["job-x"]}), KEYS)
+    assert [a.status for a in consumer.on_command(wake)] == ["done"]
+    n = cluster.node(node)
+    assert HIBERNATE_LABEL not in (n.metadata.labels or {}) and not n.spec.unschedulable
+
+
+def test_wake_does_not_uncordon_a_drained_node(cluster):
+    (node,) = cluster.add_nodes(["b200"])
+    consumer = _consumer(cluster)
+    assert [a.status for a in consumer.on_command(sign(_cmd(type="drain", node=node), KEYS))] == ["done"]
+    wake = sign(_cmd(type="consolidate", node=node, params={"action": "wake"}), KEYS)
+    assert [a.status for a in consumer.on_command(wake)] == ["done"]
+    assert cluster.node(node).spec.unschedulable is True  # a drain's cordon stays
+
+
+def test_least_privilege_role_suffices_for_a_drain(cluster):
+    """The consumer impersonates a user bound to `required_rbac()` only."""
+    from kubernetes import client
+
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
+    cluster.deploy("rbac", nodes)
+    rbac = client.RbacAuthorizationV1Api(cluster.kube.api_client())
+    name = f"{cluster.prefix}-consumer"
+    rbac.create_cluster_role({"metadata": {"name": name}, "rules": required_rbac()})
+    rbac.create_cluster_role_binding({"metadata": {"name": name}, "roleRef": {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "User", "name": name, "apiGroup": "rbac.authorization.k8s.io"}]})
+    try:
+        api_client = cluster.kube.api_client()
+        api_client.set_default_header("Impersonate-User", name)
+        consumer = _consumer(cluster, ClientApi(api_client))
+        drain = sign(_cmd(type="drain", job="rbac", node=cluster.node_name(0), gpu=1), KEYS)
+        assert [a.status for a in consumer.on_command(drain)] == ["done"]
+        # Anything else is forbidden to it.
+        from kubernetes.client.rest import ApiException
+
+        with pytest.raises(ApiException) as info:
+            client.CoreV1Api(api_client).delete_namespaced_pod("rbac-h100-sxm-1", cluster.ns)
+        assert info.value.status == 403
+    finally:
+        rbac.delete_cluster_role_binding(name)
+        rbac.delete_cluster_role(name)
+
+
+def test_dry_run_against_the_cluster_reads_but_does_not_write(cluster):
+    (node,) = cluster.add_nodes(["b200"])
+    lines: list[str] = []
+    consumer = _consumer(cluster, DryRunApi(reader=ClientApi(cluster.kube.api_client()), out=lines.append))
+    assert [a.status for a in consumer.on_command(sign(_cmd(type="drain", node=node), KEYS))] == ["done"]
+    assert any(line.startswith(f"PATCH /api/v1/nodes/{node}") for line in lines)
+    assert not cluster.node(node).spec.unschedulable
+
+
+# ---- through Kafka ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_consumer_over_kafka_acks_on_the_acks_topic(cluster, kafka_bootstrap):
+    from fleetwise.schemas import topics as T
+    from fleetwise.training.transport import KafkaTransport
+    from tests.kafka_broker import create_topic, delete_topics
+
+    prefix = f"t{uuid.uuid4().hex[:8]}."
+    names = [prefix + t.name for t in (T.COMMANDS_KUBE, T.ACKS, T.OPERATOR)]
+    for name in names:
+        await create_topic(kafka_bootstrap, name, partitions=1)
+    (node,) = cluster.add_nodes(["h100-sxm"])
+    consumer_side = KafkaTransport(kafka_bootstrap, prefix=prefix, from_beginning=True)
+    producer = KafkaTransport(kafka_bootstrap, prefix=prefix, from_beginning=True)
+    stop = threading.Event()
+    consumer = KubeConsumer(ClientApi(cluster.kube.api_client()), KEYS, namespace=cluster.ns)
+    worker = threading.Thread(target=consumer.run, args=(consumer_side, stop, 0.1), daemon=True)
+    worker.start()
+    try:
+        drain = sign(Command(id=f"kafka-{uuid.uuid4().hex[:6]}", type="drain", ts=time.time(), node=node,
+                             reason="over kafka"), KEYS)
+        unsigned = Command(id="kafka-unsigned", type="drain", ts=time.time(), node=node, reason="no")
+        producer.publish(T.COMMANDS_KUBE.name, node, drain)
+        producer.publish(T.COMMANDS_KUBE.name, node, unsigned)
+        seen: dict[str, Ack] = {}
+        deadline = time.monotonic() + 60
+        while len(seen) < 2 and time.monotonic() < deadline:
+            for ack in producer.poll(T.ACKS.name):
+                seen[ack.command_id] = ack
+            time.sleep(0.2)
+        assert seen[drain.id].status == "done" and seen[drain.id].by == "kube-consumer"
+        assert seen["kafka-unsigned"].status == "rejected"
+        assert cluster.node(node).spec.unschedulable is True
+    finally:
+        stop.set()
+        worker.join(10)
+        consumer_side.close()
+        producer.close()
+        await delete_topics(kafka_bootstrap, names)
