@@ -175,10 +175,9 @@ def scraped_fleet(kafka_bootstrap: str, prometheus_dir: Path, tmp_path: Path) ->
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
             "scrape_configs": [
-                {"job_name": "fleetwise-worker",
-                 "static_configs": [{"targets": [f"127.0.0.1:{worker_port}"], "labels": {"component": "worker"}}]},
-                {"job_name": "fleetwise-agent",
-                 "static_configs": [{"targets": [f"127.0.0.1:{agent_port}"], "labels": {"component": "agent"}}]},
+                {"job_name": f"fleetwise-{component}",
+                 "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"component": component}}]}
+                for component, port in (("worker", worker_port), ("agent", agent_port))
             ],
         }
         config_path = tmp_path / "prometheus.yml"
