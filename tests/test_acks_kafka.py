@@ -1,0 +1,82 @@
+"""The command lifecycle through the real worker and broker: a fatal XID gives a checkpoint; the
+drain comes only after the checkpoint's `done` ack arrives on fleetwise.acks; the resize after
+the drain's; every command also reaches the audit topic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_streams_kafka import (  # noqa: F401 - `namespace` is a fixture
+    START_TS,
+    TICK_S,
+    encode,
+    namespace,
+    node_batches,
+    on,
+    produce,
+)
+
+from fleetwise.actuators import Keyring, verify_command
+from fleetwise.schemas import Ack, Command
+from fleetwise.schemas import topics as T
+from fleetwise.streams.kafka_io import consume_until, produce_records, record_key, topic_name
+
+BAD_GPU = ("node-001", 1)
+
+
+def xid_batches() -> list[bytes]:
+    """Two nodes of a job; node-001/gpu1 reports fatal memory XID 48 from tick 15 on."""
+    batches = node_batches(2, 2, 200, seed=1)
+    for b in batches:
+        for s in b["samples"]:
+            s["job"], s["rank"] = "llm", int(s["node"][-1]) * 2 + s["gpu"]
+            bad = (s["node"], s["gpu"]) == BAD_GPU and s["ts"] >= START_TS + 15 * TICK_S
+            s["metrics"]["DCGM_FI_DEV_XID_ERRORS"] = 48 if bad else 0
+    return [encode(b) for b in batches]
+
+
+async def commands_until(bootstrap: str, prefix: str, want: str, worker, timeout_s: float = 90) -> list[Command]:
+    topics = [topic_name(T.COMMANDS_TRAINING, prefix), topic_name(T.COMMANDS_KUBE, prefix)]
+    try:
+        got = await consume_until(
+            bootstrap, topics, timeout_s=timeout_s,
+            until=lambda ms: worker.check_alive() and any(json.loads(m.value)["type"] == want for m in ms))
+    except TimeoutError as exc:
+        pytest.fail(f"no {want} command: {exc}\n{worker.log_tail()}")
+    return [Command.model_validate_json(m.value) for m in got]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(kafka_bootstrap: str, namespace):
+    prefix, new_worker = namespace
+    worker = new_worker().start()
+    await produce(kafka_bootstrap, prefix, xid_batches())
+    first = await commands_until(kafka_bootstrap, prefix, "checkpoint", worker)
+    assert {c.type for c in first} == {"checkpoint"}  # no drain before the checkpoint is acked
+    checkpoint = first[0]
+    assert (checkpoint.node, checkpoint.gpu) == BAD_GPU and checkpoint.job == "llm" and checkpoint.seq == 1
+    assert verify_command(checkpoint, Keyring(), now=checkpoint.ts, job="llm")
+
+    ack = Ack(command_id=checkpoint.id, ts=checkpoint.ts + 20, job="llm", by="training-plugin",
+              status="done", step=120, result={"checkpoint_uri": "file:///ckpt/120", "step": 120})
+    await produce_records(kafka_bootstrap, topic_name(T.ACKS, prefix), [ack], key=record_key)
+    got = await commands_until(kafka_bootstrap, prefix, "drain", worker)
+    drains = [c for c in got if c.type == "drain"]
+    # one drain, on both command topics (the rank leaves; the GPU is cordoned)
+    assert {c.id for c in drains} == {drains[0].id} and len(drains) == 2
+    drain = drains[0]
+    assert drain.requires == [checkpoint.id] and drain.seq == 2 and (drain.node, drain.gpu) == BAD_GPU
+    assert sum(1 for c in got if c.type == "checkpoint") == 1  # the alert, still raised, asks nothing new
+
+    done = Ack(command_id=drain.id, ts=drain.ts + 30, job="llm", gpu=1, node="node-001",
+               by="kube-consumer", status="done")
+    await produce_records(kafka_bootstrap, topic_name(T.ACKS, prefix), [done], key=record_key)
+    got = await commands_until(kafka_bootstrap, prefix, "resize", worker)
+    resize = next(c for c in got if c.type == "resize")
+    assert resize.params["leave"] == [list(BAD_GPU)] and resize.requires == [] and resize.seq == 3
+    audit = await consume_until(kafka_bootstrap, [topic_name(T.AUDIT, prefix)], timeout_s=10,
+                                until=lambda ms: len(ms) >= 3)
+    assert [json.loads(m.value)["type"] for m in on(T.AUDIT, prefix, audit)][:3] == [
+        "checkpoint", "drain", "resize"]
