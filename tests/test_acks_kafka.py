@@ -36,7 +36,8 @@ def xid_batches() -> list[bytes]:
     return [encode(b) for b in batches]
 
 
-async def commands_until(bootstrap: str, prefix: str, want: str, worker, timeout_s: float = 90) -> list[Command]:
+async def commands_until(bootstrap: str, prefix: str, want: str, worker,
+                         timeout_s: float = 90) -> list[Command]:
     topics = [topic_name(T.COMMANDS_TRAINING, prefix), topic_name(T.COMMANDS_KUBE, prefix)]
     try:
         got = await consume_until(
@@ -49,7 +50,9 @@ async def commands_until(bootstrap: str, prefix: str, want: str, worker, timeout
 
 @pytest.mark.kafka
 @pytest.mark.slow
-async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(kafka_bootstrap: str, namespace):
+async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(
+    kafka_bootstrap: str, namespace,  # noqa: F811 - the fixture imported above
+):
     prefix, new_worker = namespace
     worker = new_worker().start()
     await produce(kafka_bootstrap, prefix, xid_batches())
