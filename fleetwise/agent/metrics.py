@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from fleetwise.streams.metrics import AGENT_BUFFERED, AGENT_DROPPED, start_metrics_server
+from fleetwise.streams.metrics import AGENT_BUFFERED, AGENT_DROPPED, AGENT_OVERSIZED, start_metrics_server
 
 SAMPLES_COLLECTED = Counter(
     "fleetwise_agent_samples_collected_total", "GPU samples the agent collected", ["agent"]
@@ -40,6 +40,7 @@ COLLECT_SECONDS = Histogram(
 )
 
 __all__ = [
-    "AGENT_BUFFERED", "AGENT_DROPPED", "BATCHES_COLLECTED", "BATCHES_SENT", "COLLECT_ERRORS",
+    "AGENT_BUFFERED", "AGENT_DROPPED", "AGENT_OVERSIZED",
+    "BATCHES_COLLECTED", "BATCHES_SENT", "COLLECT_ERRORS",
     "COLLECT_SECONDS", "INVENTORIES_SENT", "SAMPLES_COLLECTED", "SEND_ERRORS", "start_metrics_server",
 ]

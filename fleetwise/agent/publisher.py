@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aiokafka.errors import MessageSizeTooLargeError, RecordTooLargeError
+
 from fleetwise.agent import metrics
 from fleetwise.agent.buffer import DropOldestBuffer
 from fleetwise.schemas import NodeBatch, NodeInventory
@@ -54,6 +56,7 @@ class PublisherStats:
     samples_sent: int = 0
     inventories_sent: int = 0
     dropped: int = 0
+    oversized: int = 0  # refused as too large by the client or the broker: dropped, never retried
     send_errors: int = 0
     connect_errors: int = 0
     connects: int = 0
@@ -235,6 +238,9 @@ class BatchPublisher:
             headers = [(PRODUCED_AT_HEADER, repr(time.time()).encode())]
             try:
                 fut = await producer.send(item.topic, item.value, key=item.key, headers=headers)
+            except MessageSizeTooLargeError as exc:  # over max_request_size: never goes, whatever the broker
+                self._oversized(item, exc)
+                continue
             except Exception as exc:  # metadata timeout, closed connection: the rest fail too
                 log.debug("send failed: %r", exc)
                 failed.extend(items[n:])
@@ -242,6 +248,9 @@ class BatchPublisher:
             futures.append((item, fut))
         results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True) if futures else []
         for (item, _), result in zip(futures, results, strict=True):
+            if isinstance(result, MessageSizeTooLargeError | RecordTooLargeError):
+                self._oversized(item, result)  # the broker's max.message.bytes: retrying cannot help
+                continue
             if isinstance(result, BaseException):
                 failed.append(item)
                 continue
@@ -253,6 +262,14 @@ class BatchPublisher:
                 self.stats.samples_sent += item.samples
                 metrics.BATCHES_SENT.labels(agent=self.agent).inc()
         return failed
+
+    def _oversized(self, item: Outgoing, exc: BaseException) -> None:
+        """A batch too large to ever be accepted: dropped and counted, so it does not block the
+        buffer behind it (it would be requeued and fail again forever)."""
+        self.stats.oversized += 1
+        metrics.AGENT_OVERSIZED.labels(node=self.agent).inc()
+        log.error("dropping a %d-byte message for %s: too large for the broker (%r)",
+                  len(item.value), item.topic, exc)
 
     def _outage(self, what: str, exc: BaseException | None) -> None:
         if self._outage_since is None:

@@ -65,6 +65,7 @@ from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
 from fleetwise.streams import metrics as M
 from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, client_security_from_env, topic_name
+from fleetwise.streams.limits import evict_idle
 from fleetwise.streams.pipeline import ControlPlane, Item, Routed
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,11 @@ SMALL_PROCESSOR_KEYS = 256
 # busy partitions can queue behind a fetch of idle ones. Kafka's Java consumer uses 500 ms;
 # an idle worker sends ~10 fetches/s at this value, a negligible load.
 FETCH_MAX_WAIT_MS = 100
+# A telemetry or steps message longer than this is dead-lettered undecoded. Kafka's default
+# message limit is 1 MiB; a dead letter keeps at most DEADLETTER_ORIGINAL_BYTES of the
+# original (base64 when binary: 4/3 of it), so a dead letter always fits under it.
+MAX_MESSAGE_BYTES = 512 * 1024
+DEADLETTER_ORIGINAL_BYTES = 64 * 1024
 ENTRY_MAGIC = b"FWS1"  # table entry: magic, u32 header length, JSON header, binary arrays
 # The same entry zlib-compressed (level 1): the windows' state arrays are mostly zeros and
 # repeats (16x smaller on the Kafka benchmark's fleet, for ~2.5 ms of CPU per MB; sending the
@@ -234,8 +240,15 @@ class StreamProcessor:
         state_buckets: int = STATE_BUCKETS,
         changelog: Callable[[int, str, bytes], Any] | None = None,
         send_many: SendMany | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_state_keys: int | None = None,
     ) -> None:
         self.control = control
+        # Limits (docs/streams.md, "Limits"): a message longer than this is dead-lettered
+        # undecoded (its original cut to `DEADLETTER_ORIGINAL_BYTES`); over `max_state_keys`
+        # GPUs in the feature windows, the longest idle in event time are evicted.
+        self.max_message_bytes = max_message_bytes
+        self.max_state_keys = max_state_keys
         self.table = table  # faust Table (uses .data and .send_changelog) or a stand-in
         # (partition, key, entry) -> None, or an awaitable giving a delivery future; the
         # default is faust's send_changelog (buffered, not awaited).
@@ -429,8 +442,22 @@ class StreamProcessor:
             kept.append(msg)
             produced.append(produced_at(msg))
         # One decode call for the whole batch (clean node batches in one msgspec call).
+        limit = self.max_message_bytes
+        big = [i for i, msg in enumerate(kept) if msg.value is not None and len(msg.value) > limit]
+        skip = set(big)
+        small = [msg for i, msg in enumerate(kept) if i not in skip] if big else kept
         decoded = self.control.decode_messages(
-            topic, [msg.value for msg in kept], [f"{msg.topic}:{msg.partition}:{msg.offset}" for msg in kept])
+            topic, [msg.value for msg in small],
+            [f"{msg.topic}:{msg.partition}:{msg.offset}" for msg in small])
+        for i in big:  # oversized: refused before decoding (a flood inside one message)
+            msg = kept[i]
+            decoded.insert(i, [self.control.dead_letter(
+                f"{msg.topic}:{msg.partition}:{msg.offset}",
+                f"message: {len(msg.value)} bytes is over the limit of {limit} bytes "
+                f"(original cut to its first {DEADLETTER_ORIGINAL_BYTES} bytes)",
+                msg.value[:DEADLETTER_ORIGINAL_BYTES])])
+        if topic in _KEYED_BY:
+            _check_keys(self.control, _KEYED_BY[topic], kept, decoded)
         if replays:
             for i, entry in replays.items():
                 decoded[i] = self._keep_replayed(decoded[i], entry, kept[i].offset)
@@ -448,6 +475,8 @@ class StreamProcessor:
         for partition, offset in last.items():
             applied[f"{topic}:{partition}"] = offset
         self._dirty.update(last)
+        if self.max_state_keys is not None and len(self.control.features.keys()) > self.max_state_keys:
+            self._evict()
 
         headers = [(INPUT_PRODUCED_AT_HEADER, repr(min(produced, default=0.0)).encode())]
         futures: list[Any] = []
@@ -470,6 +499,11 @@ class StreamProcessor:
                     futures.append(await self.send(name, key_bytes, value, headers))
         for (kind, label), n in decisions.items():  # one counter update per label per batch
             M.DECISIONS_OUT.labels(kind, label).inc(n)
+        if decisions.get(("deadletter", "deadletter")):
+            gate = T.TELEMETRY_GPU.name + "#"  # refused by the limits (`ControlPlane.gate`), after decoding
+            for _t, _k, record in routed:
+                if isinstance(record, DeadLetter) and record.source.startswith(gate):
+                    M.DEADLETTER.labels(M.reason_category(record.reason)).inc(getattr(record, "count", 1))
         # Latency (wall clock, measurement only) ends when the batch's outputs are acknowledged.
         if futures:
             done = asyncio.gather(*futures)
@@ -479,6 +513,18 @@ class StreamProcessor:
             _observe(topic, produced)
         M.BATCH_SIZE.labels(topic).observe(len(messages))
         return routed
+
+    def _evict(self) -> None:
+        """Evict the GPUs idle longest in event time down to 90% of `max_state_keys`; their
+        partitions are saved again without them (a GPU that comes back starts over)."""
+        evicted = evict_idle(self.control, int(self.max_state_keys * 0.9))  # type: ignore[operator]
+        for inner in evicted:
+            self._dirty.add(self.place(inner)[0])
+            self._full_place.pop(f"features:{inner}", None)
+            self._full_place.pop(f"failure:{inner}", None)
+        M.STATE_EVICTED.inc(len(evicted))
+        M.WINDOW_STATE_KEYS.set(len(self.control.features.keys()))
+        log.warning("state bound %d: evicted %d idle GPUs", self.max_state_keys, len(evicted))
 
     def _changed_small_keys(self) -> Iterable[str]:
         """Keys of small processors (other than the feature windows) whose state changed."""
@@ -596,6 +642,30 @@ class Snapshot(NamedTuple):
         """`offsets` of input `tp` split into (those the snapshot's state covers, the rest)."""
         upto = self.saved.get(tp, -1)
         return [o for o in offsets if o <= upto], [o for o in offsets if o > upto]
+
+
+_KEYED_BY = {T.TELEMETRY_GPU.name: "node", T.TELEMETRY_STEPS.name: "job"}
+_UNKEYED = object()
+
+
+def _check_keys(control: ControlPlane, field: str, messages: Sequence[Any],
+                decoded: list[list[Item]]) -> None:
+    """Dead-letter (in place) each message whose key is not the node (job) of its records:
+    the key chose its partition, and a key's state lives in the partition of its node (job),
+    so such a record would be applied where its state is not. A message without a key too."""
+    for i, (msg, items) in enumerate(zip(messages, decoded, strict=True)):
+        key = getattr(msg, "key", _UNKEYED)
+        if key is _UNKEYED:  # a stand-in message without keys (tests driving StreamProcessor)
+            continue
+        text = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
+        wrong = next((getattr(it, field) for it in items
+                      if not isinstance(it, DeadLetter) and getattr(it, field) != text), None)
+        if wrong is None:
+            continue
+        reason = (f"key: message has no key ({field} {wrong!r} expected)" if text is None else
+                  f"key: message key {text!r} differs from the payload's {field} {wrong!r}")
+        decoded[i] = [control.dead_letter(f"{msg.topic}:{msg.partition}:{msg.offset}", reason,
+                                          msg.value[:DEADLETTER_ORIGINAL_BYTES])]
 
 
 def _observe(topic: str, produced: Sequence[float]) -> None:
@@ -838,6 +908,8 @@ def make_app(
     commit_interval_s: float = 1.0,
     checkpoint_interval_s: float = 5.0,
     state_buckets: int = STATE_BUCKETS,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_state_keys: int | None = None,
     **settings: Any,
 ) -> faust.App:
     """The faust app: topics from the registry, the changelogged state table, the context
@@ -951,7 +1023,8 @@ def make_app(
 
     processor = StreamProcessor(control, table, send, topic_prefix=topic_prefix,
                                 state_partitions=state_partitions, state_buckets=state_buckets,
-                                changelog=changelog, send_many=send_many)
+                                changelog=changelog, send_many=send_many,
+                                max_message_bytes=max_message_bytes, max_state_keys=max_state_keys)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     state_topic = telemetry_topic.get_topic_name()  # co-partitioned with steps and the table
 

@@ -80,6 +80,15 @@ BREAKER_OPEN = Gauge(
     "fleetwise_breaker_open",
     "1 while the drain circuit breaker is open in this worker's policy, else 0",
 )
+STATE_EVICTED = Counter(
+    "fleetwise_state_evicted_keys_total",
+    "GPUs whose window state was evicted (idle longest in event time) to keep the worker under its bound",
+)
+AGENT_OVERSIZED = Counter(
+    "fleetwise_agent_oversized_total",
+    "node batches the agent dropped because the broker refused them as too large (never retried)",
+    ["node"],
+)
 AGENT_DROPPED = Counter(
     "fleetwise_agent_dropped_total",
     "node batches the agent dropped (oldest first) because its buffer was full",
@@ -94,6 +103,12 @@ AGENT_BUFFERED = Gauge(
 # Reason text is free-form (it names fields and values); metrics need a small, fixed label
 # set, so a reason is mapped to the first category whose pattern it matches.
 _REASON_CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # the limits (docs/streams.md, "Limits"): a flood, a unit mix-up, an oversized message, a
+    # message keyed by another node than its payload's
+    ("rate_limited", re.compile(r"^rate:")),
+    ("implausible", re.compile(r"outside the plausible range")),
+    ("oversized", re.compile(r"^message: \d+ bytes is over the limit")),
+    ("wrong_key", re.compile(r"^key:")),
     ("unknown_model", re.compile(r"unknown gpu|^model:", re.I)),
     ("not_json", re.compile(r"not valid json|expected a json object|empty message", re.I)),
     ("not_finite", re.compile(r"finite", re.I)),
