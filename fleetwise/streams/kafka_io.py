@@ -385,7 +385,11 @@ async def consume_until(
             "metadata_max_age_ms": 1000,
         }),
     )
-    await consumer.start()
+    try:
+        await consumer.start()
+    except BaseException:
+        await consumer.stop()  # a refused start (auth, ACLs) leaves nothing open behind
+        raise
     messages: list[Consumed] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
