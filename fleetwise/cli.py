@@ -960,9 +960,52 @@ def demo(
     report = out_dir / "report.html"
     _write_report(report, decisions, labels_path)
     _demo_actions(runtime, decisions, plan, inventories, trace, when)
+    _demo_kube(plan, decisions, out_dir)
     console.rule("[bold]Files")
     for path in (plan_png, trace, labels_path, decisions_path, report):
         console.print(f"  {path}")
+
+
+def _demo_kube(plan: Any, decisions: list, out_dir: Path) -> None:
+    """Kubernetes: the KAI objects for the demo job, and the KAI consumer's dry-run API calls
+    for the demo's drain (no cluster needed: `fleetwise kube consumer --dry-run`)."""
+    from rich.table import Table
+
+    from fleetwise.kube.consumer import DryRunApi, KubeConsumer
+    from fleetwise.kube.render import dump_yaml, render_plan
+    from fleetwise.schemas import Ack
+
+    console.rule(f"[bold]10. Kubernetes: KAI Scheduler objects for {plan.job}, and the drain as API calls")
+    objects = render_plan(plan, plan.job, "default")
+    path = out_dir / "kai-objects.yaml"
+    _write_output(path, dump_yaml(objects), "KAI objects")
+    pg = next(o for o in objects if o["kind"] == "PodGroup")
+    table = Table("kind", "name", "GPU product", "GPUs", title=f"kubectl apply -f {path}")
+    for o in objects:
+        spec = o.get("spec", {})
+        product = spec.get("nodeSelector", {}).get("nvidia.com/gpu.product", "")
+        gpus = spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] if o["kind"] == "Pod" else ""
+        table.add_row(o["kind"], o["metadata"]["name"], product, gpus)
+    console.print(table)
+    subgroups = ", ".join(f"{s['name']}={s['minMember']}" for s in pg["spec"]["subGroups"])
+    console.print(f"PodGroup {pg['metadata']['name']}: gang of {pg['spec']['minMember']} pods, subGroups "
+                  f"{subgroups}", highlight=False)
+    drain = next((d for d in decisions if d.kind == "command" and d.type == "drain" and d.job == plan.job),
+                 next((d for d in decisions if d.kind == "command" and d.type == "drain"), None))
+    if drain is None:
+        console.print("no drain in this replay: nothing for the KAI consumer to do")
+        return
+    calls: list[str] = []
+    consumer = KubeConsumer(DryRunApi(out=calls.append), clock=lambda: drain.ts)
+    acks = consumer.on_command(drain)
+    for cid in drain.requires:  # the training side's checkpoint is done: evictions may go
+        acks += consumer.on_ack(Ack(command_id=cid, ts=drain.ts, by="training-plugin", status="done"))
+    console.print(f"drain {drain.id} of {drain.node}/gpu{drain.gpu} ({drain.job or 'no job'}), dry run:",
+                  highlight=False)
+    for line in calls:
+        console.print(f"  {line[:400]}", highlight=False, soft_wrap=True)
+    console.print("acks: " + ", ".join(f"{a.status}" + (f" ({a.detail})" if a.detail else "") for a in acks),
+                  highlight=False)
 
 
 def _demo_actions(runtime: Any, decisions: list, plan: Any, inventories: list, trace: Path,
