@@ -328,7 +328,7 @@ random_secret() {  # 32 URL-safe characters
 
 # TLS material, passwords and client settings; files holding secrets are 0600.
 secure_prepare() {  # DIR
-  local dir="$1" u store_pass
+  local dir="$1" u
   command -v openssl >/dev/null || die "openssl is required for --secure"
   command -v python3 >/dev/null || die "python3 is required for --secure (readiness probe)"
   rm -rf "$dir/tls" "$dir/users" "$dir/env"
@@ -349,9 +349,8 @@ secure_prepare() {  # DIR
     openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
       -extfile broker.ext -out broker.pem >>openssl.log 2>&1
     random_secret >store.pass
-    store_pass=$(cat store.pass)
     openssl pkcs12 -export -in broker.pem -inkey broker.key -certfile ca.pem -name broker \
-      -out broker.p12 -passout "pass:${store_pass}" >>openssl.log 2>&1
+      -out broker.p12 -passout file:store.pass >>openssl.log 2>&1
     chmod 644 ca.pem
   ) || die "could not create the TLS material (see $dir/tls/openssl.log)"
   chmod 755 "$dir/tls"  # ca.pem is public; keys and store password are 0600
