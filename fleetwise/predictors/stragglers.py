@@ -523,7 +523,7 @@ class StragglerDetector:
             if judged:
                 preds.append(judged[0][1])
 
-        jw = self._job_wide(name, job, rows, row_states, ts)
+        jw = self._job_wide(name, job, rows, row_states, ts, own)
         if jw is not None:
             preds.append(jw)
         return out + preds if preds else out
@@ -851,17 +851,21 @@ class StragglerDetector:
 
     # ---- job-wide slowdowns ----
     def _job_wide(self, name: str, job: _JobState, rows: list[Any], row_states: list[_RankState],
-                  ts: float) -> Prediction | None:
+                  ts: float, own: tuple[float, str] | None = None) -> Prediction | None:
         cfg = self.config
         costs = [rs.cost for rs in row_states]
         if len(costs) < cfg.min_ranks:
             return None
         basis = "cap"
         if None in costs:
-            # A rank without a catalog speed: the job's median cost per sample instead (its own
-            # baseline starts over when the basis changes, e.g. once the ranks' models are learned).
-            basis = "raw"
-            costs = [row.compute_s / (row.samples or row.micro_batch or 1) for row in rows]
+            # A rank without a catalog speed: the job's drift instead (the median over its unknown
+            # ranks of cost per sample over own baseline: which generations report does not move
+            # it). The rolling baseline starts over when the basis changes (e.g. once the ranks'
+            # models are learned).
+            if own is None:
+                return None
+            basis = "own"
+            costs = [own[0]]
         jw = job.jobwide
         if jw.get("basis", "cap") != basis:
             jw["basis"] = basis
