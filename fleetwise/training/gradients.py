@@ -317,7 +317,10 @@ class TokenWeightedHookState(WeightedHookState):
         )
 
 
-def weighted_comm_hook(state: WeightedHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+# `bucket` (a dist.GradBucket) and the return (a torch.futures.Future[torch.Tensor]) carry no
+# annotations: DDP's _check_comm_hook compares annotations with the torch types by identity,
+# and this module's postponed (string) annotations would fail that check.
+def weighted_comm_hook(state: WeightedHookState, bucket):  # noqa: ANN001, ANN201
     """DDP communication hook: scale the bucket by local/global, SUM all-reduce, return its Future.
 
     `ddp.register_comm_hook(WeightedHookState(local_samples=n_i, global_samples=N), weighted_comm_hook)`.
