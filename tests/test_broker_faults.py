@@ -60,8 +60,14 @@ class OwnBroker:
         self.env = dict(os.environ, KAFKA_WATCH_PID=str(os.getpid()))
 
     def _sh(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(KAFKA_SH), *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            ["bash", str(KAFKA_SH), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
     def start(self) -> OwnBroker:
         proc = self._sh("start", str(self.dir))
@@ -93,14 +99,27 @@ class OwnBroker:
         so it recovers its logs after the unclean shutdown. Same JVM command as kafka.sh."""
         libs = self._sh("fetch").stdout.strip().splitlines()[-1]
         heap = os.environ.get("KAFKA_HEAP_OPTS", "-Xms128m -Xmx512m").split()
-        cmd = ["setsid", "java", *heap, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExitOnOutOfMemoryError",
-               "-XX:CICompilerCount=2", "-Djava.awt.headless=true", f"-Dkafka.logs.dir={self.dir}/logs",
-               f"-Dlog4j.configuration=file:{self.dir}/log4j.properties",
-               f"-Dlog4j2.configurationFile={self.dir}/log4j2.properties",
-               "-cp", f"{libs}/*", "kafka.Kafka", str(self.dir / "server.properties")]
+        cmd = [
+            "setsid",
+            "java",
+            *heap,
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError",
+            "-XX:CICompilerCount=2",
+            "-Djava.awt.headless=true",
+            f"-Dkafka.logs.dir={self.dir}/logs",
+            f"-Dlog4j.configuration=file:{self.dir}/log4j.properties",
+            f"-Dlog4j2.configurationFile={self.dir}/log4j2.properties",
+            "-cp",
+            f"{libs}/*",
+            "kafka.Kafka",
+            str(self.dir / "server.properties"),
+        ]
         with open(self.dir / "kafka.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=False)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=False
+            )
         (self.dir / "kafka.pid").write_text(f"{proc.pid}\n")
         deadline = time.monotonic() + timeout_s
         while not metadata_ok(self.bootstrap, timeout_s=2):
@@ -149,14 +168,31 @@ def batch_id(raw: bytes) -> tuple[str, float]:
     return d["node"], d["ts"]
 
 
-async def run_agents(bootstrap: str, prefix: str, batches: list[dict], nodes: int, *, tick_s: float,
-                     max_buffer: int, at_tick: dict[int, object]) -> list[RecordingPublisher]:
+async def run_agents(
+    bootstrap: str,
+    prefix: str,
+    batches: list[dict],
+    nodes: int,
+    *,
+    tick_s: float,
+    max_buffer: int,
+    at_tick: dict[int, object],
+) -> list[RecordingPublisher]:
     """One publisher per node, offering its batch of each tick every `tick_s` of wall time
     (collection never waits for the broker); `at_tick[k]` (a blocking callable) runs in a
     thread when tick k is reached, so collection goes on meanwhile. Waits for delivery."""
-    pubs = [RecordingPublisher(bootstrap, agent=f"fault-node-{n:03d}", max_buffer=max_buffer, topic_prefix=prefix,
-                               backoff_initial_s=0.1, backoff_max_s=0.5, request_timeout_ms=3000)
-            for n in range(nodes)]
+    pubs = [
+        RecordingPublisher(
+            bootstrap,
+            agent=f"fault-node-{n:03d}",
+            max_buffer=max_buffer,
+            topic_prefix=prefix,
+            backoff_initial_s=0.1,
+            backoff_max_s=0.5,
+            request_timeout_ms=3000,
+        )
+        for n in range(nodes)
+    ]
     for p in pubs:
         await p.start()
     loop = asyncio.get_running_loop()
@@ -175,7 +211,9 @@ async def run_agents(bootstrap: str, prefix: str, batches: list[dict], nodes: in
     return pubs
 
 
-def check_agent_accounting(pubs: list[RecordingPublisher], batches: list[dict], topic_ids: list[tuple]) -> int:
+def check_agent_accounting(
+    pubs: list[RecordingPublisher], batches: list[dict], topic_ids: list[tuple]
+) -> int:
     """Every offered batch acknowledged or dropped; drops == the counter; the topic holds
     every acknowledged batch and nothing that was not offered. Returns the drops."""
     from fleetwise.agent import metrics
@@ -222,8 +260,17 @@ async def read_all(bootstrap: str, topic: str, at_least: int, timeout_s: float =
     return await consume_until(bootstrap, [topic], until=lambda ms: len(ms) >= at_least, timeout_s=timeout_s)
 
 
-async def fault_scenario(broker: OwnBroker, tmp_path: Path, *, nodes: int, ticks: int, kill_at: int,
-                         down_s: float, workers: int = 1, rebalance: bool = False) -> None:
+async def fault_scenario(
+    broker: OwnBroker,
+    tmp_path: Path,
+    *,
+    nodes: int,
+    ticks: int,
+    kill_at: int,
+    down_s: float,
+    workers: int = 1,
+    rebalance: bool = False,
+) -> None:
     tag = uuid.uuid4().hex[:8]
     prefix = f"f{tag}."
     await ensure_topics(broker.bootstrap, prefix=prefix)
@@ -248,8 +295,9 @@ async def fault_scenario(broker: OwnBroker, tmp_path: Path, *, nodes: int, ticks
             time.sleep(down_s)
             broker.restart()
 
-        pubs = await run_agents(broker.bootstrap, prefix, batches, nodes, tick_s=0.05, max_buffer=30,
-                                at_tick={kill_at: outage})
+        pubs = await run_agents(
+            broker.bootstrap, prefix, batches, nodes, tick_s=0.05, max_buffer=30, at_tick={kill_at: outage}
+        )
         telemetry_topic = topic_name(T.TELEMETRY_GPU, prefix)
         acked = sum(len(p.acked) for p in pubs)
         msgs = await consume_until(broker.bootstrap, [telemetry_topic], idle_s=3, timeout_s=60)
@@ -264,12 +312,19 @@ async def fault_scenario(broker: OwnBroker, tmp_path: Path, *, nodes: int, ticks
         from tests.test_streams_kafka import explain_missing
 
         try:
-            got = await consume_until(broker.bootstrap, names, timeout_s=120,
-                                      until=lambda ms: all(w.check_alive() for w in pool)
-                                      and len(ids(ms)) >= len(want_f) + len(want_p))
+            got = await consume_until(
+                broker.bootstrap,
+                names,
+                timeout_s=120,
+                until=lambda ms: (
+                    all(w.check_alive() for w in pool) and len(ids(ms)) >= len(want_f) + len(want_p)
+                ),
+            )
         except TimeoutError as exc:
-            pytest.fail(f"{exc}\n{explain_missing(getattr(exc, 'messages', []), want_f, pool)}\n"
-                        f"broker:\n{broker.log_tail(15)}")
+            pytest.fail(
+                f"{exc}\n{explain_missing(getattr(exc, 'messages', []), want_f, pool)}\n"
+                f"broker:\n{broker.log_tail(15)}"
+            )
         got += await consume_until(broker.bootstrap, names, timeout_s=2, from_beginning=False)
         features = [m for m in got if m.topic == names[0]]
         predictions = [m for m in got if m.topic == names[1]]

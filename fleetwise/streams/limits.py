@@ -36,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from fleetwise.predictors.features import A_NSAMPLE, F_REASONS_OLD, INPUT_FIELDS, GpuFeatureWindows
+from fleetwise.predictors.features import A_NSAMPLE, F_REASONS_OLD, INPUT_FIELDS, GpuFeatureWindows, _is_blank
 from fleetwise.schemas import DeadLetter
-from fleetwise.schemas._base import DCGM_INT32_BLANK
 from fleetwise.schemas.fast import SampleColumns
 from fleetwise.schemas.topics import TELEMETRY_GPU
 
@@ -87,8 +86,13 @@ class SampleGate:
     module docstring). `dead_letter(source, reason, raw, ts)` makes the dead letters (the
     ControlPlane's, so they are counted with the others)."""
 
-    def __init__(self, windows: GpuFeatureWindows, dead_letter: Callable[..., DeadLetter],
-                 limits: Limits | None = None, partitions: int = TELEMETRY_GPU.partitions) -> None:
+    def __init__(
+        self,
+        windows: GpuFeatureWindows,
+        dead_letter: Callable[..., DeadLetter],
+        limits: Limits | None = None,
+        partitions: int = TELEMETRY_GPU.partitions,
+    ) -> None:
         self.windows = windows
         self.dead_letter = dead_letter
         self.partitions = partitions
@@ -125,7 +129,9 @@ class SampleGate:
         if bad.any():
             rows, colidx = np.nonzero(bad)
             vals = x[rows, colidx]
-            blank = vals >= DCGM_INT32_BLANK  # DCGM "no value" sentinels are missing, not readings
+            blank = _is_blank(
+                vals
+            )  # DCGM "no value" sentinels (and >= 2**63) are missing, as the windows read them
             keep = ~blank
             for i, j, v in zip(rows[keep].tolist(), colidx[keep].tolist(), vals[keep].tolist(), strict=True):
                 if i not in reasons:
@@ -133,21 +139,26 @@ class SampleGate:
         outside = (ts < self.limits.ts_min) | (ts >= self.limits.ts_max)
         if outside.any():
             for i in np.flatnonzero(outside).tolist():
-                reasons.setdefault(i, f"ts: {float(ts[i])!r} is outside 2000-01-01..2100-01-01 "
-                                      "(Unix seconds expected)")
+                reasons.setdefault(
+                    i, f"ts: {float(ts[i])!r} is outside 2000-01-01..2100-01-01 (Unix seconds expected)"
+                )
         slots = self._slots(cols)
         self._skew(cols, slots, reasons)
         rate = self._rate(cols, slots, reasons)
         if not reasons and not rate:
             return cols, []
-        letters = [self.dead_letter(self._source(cols, i), reason, self._raw(cols, i), float(ts[i]))
-                   for i, reason in sorted(reasons.items())]
+        letters = [
+            self.dead_letter(self._source(cols, i), reason, self._raw(cols, i), float(ts[i]))
+            for i, reason in sorted(reasons.items())
+        ]
         for (node, gpu), (first, count) in rate.items():
             letter = self.dead_letter(
                 self._source(cols, first),
                 f"rate: {count} samples of {node}/{gpu} over the limit of "
                 f"{self._per_hop()} per {self.windows.hop_s:g} s hop of event time",
-                self._raw(cols, first), float(ts[first]))
+                self._raw(cols, first),
+                float(ts[first]),
+            )
             letter.count = count  # type: ignore[attr-defined]  # extra field (Record allows them)
             letters.append(letter)
         keep = np.ones(n, dtype=bool)
@@ -179,7 +190,7 @@ class SampleGate:
         w = self.windows
         n = len(w._meta)
         if len(self._slot_part) < n:
-            extra = [self._partition_of_node(m["node"]) for m in w._meta[len(self._slot_part):n]]
+            extra = [self._partition_of_node(m["node"]) for m in w._meta[len(self._slot_part) : n]]
             self._slot_part = np.concatenate([self._slot_part, np.array(extra, dtype=np.int64)])
         marks = np.full(self.partitions, -np.inf)
         if n:
@@ -210,11 +221,15 @@ class SampleGate:
                     continue
                 t = float(ts[i])
                 if math.isfinite(w) and t > w + lim.max_ahead_s:
-                    reasons[i] = (f"ts: {t!r} is {(t - w) / 3600:.1f} h ahead of the stream's event time "
-                                  f"({w!r}, limit {lim.max_ahead_s / 3600:g} h): clock skew")
+                    reasons[i] = (
+                        f"ts: {t!r} is {(t - w) / 3600:.1f} h ahead of the stream's event time "
+                        f"({w!r}, limit {lim.max_ahead_s / 3600:g} h): clock skew"
+                    )
                 elif math.isfinite(w) and t < w - lim.max_behind_s:
-                    reasons[i] = (f"ts: {t!r} is {(w - t) / 86400:.1f} days behind the stream's event time "
-                                  f"({w!r}, limit {lim.max_behind_s / 86400:g} days): clock skew")
+                    reasons[i] = (
+                        f"ts: {t!r} is {(w - t) / 86400:.1f} days behind the stream's event time "
+                        f"({w!r}, limit {lim.max_behind_s / 86400:g} days): clock skew"
+                    )
                 else:
                     w = t if not math.isfinite(w) else max(w, t)
 
@@ -222,8 +237,9 @@ class SampleGate:
     def _per_hop(self) -> int:
         return max(1, int(self.limits.max_rate_hz * self.windows.hop_s))
 
-    def _rate(self, cols: SampleColumns, slots: np.ndarray,
-              reasons: dict[int, str]) -> dict[tuple[str, int], tuple[int, int]]:
+    def _rate(
+        self, cols: SampleColumns, slots: np.ndarray, reasons: dict[int, str]
+    ) -> dict[tuple[str, int], tuple[int, int]]:
         """(node, gpu) -> (first refused row, rows refused) for GPUs over the per-hop limit."""
         self._rate_rows: list[np.ndarray] = []
         n = len(slots)
@@ -252,14 +268,15 @@ class SampleGate:
         if not (before + per_id[ids] > cap).any():
             return {}
         # Rank of each row among its (GPU, hop) rows in arrival order.
-        code = np.unique(ids, return_inverse=True)[1].astype(np.int64) * n + \
-            np.unique(hop, return_inverse=True)[1].astype(np.int64)
+        code = np.unique(ids, return_inverse=True)[1].astype(np.int64) * n + np.unique(
+            hop, return_inverse=True
+        )[1].astype(np.int64)
         order = np.argsort(code, kind="stable")
         sc = code[order]
         starts = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]])
         rank = np.empty(n, np.int64)
         rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-        over = (before + rank >= cap)
+        over = before + rank >= cap
         if reasons:
             over[list(reasons)] = False  # refused already, for another reason
         if not over.any():
@@ -287,18 +304,29 @@ class SampleGate:
     def _raw(self, cols: SampleColumns, i: int) -> str:
         """The sample as the gate saw it (its read metrics; the original bytes are not kept
         past decoding)."""
-        metrics = {name: v for name, v in zip(self._fields, cols.metrics[i].tolist(), strict=True)
-                   if not math.isnan(v)}
-        sample: dict[str, Any] = {"ts": float(cols.ts[i]), "node": cols.node[i], "gpu": int(cols.gpu[i]),
-                                  "model": cols.model[i], "metrics": metrics}
+        metrics = {
+            name: v
+            for name, v in zip(self._fields, cols.metrics[i].tolist(), strict=True)
+            if not math.isnan(v)
+        }
+        sample: dict[str, Any] = {
+            "ts": float(cols.ts[i]),
+            "node": cols.node[i],
+            "gpu": int(cols.gpu[i]),
+            "model": cols.model[i],
+            "metrics": metrics,
+        }
         return json.dumps(sample, allow_nan=True)
 
 
 def _take(cols: SampleColumns, idx: np.ndarray) -> SampleColumns:
     """The rows `idx` of columns (lists, lazy attribute views or arrays)."""
     rows = idx.tolist()
-    lists = {name: [getattr(cols, name)[i] for i in rows]
-             for name in SampleColumns.__slots__ if name not in ("ts", "metrics")}
+    lists = {
+        name: [getattr(cols, name)[i] for i in rows]
+        for name in SampleColumns.__slots__
+        if name not in ("ts", "metrics")
+    }
     return SampleColumns(**lists, ts=cols.ts[idx], metrics=cols.metrics[idx])
 
 
@@ -313,7 +341,7 @@ def evict_idle(control: Any, keep: int) -> list[str]:
     if n <= keep:
         return []
     order = np.argsort(w.last_ts[:n], kind="stable")  # -inf (restored, never seen since) first
-    gone = np.sort(order[:n - keep])
+    gone = np.sort(order[: n - keep])
     kept = np.setdiff1d(np.arange(n), gone)
     keys = w.slot_keys()
     evicted = [keys[i] for i in gone.tolist()]
@@ -323,7 +351,7 @@ def evict_idle(control: Any, keep: int) -> list[str]:
     for name, fill in fills.items():
         arr = getattr(w, name)
         new = np.full_like(arr, fill)
-        new[:len(kept)] = arr[kept]
+        new[: len(kept)] = arr[kept]
         setattr(w, name, new)
     idx = kept.tolist()
     w._meta = [w._meta[i] for i in idx]
