@@ -106,6 +106,7 @@ class CommandGate:
         self.node, self.gpu, self.rank = node, gpu, rank
         self.accepted: dict[str, str] = {}  # id -> "pending" | "done"
         self.pending: list[Command] = []
+        self.in_flight: list[Command] = []  # due, announced to the ranks, not applied yet
         self.done: set[str] = set()  # ids whose `done` ack was seen (ours or another consumer's)
         self.last_seq: int | None = None
 
@@ -170,7 +171,12 @@ class CommandGate:
             else:
                 keep.append(c)
         self.pending = keep
+        self.in_flight.extend(ready)
         return ready, acks
+
+    def applied(self, command_id: str) -> None:
+        """Every rank has acted on the command (whatever the outcome): no longer in flight."""
+        self.in_flight = [c for c in self.in_flight if c.id != command_id]
 
     def finished(self, command_id: str) -> None:
         """The command's `done` ack was sent: it satisfies others' `requires`."""
@@ -178,12 +184,15 @@ class CommandGate:
         self.done.add(command_id)
 
     def state(self) -> dict[str, Any]:
-        return {"accepted": dict(self.accepted), "pending": [c.model_dump(mode="json") for c in self.pending],
+        # In-flight commands go back to pending: a group restored from this state applies them.
+        waiting = [*self.in_flight, *self.pending]
+        return {"accepted": dict(self.accepted), "pending": [c.model_dump(mode="json") for c in waiting],
                 "done": sorted(self.done), "last_seq": self.last_seq}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         self.accepted = dict(state.get("accepted", {}))
         self.pending = [Command.model_validate(c) for c in state.get("pending", [])]
+        self.in_flight = []
         self.done = set(state.get("done", []))
         self.last_seq = state.get("last_seq")
 
@@ -255,8 +264,14 @@ class TrainingPlugin:
                          if telemetry else None)
         self.timer = ComputeTimer(cuda=torch.cuda.is_available() and _on_cuda(model))
         self._flag = torch.zeros(1, dtype=torch.int64)
-        self.sync_s = 0.0  # time spent deciding commands at boundaries (the plugin's overhead)
+        self._announce_work: Any = None  # the boundary's asynchronous broadcast, waited one step later
+        self._announced: list[str] = []  # rank 0: what that broadcast announced
+        self.sync_s = 0.0  # time spent deciding commands at boundaries
         self.syncs = 0
+        # The plugin's own time per step: the record plus the boundary's decision (not the work
+        # a command asks for, such as a checkpoint).
+        self.overhead_s = 0.0
+        self.overhead_cpu_s = 0.0  # the same, in this thread's CPU time (without waits and preemption)
         self.history: list[tuple[int, str, str]] = []  # (step, command id, what happened)
         self._step_start = time.perf_counter()
 
@@ -267,19 +282,25 @@ class TrainingPlugin:
 
     def end_step(self, samples: int, micro_batch: int | None = None) -> None:
         """After the optimizer step: this step's record, then the boundary (commands, checkpoints)."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if self.reporter is not None:
             compute = self.timer.last_s if self.timer.last_s is not None else 0.0
             self.reporter.record(self.step, now - self._step_start, compute, micro_batch=micro_batch,
                                  samples=samples)
         self.step += 1
-        if self.step % self.sync_every == 0:
-            t0 = time.perf_counter()
-            commands = self._sync()
+        boundary = self.step % self.sync_every == 0
+        commands = self._collect() if boundary else []
+        self.overhead_s += time.perf_counter() - now
+        self.overhead_cpu_s += time.thread_time() - cpu
+        for command in commands:
+            self._apply(command)
+        if boundary:
+            t0, cpu = time.perf_counter(), time.thread_time()
+            self._announce()
             self.sync_s += time.perf_counter() - t0
+            self.overhead_s += time.perf_counter() - t0
+            self.overhead_cpu_s += time.thread_time() - cpu
             self.syncs += 1
-            for command in commands:
-                self._apply(command)
         if self.checkpoint_every and self.step % self.checkpoint_every == 0 and self.checkpoint_dir:
             self.checkpoint()
         self._step_start = time.perf_counter()
@@ -292,9 +313,9 @@ class TrainingPlugin:
     def _publish_ack(self, ack: Ack) -> None:
         self.acks.put(T.ACKS.name, self.job, ack)
 
-    def _sync(self) -> list[Command]:
-        """Rank 0 decides which commands act at this boundary; every rank learns it."""
-        dist = self._dist
+    def _announce(self) -> None:
+        """Rank 0 decides which commands act at the next boundary and starts telling every rank
+        (an asynchronous broadcast of their count that overlaps the next step)."""
         payload: list[str] = []
         if self.rank == 0:
             now = self.clock()
@@ -310,12 +331,20 @@ class TrainingPlugin:
             for ack in expired:
                 self._publish_ack(ack)
             payload = [c.model_dump_json() for c in ready]
+        self._announced = payload
         self._flag[0] = len(payload)
-        dist.broadcast(self._flag, 0, group=self.group)
+        self._announce_work = self._dist.broadcast(self._flag, 0, group=self.group, async_op=True)
+
+    def _collect(self) -> list[Command]:
+        """The commands announced at the previous boundary, the same on every rank."""
+        work, self._announce_work = self._announce_work, None
+        if work is None:
+            return []
+        work.wait()
         if not int(self._flag[0]):
             return []
-        box: list[Any] = [payload]
-        dist.broadcast_object_list(box, 0, group=self.group)
+        box: list[Any] = [self._announced]
+        self._dist.broadcast_object_list(box, 0, group=self.group)
         return [Command.model_validate_json(text) for text in box[0]]
 
     def _ack(self, command: Command, status: str, *, detail: str | None = None,
@@ -328,6 +357,7 @@ class TrainingPlugin:
                                             result=result))
 
     def _apply(self, command: Command) -> None:
+        self.gate.applied(command.id)  # (a resize's checkpoint must not hold it as in flight)
         try:
             handler = getattr(self, f"_apply_{command.type}")
             handler(command)
@@ -480,7 +510,10 @@ class TrainingPlugin:
 
     # ---- leaving ----------------------------------------------------------------------------
     def close(self, timeout_s: float = 10.0) -> None:
-        """Send queued records and acks (up to `timeout_s`)."""
+        """Finish the boundary's broadcast; send queued records and acks (up to `timeout_s`)."""
+        if self._announce_work is not None:
+            self._announce_work.wait()
+            self._announce_work = None
         if self.reporter is not None:
             self.reporter.close(timeout_s)
         self.acks.close(timeout_s)

@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slow", action="append", default=[], help="NODE:FACTOR[@STEP]")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (tests: time to act)")
     p.add_argument("--gloo-timeout", type=float, default=60.0)
+    p.add_argument("--no-plugin", action="store_true", help="baseline: no telemetry, no commands")
     ns = p.parse_args(argv)
 
     from datetime import timedelta
@@ -141,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         transport = BusTransport(EventBus())
     plugin = TrainingPlugin(job=ns.job, model=model, optimizer=opt, sampler=sampler, transport=transport,
                             checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
-                            sync_every=ns.sync_every, node=node, model_name=ns.model_name)
+                            sync_every=ns.sync_every, node=node, model_name=ns.model_name,
+                            telemetry=not ns.no_plugin)
     resumed = plugin.restore()
     log = None
     if ns.log_dir:
@@ -172,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "n": len(ids), "step_time_s": time.perf_counter() - t0,
                                       "shares": plugin.shares, "resumed": resumed, "t": time.time(),
                                       "pid": os.getpid()}) + "\n")
-            plugin.end_step(samples=len(ids))
+            if ns.no_plugin:
+                plugin.step += 1  # the baseline: no record, no command boundary
+            else:
+                plugin.end_step(samples=len(ids))
     finally:
         if log is not None:
             log.close()
@@ -181,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = [p.detach().flatten().tolist() for p in model.parameters()]
         (Path(ns.log_dir) / "final.json").write_text(json.dumps({"step": plugin.step, "params": params,
                                                                   "sync_s": plugin.sync_s,
+                                                                  "overhead_s": plugin.overhead_s,
+                                                                  "overhead_cpu_s": plugin.overhead_cpu_s,
                                                                   "syncs": plugin.syncs}))
     dist.destroy_process_group()
     return 0

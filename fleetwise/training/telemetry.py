@@ -84,10 +84,14 @@ class Outbox:
     """
 
     def __init__(self, publish: Callable[[str, str, Any], None], *, capacity: int = 1024,
-                 name: str = "fleetwise-outbox") -> None:
+                 name: str = "fleetwise-outbox", interval_s: float = 0.02) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._publish = publish
+        # The thread wakes every `interval_s` (or when a quarter of the buffer is used), not on
+        # every record: the training thread pays no thread switch per step.
+        self.interval_s = interval_s
+        self._wake_at = max(1, capacity // 4)
         self._buffer: deque[tuple[str, str, Any]] = deque(maxlen=capacity)
         self._cond = threading.Condition()
         self._closed = False
@@ -105,7 +109,8 @@ class Outbox:
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1  # deque(maxlen) drops the oldest on append
             self._buffer.append((topic, key, record))
-            self._cond.notify()
+            if len(self._buffer) >= self._wake_at:
+                self._cond.notify()
 
     @property
     def pending(self) -> int:
@@ -116,7 +121,7 @@ class Outbox:
         while True:
             with self._cond:
                 while not self._buffer and not self._closed:
-                    self._cond.wait()
+                    self._cond.wait(self.interval_s)
                 if not self._buffer and self._closed:
                     return
                 item = self._buffer.popleft()
@@ -136,6 +141,7 @@ class Outbox:
         """Wait until queued records are sent (True) or `timeout_s` passed (False)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            self._cond.notify_all()
             while self._buffer or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -79,8 +79,7 @@ class LocalTransport:
         return self.root / f"{topic}.jsonl"
 
     def publish(self, topic: str, key: str, record: Record) -> None:
-        line = json.dumps({"key": key, "value": json.loads(record.to_json())}, separators=(",", ":"))
-        data = (line + "\n").encode()
+        data = f'{{"key":{json.dumps(key)},"value":{record.to_json()}}}\n'.encode()
         fd = os.open(self.path(topic), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
