@@ -4,6 +4,7 @@ torch is imported only under this package, and lazily: `import fleetwise.trainin
 without the `train` extra; the gradient functions import torch when called.
 """
 
+from fleetwise.training.control import CommandGate, TrainingPlugin
 from fleetwise.training.gradients import (
     TokenWeightedHookState,
     WeightedHookState,
@@ -19,8 +20,16 @@ from fleetwise.training.sampler import (
     load_microbatch_map,
     shares_from_microbatch_map,
 )
+from fleetwise.training.telemetry import StepReporter
+from fleetwise.training.transport import BusTransport, KafkaTransport, LocalTransport
 
 __all__ = [
+    "BusTransport",
+    "CommandGate",
+    "KafkaTransport",
+    "LocalTransport",
+    "StepReporter",
+    "TrainingPlugin",
     "MicrobatchMap",
     "ShareSampler",
     "TokenWeightedHookState",
