@@ -60,7 +60,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
-from fleetwise.schemas import DeadLetter, GpuSample, NodeBatch, TrainingStep
+from fleetwise.schemas import AuditEvent, DeadLetter, GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
 from fleetwise.streams import metrics as M
@@ -499,6 +499,8 @@ class StreamProcessor:
                     futures.append(await self.send(name, key_bytes, value, headers))
         for (kind, label), n in decisions.items():  # one counter update per label per batch
             M.DECISIONS_OUT.labels(kind, label).inc(n)
+        if ("audit", "audit") in decisions:
+            count_policy_events(routed, self.control)
         if decisions.get(("deadletter", "deadletter")):
             gate = T.TELEMETRY_GPU.name + "#"  # refused by the limits (`ControlPlane.gate`), after decoding
             for _t, _k, record in routed:
@@ -1148,14 +1150,24 @@ def make_app(
             records = control.decode(name, event.value,
                                      source=f"{event.message.topic}:{event.message.partition}:"
                                      f"{event.message.offset}")
-            for out_topic, key, record in control.handle(name, records):
+            routed = control.handle(name, records)
+            for out_topic, key, record in routed:
                 await app.producer.send(topic_name(out_topic, topic_prefix), key.encode(),
                                         record.to_json_bytes(),
                                         partition=None, timestamp=None, headers=None)
                 if isinstance(record, DeadLetter):
                     M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
+            count_policy_events(routed, control)
 
     return app
+
+
+def count_policy_events(routed: Sequence[Routed], control: ControlPlane) -> None:
+    """Audit events by name, and whether the drain circuit breaker is open (alerting rules)."""
+    for _topic, _key, record in routed:
+        if isinstance(record, AuditEvent):
+            M.AUDIT_EVENTS.labels(record.event).inc()
+    M.BREAKER_OPEN.set(0 if control.policy.breaker_open_since is None else 1)
 
 
 def _log_failed_checkpoint(task: asyncio.Task) -> None:
