@@ -838,6 +838,8 @@ def demo(
     out_dir: Path = typer.Option(Path("out/demo"), help="Where the trace, decisions and report go."),
     model: str = typer.Option("llama-13b", help="The main job's model (preset name)."),
     global_batch: int = typer.Option(512, help="The main job's global batch (sequences)."),
+    no_training: bool = typer.Option(False, "--no-training",
+                                     help="Skip the live rebalance of real torch processes (needs torch)."),
 ) -> None:
     """The main job on the embedded default: a bundled mixed fleet, its trace, the plan,
     predictions and decisions, and a report to look at."""
@@ -961,9 +963,53 @@ def demo(
     _write_report(report, decisions, labels_path)
     _demo_actions(runtime, decisions, plan, inventories, trace, when)
     _demo_kube(plan, decisions, out_dir)
+    if not no_training:
+        _demo_training(out_dir)
     console.rule("[bold]Files")
     for path in (plan_png, trace, labels_path, decisions_path, report):
         console.print(f"  {path}")
+
+
+def _demo_training(out_dir: Path) -> None:
+    """Training plugin: three real torch processes (gloo, CPU) train with the plugin; one slows
+    2x mid-run, the embedded control plane flags it from their step records and sends a signed
+    rebalance, and the plugin applies it live at a step boundary on every rank."""
+    from rich.table import Table
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        console.print("torch is not installed (extra `train`): skipping the live rebalance")
+        return
+    from fleetwise.training.example import run_job
+
+    console.rule("[bold]Training plugin: a live rebalance of real torch processes (3 ranks, gloo, CPU)")
+    slow_at, steps, per_sample = 8, 24, 0.008
+    console.print(f"3 ranks x 16 samples; node-2 becomes 2x slower at step {slow_at} (emulated: a sleep per "
+                  "sample); the embedded control plane reads their step records ...", highlight=False)
+    run = run_job(out_dir / "training", "demo-train", [16, 16, 16], steps, per_sample,
+                  [f"node-2:2.0@{slow_at}"], control=True, timeout_s=120)
+    st = run["step_time"]
+    done = [a for a in run["acks"] if a.status == "done" and a.command_id.startswith("rebalance")]
+    at = done[0].step if done else None
+    table = Table("steps", "shares (samples per rank)", "median step (ms)",
+                  title="Step time before and after")
+
+    def row(label: str, lo: int, hi: int) -> None:
+        if hi > lo:
+            window = sorted(st[lo:hi])
+            table.add_row(label, str(run["shares"][lo]), f"{window[len(window) // 2] * 1e3:.0f}")
+
+    row(f"2-{slow_at - 1}: all ranks equal", 2, slow_at)
+    row(f"{slow_at}-{(at or steps) - 1}: node-2 2x slower", slow_at, at or steps)
+    if at is not None:
+        row(f"{at + 1}-{steps - 1}: after the live rebalance", at + 1, steps)
+    console.print(table)
+    for cmd in run["commands"]:
+        console.print(f"command {cmd.id} ({cmd.type}, seq {cmd.seq}, signed {cmd.key_id}): {cmd.reason}",
+                      highlight=False)
+    console.print("acks: " + ", ".join(f"{a.command_id} {a.status} at step {a.step}" for a in run["acks"]),
+                  highlight=False)
 
 
 def _demo_kube(plan: Any, decisions: list, out_dir: Path) -> None:
