@@ -25,94 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fleetwise.schemas import topics as T  # noqa: E402
 from fleetwise.training.control import scaled_shares  # noqa: E402
-from fleetwise.training.example import launch, read_logs  # noqa: E402
-from fleetwise.training.transport import LocalTransport  # noqa: E402
-
-NODES = ["node-0", "node-1", "node-2", "node-3"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_job(tmp: Path, name: str, shares: list[int], steps: int, sample_time: float, slow: list[str],
-            control: bool = False, extra: list[str] | None = None,
-            timeout_s: float = 300.0) -> dict[str, Any]:
-    """Run one job; with `control`, drive the embedded control plane on its step records."""
-    bus_dir, log_dir = tmp / name / "bus", tmp / name / "logs"
-    args = ["--job", name, "--steps", str(steps), "--shares", ",".join(map(str, shares)),
-            "--num-samples", "65536", "--bus-dir", str(bus_dir), "--log-dir", str(log_dir),
-            "--sample-time", str(sample_time), "--model-name", "H100"]
-    for spec in slow:
-        args += ["--slow", spec]
-    args += extra or []
-    bus = LocalTransport(bus_dir)
-    runtime = None
-    commands: list[Any] = []
-    if control:
-        from fleetwise.actuators.config import PolicyConfig
-        from fleetwise.schemas import Plan, RankPlan
-        from fleetwise.streams.embedded import EmbeddedRuntime
-        from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
-
-        runtime = EmbeddedRuntime(ControlPlane(ControlPlaneConfig(
-            policy=PolicyConfig(), failure_predictor=False, publish_features=False)))
-        # The job's current plan (what the planner published): the policy rebalances its shares.
-        plan = Plan(job=name, dp=len(shares), tp=1, pp=1, zero_stage=0, global_batch=sum(shares), seq_len=1,
-                    predicted_step_s=sample_time * max(shares), tokens_per_s=0.0, mfu=0.0,
-                    ranks=[RankPlan(rank=r, node=NODES[r], gpu=0, model="h100-sxm", capability_tflops=1.0,
-                                    micro_batch=s, stage=0, layers=(0, 1), dp_rank=r, memory_gb=1.0,
-                                    memory_capacity_gb=80.0) for r, s in enumerate(shares)])
-        runtime.feed(T.PLANS.name, [plan])
-
-        def forward(key: str, cmd: Any) -> None:  # the control plane's commands, to the ranks' bus
-            commands.append(cmd)
-            bus.publish(T.COMMANDS_TRAINING.name, key, cmd)
-
-        runtime.bus.subscribe(T.COMMANDS_TRAINING.name, forward)
-    procs = launch(len(shares), args, port=_port(), nodes=NODES[: len(shares)])
-    deadline = time.monotonic() + timeout_s
-    fed = 0
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            raise TimeoutError(f"{name}: ranks did not finish in {timeout_s} s")
-        if runtime is not None:
-            records = bus.poll(T.TELEMETRY_STEPS.name)
-            if records:
-                fed += len(records)
-                runtime.feed(T.TELEMETRY_STEPS.name, records)
-        time.sleep(0.005)
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"{name}: ranks exited {codes}; logs in {log_dir}")
-    rows = read_logs(log_dir)
-    final = json.loads((log_dir / "final.json").read_text())
-    acks = bus.poll(T.ACKS.name)
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_step.setdefault(r["step"], []).append(r)
-    step_time = [max(r["step_time_s"] for r in by_step[s]) for s in sorted(by_step)]
-    shares_at = [by_step[s][0]["shares"] for s in sorted(by_step)]
-    return {"step_time": step_time, "shares": shares_at, "final": final, "acks": acks, "commands": commands,
-            "steps_fed": fed}
+from fleetwise.training.example import run_job  # noqa: E402
 
 
 def _median(xs: list[float]) -> float:
