@@ -127,10 +127,13 @@ def _readyz(kubeconfig: str, timeout_s: float = 10.0) -> str | None:
         from kubernetes import config
 
         api = config.new_client_from_config(config_file=kubeconfig)
-        body = api.call_api("/readyz", "GET", auth_settings=["BearerToken"], response_type="str",
-                            _preload_content=False, _request_timeout=timeout_s)[0]
-        text = body.data.decode() if hasattr(body, "data") else str(body)
-        return None if text.strip() == "ok" else f"/readyz answered {text[:200]!r}"
+        method, url, headers, body, _ = api.param_serialize("GET", "/readyz", auth_settings=["BearerToken"])
+        resp = api.call_api(method, url, headers, body, _request_timeout=timeout_s)
+        resp.read()
+        text = resp.data.decode("utf-8", "replace")
+        if resp.status == 200 and text.strip() == "ok":
+            return None
+        return f"/readyz answered HTTP {resp.status}: {text[:200]!r}"
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable", with the reason
         return f"{type(exc).__name__}: {exc}"
 

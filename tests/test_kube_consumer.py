@@ -144,6 +144,15 @@ class Cluster:
         self.kube.apply(objects)
         return objects
 
+    def set_running(self, job: str) -> None:
+        """Pods as a kubelet would report them: Running and Ready (PodDisruptionBudgets guard
+        only running pods; the Eviction API deletes a Pending one regardless)."""
+        for name in self.pods(job):
+            self.core.patch_namespaced_pod_status(
+                name, self.ns, {"status": {"phase": "Running", "conditions": [
+                    {"type": "Ready", "status": "True"}]}},
+                _content_type="application/strategic-merge-patch+json")
+
     def node(self, name: str):
         return self.core.read_node(name)
 
@@ -262,6 +271,7 @@ def test_unsigned_and_forged_commands_are_refused_and_change_nothing(cluster):
 def test_eviction_respects_a_pod_disruption_budget(cluster):
     nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
     cluster.deploy("pdb", nodes)
+    cluster.set_running("pdb")
     cluster.policy.create_namespaced_pod_disruption_budget(cluster.ns, {
         "metadata": {"name": "pdb"},
         "spec": {"minAvailable": 2, "selector": {"matchLabels": {"fleetwise.io/job": "pdb"}}}})

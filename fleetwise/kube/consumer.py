@@ -718,7 +718,8 @@ class ClientApi:
     def execute(self, action: Action) -> ActionResult:
         try:
             if action.kind == "Node":
-                self.core.patch_node(action.name, dict(action.body))
+                self.core.patch_node(action.name, dict(action.body),
+                                     _content_type="application/strategic-merge-patch+json")
             elif action.kind == "Event":
                 self.core.create_namespaced_event(action.namespace, dict(action.body))
             elif action.kind == "Pod":
@@ -726,9 +727,10 @@ class ClientApi:
             elif action.kind == "PodGroup":
                 self.custom.patch_namespaced_custom_object(
                     "scheduling.run.ai", "v2alpha2", action.namespace, "podgroups", action.name,
-                    dict(action.body))
+                    dict(action.body), _content_type="application/merge-patch+json")
             elif action.kind == "ConfigMap":
-                self.core.patch_namespaced_config_map(action.name, action.namespace, dict(action.body))
+                self.core.patch_namespaced_config_map(action.name, action.namespace, dict(action.body),
+                                                      _content_type="application/merge-patch+json")
             else:
                 return ActionResult("error", f"unknown kind {action.kind}")
         except Exception as exc:  # noqa: BLE001 - ApiException: classify by HTTP status
