@@ -154,7 +154,12 @@ class ActionPolicy:
         return []
 
     def keys(self) -> list[str]:
-        return sorted(self.jobs) + [FLEET_KEY]
+        # The fleet-wide part is a key only while it holds something worth saving (a GPU out
+        # of service, a node's own command, the breaker's clock): most workers never need it.
+        fleet_part = (self.breaker_attempts or self.breaker_open_since is not None
+                      or any(g.status != "in_service" for g in self.fleet.gpus.values())
+                      or any(p.command.get("job") is None for p in self.fleet.commands.values()))
+        return sorted(self.jobs) + ([FLEET_KEY] if fleet_part else [])
 
     def state(self, key: str) -> dict:
         def mine(p: PendingCommand) -> bool:
