@@ -315,3 +315,59 @@ def test_a_signed_command_on_kafka_reaches_the_plugin_and_its_acks_come_back(kaf
     records = [TrainingStep.model_validate(m.json()) for m in steps]
     assert {(r.rank, r.step) for r in records} == {(r, s) for r in (0, 1) for s in range(20)}
     assert all(r.model == "H100" and r.samples in (16, 21, 11) and r.compute_s > 0 for r in records)
+
+
+# ---- one process, world size 1: the plugin's handlers --------------------------------------------
+@pytest.fixture()
+def solo_group(tmp_path: Path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield torch
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_plugin_handlers_in_a_one_rank_group(solo_group, tmp_path: Path) -> None:
+    from fleetwise.training.control import TrainingPlugin
+    from fleetwise.training.example import make_model
+    from fleetwise.training.sampler import ShareSampler
+
+    torch = solo_group
+    bus = LocalTransport(tmp_path / "bus")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ShareSampler(1000, [10], 0)
+    plugin = TrainingPlugin(job="solo", model=model, optimizer=opt, sampler=sampler, transport=bus,
+                            checkpoint_dir=tmp_path / "ckpt", keys=KEYS, node="n0", model_name="H100")
+
+    def run(*commands: Command, steps: int = 2) -> list[Ack]:
+        for c in commands:
+            bus.publish(T.COMMANDS_TRAINING.name, "solo", sign(c, KEYS))
+        for _ in range(steps):
+            next(iter(sampler))
+            plugin.end_step(samples=10)
+        plugin.acks.flush()
+        return [a for a in bus.poll(T.ACKS.name, "solo") if a.status != "received"]
+
+    now = time.time()
+    base = dict(ts=now, job="solo", reason="t", expires_ts=now + 600)
+    acks = run(Command(id="rb-bad", type="rebalance", seq=1, params={"speed_factors": {"3": 0.5}}, **base))
+    assert acks[0].status == "failed" and "ranks [3]" in acks[0].detail and plugin.shares == [10]
+    acks = run(Command(id="ck", type="checkpoint", seq=2, params={"before": "drain"}, **base))
+    assert acks[0].status == "done" and acks[0].result["step"] == acks[0].step
+    assert (Path(acks[0].result["checkpoint_uri"][len("file://"):]) / "fleetwise.json").is_file()
+    # A resize to the same members (a re-plan after a drain the job already did): new shares only.
+    acks = run(Command(id="rs", type="resize", seq=3, params={"world_size": 1, "samples": {"0": 12}}, **base))
+    assert acks[0].detail == "same members: new shares applied" and plugin.shares == [12]
+    assert acks[0].step is not None and sampler.shares_at(acks[0].step) == [12]
+    with pytest.raises(SystemExit) as stop:
+        run(Command(id="mg", type="migrate", seq=4,
+                    params={"phase": "snapshot", "checkpoint_uri": str(tmp_path / "moved")}, **base))
+    assert stop.value.code == 0 and (tmp_path / "moved" / "fleetwise.json").is_file()
+    records = bus.poll(T.TELEMETRY_STEPS.name, "solo")
+    assert [r.step for r in records] == list(range(len(records))) and all(r.model == "H100" for r in records)

@@ -419,6 +419,17 @@ class TrainingPlugin:
         if samples is not None:
             _shares_list(samples, new_world, "samples")
         if new_world == self.world_size and not leaving:
+            # Same members (e.g. the re-planned resize after a drain this job already did): only
+            # the plan's new shares, if any, apply.
+            if samples is not None and _shares_list(samples, new_world, "samples") != self.shares:
+                new = _shares_list(samples, new_world, "samples")
+                self.base_shares = list(new)
+                self.sampler.set_shares(new, from_step=self.sampler.step)
+                if self.hook_state is not None:
+                    self.hook_state.set_samples(new[self.rank], sum(new))
+                self._ack(command, "done", detail="same members: new shares applied",
+                          result={"samples": {str(i): n for i, n in enumerate(new)}, "world_size": new_world})
+                return
             self._ack(command, "done", detail="no change: same members")
             return
         self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
