@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from fleetwise.predictors.backtest import LEAD_12H, LEAD_30MIN_H, score_failures
-from fleetwise.predictors.failure import MODEL_FEATURES, FailurePredictor
+from fleetwise.predictors.failure import FailurePredictor
 from fleetwise.predictors.training import (
     FeatureTable,
     RawSamples,
@@ -43,6 +43,7 @@ from fleetwise.predictors.training import (
     label_rows,
     raw_samples,
 )
+from fleetwise.sim.randomize import family_key
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,25 @@ class TraceSpec:
     seed: int
     failure_rate: float
     interval_s: float
+    family: str = ""  # a configuration family of fleetwise.sim.randomize (seed = member index)
 
     def key(self) -> str:
         mix = self.mix.replace(":", "x").replace(",", "_")
+        if self.family:
+            return family_key(self.family, self.seed, mix, self.days, self.failure_rate, self.interval_s)
         return f"{mix}-d{self.days:g}-s{self.seed}-r{self.failure_rate:g}-i{self.interval_s:g}"
+
+    def config(self) -> Any:
+        from fleetwise.sim import SimConfig
+        from fleetwise.sim.randomize import family_config
+
+        if self.family:
+            return family_config(self.family, self.seed, days=self.days, failure_rate=self.failure_rate,
+                                 gpus=self.mix or None, interval_s=self.interval_s or None)
+        return SimConfig(gpus=self.mix, days=self.days, seed=self.seed, sample_interval_s=self.interval_s,
+                         failure_rate_per_1000_gpu_days=self.failure_rate)
+
+
 
 
 SETS: dict[str, list[TraceSpec]] = {
@@ -82,6 +98,24 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("fa-401", "h100-sxm:384,a100-sxm-80gb:256,b200:256,v100-sxm2-32gb:128", 30, 401, 0.5, 300),
         TraceSpec("fa-402", "h200:384,b300:256,a100-sxm-40gb:256,h20:128", 30, 402, 0.5, 300),
     ],
+    # Domain-randomised tuning set: members of the "train" family (fleetwise.sim.randomize)
+    # that training does not use (training: members 0-5); the alert policy is tuned here.
+    "val-dr": [
+        TraceSpec("val-dr-100", "", 7, 100, 40, 60, "train"),
+        TraceSpec("val-dr-101", "", 7, 101, 40, 120, "train"),
+        TraceSpec("val-dr-102", "", 7, 102, 40, 300, "train"),
+        TraceSpec("fa-val-dr-110", "h100-sxm:192,a100-sxm-80gb:128,h200:192", 14, 110, 3, 300, "train"),
+    ],
+    # The evaluation that can fail: the "shifted" family, never used for training or tuning
+    # (other parameter ranges, trap mix and GPU models; 5-minute samples). The last trace is
+    # shaped like the private hold-out of issue 16 (512 GPUs x 21 days, ~9 failures / 1,000
+    # GPU-days).
+    "shifted": [
+        TraceSpec("shifted-0", "", 10, 0, 40, 300, "shifted"),
+        TraceSpec("shifted-1", "", 10, 1, 40, 300, "shifted"),
+        TraceSpec("shifted-2", "", 10, 2, 40, 300, "shifted"),
+        TraceSpec("shifted-10", "b200:192,h100-sxm:128,a100-sxm-40gb:128,h20:64", 21, 10, 9, 300, "shifted"),
+    ],
 }
 
 
@@ -93,11 +127,9 @@ def load_raw(spec: TraceSpec, cache: Path) -> tuple[RawSamples, list[dict[str, A
         d = np.load(npz)
         meta = json.loads(str(d["meta"]))
         return RawSamples(meta, d["slots"], d["ts"], d["rows"]), json.loads(lab.read_text())
-    from fleetwise.sim import FleetSimulator, SimConfig
+    from fleetwise.sim import FleetSimulator
 
-    sim = FleetSimulator(SimConfig(gpus=spec.mix, days=spec.days, seed=spec.seed,
-                                   sample_interval_s=spec.interval_s,
-                                   failure_rate_per_1000_gpu_days=spec.failure_rate))
+    sim = FleetSimulator(spec.config())
     raw = raw_samples(s for tick in sim.ticks() for s in tick.samples)
     labels = sim.labels()
     cache.mkdir(parents=True, exist_ok=True)
@@ -124,11 +156,9 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
     """Like `evaluate` for traces too large to hold: simulate, window and score in chunks,
     keeping only alert predictions (the feature table of 30,000 GPU-days would not fit)."""
     from fleetwise.predictors.features import GpuFeatureWindows, sample_row
-    from fleetwise.sim import FleetSimulator, SimConfig
+    from fleetwise.sim import FleetSimulator
 
-    sim = FleetSimulator(SimConfig(gpus=spec.mix, days=spec.days, seed=spec.seed,
-                                   sample_interval_s=spec.interval_s,
-                                   failure_rate_per_1000_gpu_days=spec.failure_rate))
+    sim = FleetSimulator(spec.config())
     windows = GpuFeatureWindows(stagger=STAGGER_HOPS)
     pred = FailurePredictor(predictor.model, predictor.policy)
     slot_of: dict[tuple[str, int], int] = {}
@@ -208,7 +238,7 @@ def _model_tag(predictor: FailurePredictor) -> str:
     import hashlib
 
     meta = {k: v for k, v in predictor.model.metadata.items() if k != "policy"}
-    probe = predictor.model.predict_proba(np.zeros((1, len(MODEL_FEATURES))))
+    probe = predictor.model.predict_proba(np.zeros((1, len(predictor.model.feature_names))))
     text = json.dumps(meta, sort_keys=True, default=str) + repr(probe.tolist())
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -235,7 +265,7 @@ def score_hops(spec: TraceSpec, predictor: FailurePredictor, cache: Path) -> tup
         cs, cts, cf = out
         if len(cs) == 0:
             return
-        prob = predictor.model.predict_proba(cf[:, _model_cols()])
+        prob = predictor.model.predict_proba(cf[:, predictor.model.cols])
         rules = np.zeros(len(cs), dtype=np.uint8)
         for r, col in enumerate(_rule_cols()):
             rules |= (np.nan_to_num(cf[:, col]) > 0).astype(np.uint8) << r
@@ -270,7 +300,7 @@ def replay_policy(
     rule_names = list(RULES.values())
     memory = np.zeros(len(scores.prob), dtype=bool)
     if len(scores.watch):
-        wx = scores.watch_x[:, _model_cols()].astype(np.float64)
+        wx = scores.watch_x[:, predictor.model.cols].astype(np.float64)
         memory[scores.watch] = predictor.model.memory_share(wx) >= 0.5
     # GPUs that never reach hi and hit no rule never alert: skip them (same result, less time).
     can = np.zeros(len(scores.keys), dtype=bool)
@@ -303,10 +333,10 @@ def explain_scores(name: str, scores: HopScores, metrics: dict, preds: list[dict
         sig = ""
         if row is not None and row in watch_pos:
             xf = scores.watch_x[watch_pos[row]].astype(np.float64)
-            x = xf[_model_cols()][None, :]
+            x = xf[predictor.model.cols][None, :]
             c = predictor.model.contributions(x)[0]
             top = np.argsort(-c)[:6]
-            sig = ", ".join(f"{MODEL_FEATURES[i]}={x[0, i]:.3g}" for i in top if c[i] > 0)
+            sig = ", ".join(f"{predictor.model.feature_names[i]}={x[0, i]:.3g}" for i in top if c[i] > 0)
             sig += f"; mem share {predictor.model.memory_share(x)[0]:.2f}"
         p = scores.prob[row] if row is not None else float("nan")
         print(f"  FALSE {name} {fa['node']}/{fa['gpu']} at {fa['raised_ts']:.0f} ({fa['source']}) "
@@ -318,6 +348,74 @@ def _rule_cols() -> list[int]:
     from fleetwise.predictors.features import FEATURE_NAMES
 
     return [FEATURE_NAMES.index(f) for f in RULES]
+
+
+RULES_ONLY = {"model_alerts": False}  # the rules layer alone
+
+
+def pooled_targets(set_name: str, predictor: FailurePredictor, cache: Path, rules_only: bool = False,
+                   verbose: bool = True) -> dict[str, Any]:
+    """All issue-16 targets pooled over a set, from stored hop scores (memory-light: works on
+    the 512-GPU x 21-day trace), with 95% confidence intervals: Wilson for recall, precision
+    and the hot-but-healthy share, an exact Poisson upper bound for false alarms."""
+    from dataclasses import replace
+
+    policy = replace(predictor.policy, **RULES_ONLY) if rules_only else predictor.policy
+    tot = dict.fromkeys(("long_c", "long_n", "pre_c", "pre_n", "all_c", "all_n", "true", "false",
+                         "hot_f", "hot_n", "fails"), 0)
+    gpu_days = 0.0
+    for spec in SETS[set_name]:
+        scores, labels = score_hops(spec, predictor, cache)
+        m, _ = replay_policy(scores, labels, predictor, policy)
+        tot["long_c"] += m["recall_long_precursor_12h"]["caught"]
+        tot["long_n"] += m["recall_long_precursor_12h"]["n"]
+        tot["pre_c"] += m["recall_with_precursor_30min"]["caught"]
+        tot["pre_n"] += m["recall_with_precursor_30min"]["n"]
+        tot["all_c"] += m["recall_all_30min"]["caught"]
+        tot["all_n"] += m["recall_all_30min"]["n"]
+        tot["true"] += m["true_alerts"]
+        tot["false"] += m["false_alerts"]
+        tot["fails"] += m["failures"]
+        hot_n = m["hot_healthy_gpus"]
+        tot["hot_n"] += hot_n
+        tot["hot_f"] += round((m["hot_healthy_flagged_share"] or 0.0) * hot_n)
+        gpu_days += scores.gpu_days
+        if verbose:
+            lp, wp = m["recall_long_precursor_12h"], m["recall_with_precursor_30min"]
+            print(f"  {spec.name}: {scores.gpu_days:.0f} GPU-days, {m['failures']} failures; long@12h "
+                  f"{_rec(lp['caught'], lp['n'])}; precursor@30m {_rec(wp['caught'], wp['n'])}; "
+                  f"precision {_rec(m['true_alerts'], m['true_alerts'] + m['false_alerts'])}; "
+                  f"false {m['false_alerts']}; hot flagged {m['hot_healthy_flagged_share']}", flush=True)
+    eps = tot["true"] + tot["false"]
+    out = {
+        "set": set_name, "policy": "rules only" if rules_only else "model + rules", "gpu_days": gpu_days,
+        "failures": tot["fails"],
+        "recall_long_12h": (tot["long_c"], tot["long_n"], wilson(tot["long_c"], tot["long_n"])),
+        "recall_precursor_30min": (tot["pre_c"], tot["pre_n"], wilson(tot["pre_c"], tot["pre_n"])),
+        "recall_all_30min": (tot["all_c"], tot["all_n"], wilson(tot["all_c"], tot["all_n"])),
+        "precision": (tot["true"], eps, wilson(tot["true"], eps)),
+        "false_alarms": tot["false"],
+        "fa_per_1000_gpu_days": tot["false"] / gpu_days * 1000 if gpu_days else None,
+        "fa_upper95_per_1000_gpu_days": poisson_upper(tot["false"]) / gpu_days * 1000 if gpu_days else None,
+        "hot_flagged": (tot["hot_f"], tot["hot_n"], wilson(tot["hot_f"], tot["hot_n"])),
+    }
+    return out
+
+
+def targets_row(t: dict[str, Any]) -> str:
+    """One markdown table row of `pooled_targets`."""
+    def frac(v: tuple) -> str:
+        k, n, (lo, hi) = v
+        return f"{k / n:.2f} ({k}/{n}) [{lo:.2f}-{hi:.2f}]" if n else "-"
+    return (f"| {t['set']} | {t['policy']} | {t['gpu_days']:.0f} | {t['failures']} | "
+            f"{frac(t['recall_long_12h'])} | {frac(t['recall_precursor_30min'])} | {frac(t['precision'])} | "
+            f"{t['fa_per_1000_gpu_days']:.2f} ({t['false_alarms']}) "
+            f"[<= {t['fa_upper95_per_1000_gpu_days']:.2f}] | {frac(t['hot_flagged'])} |")
+
+
+TARGETS_HEADER = ("| set | alerts from | GPU-days | failures | recall, precursor >= 18 h @ 12 h | "
+                  "recall, any precursor @ 30 min | precision (episodes) | false alarms / 1,000 GPU-days "
+                  "(n) [95% upper] | hot-but-healthy flagged |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def _rec(caught: int, n: int) -> str:
@@ -403,12 +501,6 @@ def tune(sets: list[str], predictor: FailurePredictor, cache: Path, grid: list[t
         print(" | ".join(cells), flush=True)
 
 
-def _model_cols() -> np.ndarray:
-    from fleetwise.predictors.features import FEATURE_NAMES
-
-    return np.array([FEATURE_NAMES.index(n) for n in MODEL_FEATURES])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", default="val,test", help="comma-separated: val, test, fa")
@@ -422,6 +514,9 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true",
                     help="sweep the alert policy on the tuning sets (--tune-sets, default val,fa-val)")
     ap.add_argument("--tune-sets", default="val,fa-val")
+    ap.add_argument("--targets", default=None,
+                    help="pooled issue-16 targets with 95%% CIs per set (e.g. test,shifted), model and "
+                    "rules-only, from stored hop scores")
     ap.add_argument("--grid", default=None,
                     help="policies to sweep: 'hi,k,k_memory;...' (default POLICY_GRID)")
     args = ap.parse_args()
@@ -434,6 +529,14 @@ def main() -> None:
         hi, k, km = (float(v) for v in args.policy.split(","))
         policy = replace(predictor.policy, hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km))
         predictor = FailurePredictor(predictor.model, policy)
+    if args.targets:
+        print(TARGETS_HEADER)
+        for set_name in args.targets.split(","):
+            for rules_only in (False, True):
+                t = pooled_targets(set_name, predictor, args.cache, rules_only=rules_only,
+                                   verbose=args.explain)
+                print(targets_row(t), flush=True)
+        return
     if args.tune:
         grid = None
         if args.grid:
@@ -442,7 +545,7 @@ def main() -> None:
         return
     meta = predictor.model.metadata
     print(f"model {meta.get('version')}: {meta.get('training_command')}")
-    print(f"policy {predictor.policy}; {len(MODEL_FEATURES)} model features")
+    print(f"policy {predictor.policy}; {len(predictor.model.feature_names)} model features")
     for set_name in args.sets.split(","):
         pooled: dict[str, list[int]] = {}
         gpu_days = 0.0

@@ -1345,6 +1345,12 @@ app.add_typer(predictor_app, name="predictor")
 
 # The packaged model's training set (defaults reproduce it; docs/predictors.md).
 TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32;a100-sxm-80gb:96,h200:32"
+# Defaults of `fleetwise predictor train`: they reproduce the packaged model (its metadata has
+# the exact command); the alert policy is the one tuned for it (bench/failure_eval.py --tune).
+TRAIN_FAMILY: str | None = None
+TRAIN_SEEDS = "101,102,103,104,105,106"
+TRAIN_DAYS = 10.0
+TRAIN_POLICY: dict[str, Any] = {}
 
 
 def _iter_jsonl(path: Path):  # noqa: ANN202 - Iterator[dict]
@@ -1366,22 +1372,32 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: float,  # noqa: ANN202
-               cache: Path | None = None):
-    """Features and labels of one simulator trace; with `cache`, the raw sample arrays and labels
-    are kept there (same config -> same file), so a retrain skips the simulation."""
+               cache: Path | None = None, family: str | None = None):
+    """Features and labels of one simulator trace (with `family`, member `seed` of that
+    configuration family, fleetwise.sim.randomize); with `cache`, the raw sample arrays and
+    labels are kept there (same config -> same file), so a retrain skips the simulation."""
     import numpy as np
 
     from fleetwise.predictors.training import RawSamples, compute_features_raw, raw_samples
     from fleetwise.sim import FleetSimulator, SimConfig, SimConfigError
+    from fleetwise.sim.randomize import family_config, family_key
 
-    name = f"{mix.replace(':', 'x').replace(',', '_')}-d{days:g}-s{seed}-r{failure_rate:g}-i{interval:g}"
+    if family:
+        name = family_key(family, seed, mix, days, failure_rate, interval)
+    else:
+        name = f"{mix.replace(':', 'x').replace(',', '_')}-d{days:g}-s{seed}-r{failure_rate:g}-i{interval:g}"
     if cache is not None and (cache / f"{name}.npz").exists() and (cache / f"{name}.labels.json").exists():
         d = np.load(cache / f"{name}.npz")
         raw = RawSamples(json.loads(str(d["meta"])), d["slots"], d["ts"], d["rows"])
         return compute_features_raw(raw), json.loads((cache / f"{name}.labels.json").read_text())
     try:
-        sim = FleetSimulator(SimConfig(gpus=mix, days=days, seed=seed, sample_interval_s=interval,
-                                       failure_rate_per_1000_gpu_days=failure_rate))
+        if family:
+            config = family_config(family, seed, days=days, failure_rate=failure_rate, gpus=mix or None,
+                                   interval_s=interval or None)
+        else:
+            config = SimConfig(gpus=mix, days=days, seed=seed, sample_interval_s=interval,
+                               failure_rate_per_1000_gpu_days=failure_rate)
+        sim = FleetSimulator(config)
     except (SimConfigError, ValueError) as exc:
         fail(f"--mixes {mix!r}: {exc}")
     raw = raw_samples(s for tick in sim.ticks() for s in tick.samples)
@@ -1393,90 +1409,181 @@ def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: 
     return compute_features_raw(raw), labels
 
 
+def _trace_samples(trace: Path, steps: list[dict] | None = None):  # noqa: ANN202 - Iterator[dict]
+    """GPU samples of a trace file (sample lines and node batches); step records go to `steps`."""
+    for r in _iter_jsonl(trace):
+        if "metrics" in r:
+            yield r
+        elif "samples" in r and isinstance(r["samples"], list):
+            yield from r["samples"]
+        elif "step_time_s" in r and steps is not None:
+            steps.append(r)
+
+
+def _operator_labels(path: Path) -> list[dict]:
+    from fleetwise.predictors.training import LabelError, labels_from_records
+
+    try:
+        return labels_from_records(_read_jsonl(path), source=str(path))
+    except LabelError as exc:
+        fail(str(exc))
+
+
+def _parse_policy(text: str | None):  # noqa: ANN202 - AlertPolicy | None
+    """'hi,k,k_memory' -> an AlertPolicy (lo = hi / 2), None when not given."""
+    from fleetwise.predictors.failure import AlertPolicy
+
+    if not text:
+        return None
+    try:
+        hi, k, km = (float(v) for v in text.split(","))
+    except ValueError:
+        fail(f"--policy must be 'hi,k,k_memory' (e.g. 0.8,3,12), got {text!r}")
+    if not 0 < hi <= 1 or k < 1 or km < 1:
+        fail(f"--policy: hi must be in (0, 1], k and k_memory >= 1, got {text!r}")
+    return AlertPolicy(hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km))
+
+
 @predictor_app.command("train")
 def predictor_train(
     out_dir: Path = typer.Option(Path("fleetwise/predictors/models"), "--out-dir", help="Model folder."),
-    seeds: str = typer.Option("101,102,103,104,105,106",
-                              help="Simulator seeds, comma-separated (one trace per seed)."),
-    mixes: str = typer.Option(TRAIN_MIXES, help="Fleet mixes, ';'-separated, used round-robin over seeds."),
-    days: float = typer.Option(10.0, min=1.0, help="Days per training trace."),
+    seeds: str = typer.Option(TRAIN_SEEDS,
+                              help="Simulator seeds (with --family: member indices), comma-separated "
+                              "(one trace per seed)."),
+    mixes: str | None = typer.Option(None, help="Fleet mixes, ';'-separated, used round-robin over seeds "
+                                     "(default: the family's own mixes, or the legacy training mixes)."),
+    days: float = typer.Option(TRAIN_DAYS, min=1.0, help="Days per training trace."),
     failure_rate: float = typer.Option(40.0, help="Failures per 1,000 GPU-days in training traces."),
-    intervals: str = typer.Option("60,120,300,120", "--interval", "--intervals",
-                                  help="Sample interval(s) of training traces, s; comma-separated, "
-                                  "round-robin."),
+    intervals: str | None = typer.Option(None, "--interval", "--intervals",
+                                         help="Sample interval(s) of training traces, s; comma-separated, "
+                                         "round-robin (default: the family's own)."),
+    family: str | None = typer.Option(TRAIN_FAMILY, "--family",
+                                      help="Configuration family of fleetwise.sim.randomize ('train'), or "
+                                      "'none' for the plain simulator."),
+    trace: list[Path] = typer.Option([], "--trace", help="Your own telemetry (.jsonl[.gz] of GPU samples); "
+                                     "repeat for several. Replaces the simulator."),
+    labels: list[Path] = typer.Option([], "--labels", help="Failure records for each --trace, in order "
+                                      "(docs/predictors.md: labels file)."),
+    policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory' to store "
+                                      "with the model (choose it with `fleetwise backtest --policy`)."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
 ) -> None:
-    """Generate simulator traces from SEEDS, build the dataset, fit and write the model."""
+    """Fit the failure model on simulator traces (a randomised family by default) or on your own
+    telemetry and failure records (--trace/--labels), and write it to OUT_DIR."""
     import time
+    from dataclasses import asdict
 
     import numpy as np
 
     from fleetwise.predictors.training import (
         HORIZON_H,
+        compute_features,
         fit_failure_model,
         gpu_groups,
         label_rows,
         model_matrix,
     )
 
+    family = None if family in (None, "", "none") else family
+    chosen = _parse_policy(policy)
+    if len(trace) != len(labels):
+        fail(f"give one --labels file per --trace ({len(trace)} traces, {len(labels)} labels files)")
+    _existing([*trace, *labels], "file")
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:
         fail(f"--seeds must be comma-separated integers, got {seeds!r}")
-    mix_list = [m.strip() for m in mixes.split(";") if m.strip()]
-    if not seed_list or not mix_list:
-        fail("need at least one seed and one fleet mix")
+    if family:
+        from fleetwise.sim.randomize import FAMILIES
+
+        if family not in FAMILIES:
+            fail(f"--family {family!r}: unknown; known: {', '.join(sorted(FAMILIES))}")
+    mix_list = [m.strip() for m in (mixes or ("" if family else TRAIN_MIXES)).split(";") if m.strip()] or [""]
     try:
-        interval_list = [float(v) for v in intervals.split(",") if v.strip()]
+        interval_list = [float(v) for v in (intervals or ("0" if family else "60,120,300,120")).split(",")
+                         if v.strip()]
     except ValueError:
         fail(f"--interval must be comma-separated numbers of seconds, got {intervals!r}")
-    if not interval_list or min(interval_list) <= 0:
+    if not interval_list or min(interval_list) < 0 or (not family and min(interval_list) <= 0):
         fail(f"--interval must be positive seconds, got {intervals!r}")
+    if not trace and not seed_list:
+        fail("need at least one seed (or --trace with --labels)")
     xs, ys, hours, groups = [], [], [], []
     offset, started, n_fail = 0, time.time(), 0
-    for i, seed in enumerate(seed_list):
-        mix = mix_list[i % len(mix_list)]
-        interval = interval_list[i % len(interval_list)]
-        table, labels = _sim_table(mix, days, seed, failure_rate, interval, cache)
-        lab = label_rows(table, labels, HORIZON_H)
+
+    def add(table, label_list, what: str) -> None:  # noqa: ANN001
+        nonlocal offset, n_fail
+        lab = label_rows(table, label_list, HORIZON_H)
         g = gpu_groups(table.keys) + offset
-        offset = int(g.max()) + 1
+        offset = int(g.max()) + 1 if len(g) else offset
         m = lab.train_mask
         xs.append(model_matrix(table)[m])
         ys.append(lab.y[m])
         hours.append(lab.hours_to_failure[m])
         groups.append(g[m])
-        n_fail += sum(1 for x in labels if x["kind"] == "failure")
-        console.print(f"seed {seed} ({mix}, {interval:g} s): {table.samples:,} samples, "
-                      f"{len(table):,} GPU-hops, "
+        n_fail += sum(1 for x in label_list if x.get("kind") == "failure")
+        console.print(f"{what}: {table.samples:,} samples, {len(table):,} GPU-hops, "
                       f"{int(lab.y[m].sum())} positive hops used")
+
+    if trace:
+        for tr, lb in zip(trace, labels, strict=True):
+            table = compute_features(_trace_samples(tr))
+            if len(table) == 0:
+                fail(f"{tr}: no GPU samples")
+            add(table, _operator_labels(lb), f"{tr.name} ({lb.name})")
+    else:
+        for i, seed in enumerate(seed_list):
+            mix = mix_list[i % len(mix_list)]
+            interval = interval_list[i % len(interval_list)]
+            table, label_list = _sim_table(mix, days, seed, failure_rate, interval, cache, family)
+            add(table, label_list, f"seed {seed} ({family or 'plain'}{', ' + mix if mix else ''}"
+                f"{f', {interval:g} s' if interval else ''})")
+    y_all = np.concatenate(ys)
+    if y_all.sum() < 5:
+        fail(f"only {int(y_all.sum())} positive GPU-hops: the labels name too few failures of GPUs in the "
+             "trace (docs/predictors.md: how much data)")
     import sklearn
 
-    from fleetwise.predictors.failure import MODEL_FEATURES, feature_schema_hash
+    from fleetwise.predictors.failure import MODEL_FEATURES, AlertPolicy, feature_schema_hash
 
-    command = (f"fleetwise predictor train --out-dir {out_dir} --seeds {seeds} --mixes '{mixes}' "
-               f"--days {days} --failure-rate {failure_rate} --interval {intervals} --fit-seed {fit_seed}")
-    meta = {"version": f"1.0+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
-            "training_command": command, "seeds": seed_list, "mixes": mix_list, "days": days,
-            "failure_rate_per_1000_gpu_days": failure_rate, "sample_interval_s": interval_list,
+    if trace:
+        command = ("fleetwise predictor train --out-dir {} {}".format(out_dir, " ".join(
+            f"--trace {t} --labels {lb}" for t, lb in zip(trace, labels, strict=True))))
+    else:
+        command = (f"fleetwise predictor train --out-dir {out_dir} --seeds {seeds} "
+                   f"--family {family or 'none'} " + (f"--mixes '{mixes}' " if mixes else "")
+                   + f"--days {days} --failure-rate {failure_rate} "
+                   + (f"--interval {intervals} " if intervals else "") + f"--fit-seed {fit_seed}")
+    if policy:
+        command += f" --policy {policy}"
+    meta = {"version": f"1.1+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
+            "training_command": command, "seeds": [] if trace else seed_list, "family": family,
+            "mixes": mix_list, "days": days, "failure_rate_per_1000_gpu_days": failure_rate,
+            "sample_interval_s": interval_list, "traces": [str(t) for t in trace],
             "fit_seed": fit_seed, "failures_in_training": n_fail, "sklearn": sklearn.__version__}
-    model = fit_failure_model(np.vstack(xs), np.concatenate(ys), np.concatenate(hours),
+    model = fit_failure_model(np.vstack(xs), y_all, np.concatenate(hours),
                               np.concatenate(groups), seed=fit_seed, metadata=meta)
-    model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys))})
+    model.policy = chosen or (AlertPolicy(**TRAIN_POLICY) if not trace and family == TRAIN_FAMILY
+                              else model.policy)
+    model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys)),
+                                                 "policy_source": policy or "default"})
     size_kb = model_path.stat().st_size / 1024
     console.print(f"model -> {model_path} ({size_kb:.0f} KiB), metadata -> {meta_path} "
-                  f"in {time.time() - started:.0f} s")
+                  f"in {time.time() - started:.0f} s; policy {asdict(model.policy)}")
 
 
 @app.command("backtest")
 def backtest_cmd(
     trace: Path = typer.Option(..., "--trace", help="Trace (.jsonl / .jsonl.gz) of GPU samples and steps."),
-    labels: Path = typer.Option(..., "--labels", help="Simulator labels (.jsonl)."),
+    labels: Path = typer.Option(..., "--labels", help="Simulator labels, or your own failure records "
+                                "(.jsonl; docs/predictors.md: labels file)."),
     report: Path | None = typer.Option(None, "--report", help="Write an HTML report with plots."),
     model_dir: Path | None = typer.Option(None, "--model-dir", help="A model other than the packaged one."),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    policy: str | None = typer.Option(None, "--policy", help="Score another alert policy 'hi,k,k_memory' "
+                                      "(choosing the threshold for a false-alarm budget)."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
     from fleetwise.predictors.backtest import backtest_trace, metrics_rows
@@ -1487,7 +1594,14 @@ def backtest_cmd(
         predictor = FailurePredictor.load(model_dir)
     except (FileNotFoundError, FeatureSchemaError) as exc:
         fail(str(exc))
-    label_list = _read_jsonl(labels)
+    chosen = _parse_policy(policy)
+    if chosen is not None:
+        from dataclasses import replace
+
+        predictor = FailurePredictor(predictor.model, replace(predictor.policy, hi=chosen.hi, lo=chosen.lo,
+                                                              k_raise=chosen.k_raise,
+                                                              k_raise_memory=chosen.k_raise_memory))
+    label_list = _operator_labels(labels)
     steps: list[dict] = []
 
     def gpu_samples():  # noqa: ANN202 - streams the trace; step records are kept aside

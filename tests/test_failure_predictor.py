@@ -196,3 +196,24 @@ def test_policy_replay_from_stored_probabilities_matches_the_stream() -> None:
     replayed = [(keys[i], ts[i], alert) for i, (alert, _, _) in zip(rows, states, strict=True)]
     assert [((p.node, p.gpu), p.ts, p.alert) for p in stream] == replayed
     assert any(a for *_, a in replayed) and not all(a for *_, a in replayed)
+
+
+def test_same_evidence_does_not_raise_the_gpu_again() -> None:
+    """After a model alert clears, the same GPU is raised again within `rearm_hops` only on
+    stronger evidence (p above the cleared episode's peak + margin); after that, as usual."""
+    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, rearm_hops=10, rearm_margin=0.05)
+    first = [0.7, 0.7, 0.7, 0.1, 0.1, 0.1]  # raise at hop 2, clear at hop 6 (peak 0.7)
+    same = [0.7, 0.7, 0.72, 0.1, 0.1, 0.1]  # the decaying burst comes back: no new alert
+    stronger = [0.9, 0.9]  # new, stronger evidence inside the window: raised
+    probs = first + same + stronger
+    alerts = alert_series(run(FailurePredictor(stub_model(pol)), probs), len(probs))
+    assert alerts[:6] == [False, True, True, True, True, False]
+    assert not any(alerts[6:12])
+    assert alerts[12:] == [False, True]
+    # Outside the window the same evidence raises again.
+    late = first + [0.1] * 10 + [0.7, 0.7]
+    alerts = alert_series(run(FailurePredictor(stub_model(pol)), late), len(late))
+    assert alerts[-1] is True
+    # Rules are never held back.
+    out = run(FailurePredictor(stub_model(pol)), first + [0.1], {"xid_bus_hop": [0] * 6 + [1]})
+    assert alert_series(out, 7)[-1] is True

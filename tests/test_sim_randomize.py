@@ -39,7 +39,8 @@ def _samples(cfg: SimConfig) -> list[dict]:
 
 
 def test_knobs_change_what_they_name() -> None:
-    base = dict(gpus="h100-sxm:16", days=0.5, seed=5, sample_interval_s=300, failure_rate_per_1000_gpu_days=0.0)
+    base = dict(gpus="h100-sxm:16", days=0.5, seed=5, sample_interval_s=300,
+                failure_rate_per_1000_gpu_days=0.0)
     plain = _samples(SimConfig(**base))
     blanks = _samples(SimConfig(**base, dcgm_blank_prob=0.2))
     n_blank = sum(v == BLANK for s in blanks for v in s["metrics"].values())

@@ -48,7 +48,7 @@ MODEL_FEATURES: list[str] = [
 ]
 # Feature families whose contributions mark a risk as memory-driven (AlertPolicy.k_raise_memory).
 MEMORY_PREFIXES = ("sbe_", "dbe_", "mem_repair", "xid_mem_", "remap_")
-_MEMORY_MASK = np.array([n.startswith(MEMORY_PREFIXES) for n in MODEL_FEATURES])
+_FEATURE_INDEX = {n: i for i, n in enumerate(FEATURE_NAMES)}
 RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
     "remap_failure": "remap_failure",
     "xid_bus_hop": "xid79_off_bus",
@@ -84,6 +84,16 @@ class AlertPolicy:
     k_raise_memory: int = 12
     m_clear: int = 6
     rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
+    # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
+    # raises that GPU again only at a probability above the cleared episode's peak + margin
+    # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
+    # Rules are not held back.
+    rearm_hops: int = 144
+    rearm_margin: float = 0.05
+    # False: the rules layer alone raises alerts; the model's probabilities are still emitted
+    # (watch list, ranking) but never alert. For fleets where the model has not been shown to
+    # beat the rules (docs/predictors.md, "An evaluation that can fail").
+    model_alerts: bool = True
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
 
 
@@ -102,8 +112,18 @@ class FailureModel:
     policy: AlertPolicy = field(default_factory=AlertPolicy)
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A model reads the feature columns it was fitted on (a subset of FEATURE_NAMES), so a
+        # model fitted before features were added keeps working, to the bit.
+        unknown = [n for n in self.feature_names if n not in _FEATURE_INDEX]
+        if unknown:
+            raise FeatureSchemaError(f"model features {unknown[:5]} are not computed by this code; "
+                                     "retrain with `fleetwise predictor train`")
+        self.cols = np.array([_FEATURE_INDEX[n] for n in self.feature_names], dtype=np.int64)
+        self.memory_mask = np.array([n.startswith(MEMORY_PREFIXES) for n in self.feature_names], dtype=bool)
+
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
-        """Calibrated probability of failing within horizon_h, per row of MODEL_FEATURES."""
+        """Calibrated probability of failing within horizon_h, per row of `feature_names`."""
         if len(x) == 0:
             return np.empty(0)
         raw = self.classifier.predict_proba(x)[:, 1]
@@ -123,7 +143,7 @@ class FailureModel:
         """Share of each row's contribution that comes from memory-error features."""
         c = self.contributions(x)
         total = c.sum(axis=1)
-        return np.where(total > 0, c[:, _MEMORY_MASK].sum(axis=1) / np.where(total > 0, total, 1.0), 0.0)
+        return np.where(total > 0, c[:, self.memory_mask].sum(axis=1) / np.where(total > 0, total, 1.0), 0.0)
 
     # ---- persistence ----
     def save(self, directory: Path, extra_metadata: dict[str, Any] | None = None) -> tuple[Path, Path]:
@@ -158,18 +178,18 @@ class FailureModel:
                 f"no failure model in {base}: run `fleetwise predictor train` to create one"
             )
         meta = json.loads(meta_path.read_text())
-        expected = feature_schema_hash(MODEL_FEATURES)
-        if meta.get("feature_schema_hash") != expected or meta.get("feature_names") != MODEL_FEATURES:
+        names = meta.get("feature_names")
+        if (not isinstance(names, list) or meta.get("feature_schema_hash") != feature_schema_hash(names)
+                or any(n not in _FEATURE_INDEX for n in names)):
             raise FeatureSchemaError(
-                f"failure model in {base} was fitted on feature schema {meta.get('feature_schema_hash')} "
-                f"but this code computes {expected}; retrain with `fleetwise predictor train`"
+                f"failure model in {base} was fitted on feature schema {meta.get('feature_schema_hash')}, "
+                "which this code does not compute; retrain with `fleetwise predictor train`"
             )
         bundle = joblib.load(model_path)
-        return cls(feature_names=list(MODEL_FEATURES), horizon_h=float(meta["horizon_h"]),
+        return cls(feature_names=list(names), horizon_h=float(meta["horizon_h"]),
                    policy=AlertPolicy(**meta.get("policy", {})), metadata=meta, **bundle)
 
 
-_MODEL_COLS = np.array([FEATURE_NAMES.index(n) for n in MODEL_FEATURES])
 _RULE_COLS = {FEATURE_NAMES.index(f): name for f, name in RULES.items()}
 
 
@@ -181,6 +201,8 @@ class _GpuAlert:
     rule_left: int = 0
     source: str = ""
     raised_ts: float = 0.0
+    peak: float = 0.0  # highest probability of the open (or last) model episode
+    rearm_left: int = 0  # hops left in which a model re-raise needs p > peak + margin
 
 
 class FailurePredictor:
@@ -217,7 +239,7 @@ class FailurePredictor:
         `job_ranks` (optional, one (job, rank) per row: the GPU's current job, e.g. from
         `GpuFeatureWindows.job_ranks(slots)`) is copied into the predictions, so an actuator
         can cap drains per job."""
-        x = features[:, _MODEL_COLS]
+        x = features[:, self.model.cols]
         prob = self.model.predict_proba(x)
         rule_hit: list[list[str]] = [[] for _ in range(len(keys))]
         for col, name in _RULE_COLS.items():
@@ -260,12 +282,21 @@ class FailurePredictor:
             elif st.rule_left > 0:
                 st.rule_left -= 1
             if not st.alerting:
+                if st.rearm_left > 0:
+                    st.rearm_left -= 1
                 if rule_hit[i]:
                     st.alerting, st.source, st.raised_ts = True, "rule:" + ",".join(rule_hit[i]), float(ts[i])
-                elif st.high >= (pol.k_raise_memory if memory_driven[i] else pol.k_raise):
+                    st.peak = 0.0
+                elif (pol.model_alerts
+                      and st.high >= (pol.k_raise_memory if memory_driven[i] else pol.k_raise)
+                      and (st.rearm_left == 0 or p >= st.peak + pol.rearm_margin)):
                     st.alerting, st.source, st.raised_ts = True, "model", float(ts[i])
+                    st.peak = float(p)
             elif st.rule_left == 0 and st.low >= pol.m_clear:
                 st.alerting = False
+                st.rearm_left = pol.rearm_hops if st.source == "model" else 0
+            elif st.source == "model" and p > st.peak:
+                st.peak = float(p)
             if st.alerting or was or p >= pol.emit_floor:
                 emit_rows.append(i)
                 states.append((st.alerting, st.source if (st.alerting or was) else "model", was))
@@ -280,6 +311,7 @@ class FailurePredictor:
         rows = np.array(emit_rows)
         lead = self.model.lead_time_h(x[rows])
         contrib = self.model.contributions(x[rows])
+        names = self.model.feature_names
         out = []
         for j, i in enumerate(emit_rows):
             node, gpu = keys[i]
@@ -288,7 +320,7 @@ class FailurePredictor:
             top = np.argsort(-contrib[j])[:4]
             signals = [Signal(name="source", value=source)]
             signals += [
-                Signal(name=MODEL_FEATURES[c], value=_num(x[i, c]), weight=round(float(contrib[j, c]), 4))
+                Signal(name=names[c], value=_num(x[i, c]), weight=round(float(contrib[j, c]), 4))
                 for c in top if contrib[j, c] > 0
             ]
             for name in rule_hit[i]:

@@ -23,7 +23,6 @@ from fleetwise.predictors.features import FEATURE_NAMES, N_INPUT, GpuFeatureWind
 
 HORIZON_H = 48.0  # predict failures within 2 days: long enough for the 12 h lead target
 REPAIR_WINDOW_H = 24.0  # after a failure the GPU is out (or replaced); its hops are not scored
-_MODEL_COLS = np.array([FEATURE_NAMES.index(n) for n in MODEL_FEATURES])
 
 
 @dataclass
@@ -182,7 +181,9 @@ def label_rows(
             y[idx[within]] = True
             hours[idx[within]] = np.fmin(hours[idx[within]], dt_h[within])
             pre = ev.get("precursor_start_ts")
-            if ev.get("abrupt") or pre is None:
+            if ev.get("precursor_unknown") and not ev.get("abrupt"):
+                pass  # an operator's record: every hop of the horizon is a positive
+            elif ev.get("abrupt") or pre is None:
                 train[idx[within]] = False
             else:
                 train[idx[within & (t < float(pre))]] = False
@@ -260,12 +261,96 @@ def fit_failure_model(
     )
 
 
-def model_matrix(table: FeatureTable) -> np.ndarray:
-    """The MODEL_FEATURES columns of a feature table."""
-    return table.features[:, _MODEL_COLS]
+def model_matrix(table: FeatureTable, names: Sequence[str] = MODEL_FEATURES) -> np.ndarray:
+    """The columns `names` (default: the candidate MODEL_FEATURES) of a feature table."""
+    return table.features[:, [FEATURE_NAMES.index(n) for n in names]]
 
 
 def gpu_groups(keys: Sequence[tuple[str, int]], prefix: str = "") -> np.ndarray:
     """An integer per distinct GPU (prefix distinguishes GPUs of different traces)."""
     ids: dict[str, int] = {}
     return np.array([ids.setdefault(f"{prefix}{n}/{g}", len(ids)) for n, g in keys], dtype=np.int64)
+
+
+# Operator labels (docs/predictors.md, "Retraining on your own fleet"). XIDs that mean the GPU
+# failed (REFERENCE.md "XIDs"): 48 double-bit ECC, 64 row-remap failure, 79 off the bus,
+# 94/95 contained/uncontained ECC, 119/120 GSP, 140 unrecovered ECC.
+FAILURE_XIDS = frozenset({48, 64, 79, 94, 95, 119, 120, 140})
+LABEL_EVENTS = ("failure", "rma", "replacement", "xid")
+MERGE_H = 24.0  # records of one GPU within a day of each other are one failure (XID, then RMA)
+
+
+class LabelError(ValueError):
+    """A labels-file record that cannot be used (the message names the record and field)."""
+
+
+def labels_from_records(records: Iterable[dict[str, Any]], source: str = "labels") -> list[dict[str, Any]]:
+    """Failure labels (the simulator's label shape) from an operator's records.
+
+    A record: {"ts": Unix s or RFC 3339, "node": str, "gpu": int, "event": "failure" | "rma" |
+    "replacement" | "xid", "xid": int (for "xid"), optional "class", "precursor_start_ts",
+    "abrupt"}. Simulator labels ({"kind": "failure", ...}) pass through; other kinds (traps,
+    stragglers) are kept for scoring. An "xid" record counts only for a failure XID
+    (FAILURE_XIDS). Records of one GPU within MERGE_H hours are one failure, at the earliest.
+    Without a precursor start the failure is `precursor_unknown`: training uses every hop of
+    the horizon before it as positive, scoring counts it among all failures."""
+    from fleetwise.schemas._base import _parse_ts  # the records' own timestamp rules
+
+    def parse_ts(value: Any) -> float:
+        out = _parse_ts(value)
+        if not isinstance(out, float):
+            raise TypeError("not a number or string")
+        return out
+
+    out: list[dict[str, Any]] = []
+    fails: list[dict[str, Any]] = []
+    for i, rec in enumerate(records, start=1):
+        where = f"{source} record {i}"
+        if not isinstance(rec, dict):
+            raise LabelError(f"{where}: not a JSON object")
+        kind = rec.get("kind")
+        if kind is not None and kind != "failure":
+            out.append(rec)
+            continue
+        event = "failure" if kind == "failure" else rec.get("event")
+        if event not in LABEL_EVENTS:
+            raise LabelError(f"{where}: 'event' must be one of {', '.join(LABEL_EVENTS)}, got {event!r}")
+        for name in ("ts", "node", "gpu"):
+            if rec.get(name) is None:
+                raise LabelError(f"{where}: '{name}' is required")
+        try:
+            ts = parse_ts(rec["ts"])
+        except (TypeError, ValueError) as exc:
+            raise LabelError(f"{where}: 'ts' {rec['ts']!r} is not Unix seconds or RFC 3339 ({exc})") from None
+        if not isinstance(rec["node"], str) or not rec["node"]:
+            raise LabelError(f"{where}: 'node' must be a non-empty string")
+        if isinstance(rec["gpu"], bool) or not isinstance(rec["gpu"], int) or rec["gpu"] < 0:
+            raise LabelError(f"{where}: 'gpu' must be an integer >= 0, got {rec['gpu']!r}")
+        xid = rec.get("xid")
+        if event == "xid":
+            if isinstance(xid, bool) or not isinstance(xid, int):
+                raise LabelError(f"{where}: an 'xid' event needs an integer 'xid'")
+            if xid not in FAILURE_XIDS:
+                continue  # application and warning XIDs are not failures
+        label = {**rec, "kind": "failure", "ts": ts, "node": rec["node"], "gpu": rec["gpu"],
+                 "class": rec.get("class") or (f"xid{xid}" if xid else event)}
+        label.pop("event", None)
+        label["_merge"] = kind is None  # operator records merge; simulator labels stay as they are
+        if label.get("precursor_start_ts") is not None:
+            label["precursor_start_ts"] = parse_ts(label["precursor_start_ts"])
+        elif not label.get("abrupt"):
+            label["precursor_start_ts"] = None
+            label["precursor_unknown"] = True
+        fails.append(label)
+    fails.sort(key=lambda r: (r["node"], r["gpu"], r["ts"]))
+    merged: list[dict[str, Any]] = []
+    for rec in fails:
+        last = merged[-1] if merged else None
+        if (last is not None and rec.pop("_merge") and last.get("_merge", True)
+                and (last["node"], last["gpu"]) == (rec["node"], rec["gpu"])
+                and rec["ts"] - last["ts"] <= MERGE_H * 3600.0):
+            continue
+        merged.append(rec)
+    for rec in merged:
+        rec.pop("_merge", None)
+    return sorted(merged + out, key=lambda r: float(r.get("ts") or 0.0))
