@@ -10,6 +10,7 @@ Alpa's export is checked as data only (Alpa is archived; its jaxlib is not on Py
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,136 @@ def test_plan_trainer_uses_ray_scaling_config_types():
 
 # keep names used by the Ray loop importable for static checkers
 _ = (ShareSampler, WeightedHookState, weighted_comm_hook, json, Path)
+
+
+# ---- DeepSpeed -----------------------------------------------------------------------------------
+
+# Per-rank (micro_batch, num_micro_batches) = (3, 2), (2, 1), (2, 2): shares 6, 2, 4.
+DS_MAP_MICRO = [(3, 2), (2, 1), (2, 2)]
+
+
+def _ds_map() -> dict[str, Any]:
+    mb = _map([m * c for m, c in DS_MAP_MICRO])
+    for row, (m, c) in zip(mb["ranks"], DS_MAP_MICRO, strict=True):
+        row["micro_batch"], row["num_micro_batches"] = m, c
+    return mb
+
+
+def _ds_worker(rank: int, world: int, stages: list[int]) -> dict[str, Any]:
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+
+    from fleetwise.training.frameworks.deepspeed import micro_batches, rank_config, weighted_backward
+
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the harness's process group
+    mb = _ds_map()
+    results: dict[str, Any] = {}
+    # DeepSpeed reduces fp32/fp16/bf16 gradients only (engine.split_half_float_double_sparse).
+    x, y, _ = tg.data("mlp", torch.float32)
+    for stage in stages:
+        base = {  # the shape of fleetwise.planner.exports.deepspeed_config's output
+            "train_batch_size": mb["global_batch"],
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "overlap_comm": stage > 0, "reduce_scatter": True},
+            "steps_per_print": 1000,
+            "zero_allow_untested_optimizer": True,  # a plain torch SGD under ZeRO-1
+        }
+        config = rank_config(base, mb, rank)
+        model = tg.build("mlp", torch.float32)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=tg.optimizer(model), config=config)
+        sampler = ShareSampler(tg.N_SAMPLES, [r["samples"] for r in mb["replicas"]], rank, seed=3)
+        micro = config["train_micro_batch_size_per_gpu"]
+        for step in range(tg.STEPS):
+            if step == tg.UNEVEN[1][0]:
+                sampler.set_shares(tg.UNEVEN[1][1], step)  # a rebalance: rank 1 drops to zero samples
+            total = sampler.global_samples(step)
+            # An empty share (rank 1 from step 2) runs one dummy micro-batch with weight 0.
+            for chunk, counted in micro_batches(sampler.indices(step), micro):
+                weighted_backward(engine, tg.sample_loss(engine, x[chunk], y[chunk]), counted, total)
+            engine.step()
+        results[stage] = {"params": tg.params(engine.module), "config": config}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_deepspeed_engine_uneven_micro_batches_equal_single_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    stages = [0, 1]
+    shm = Path("/dev/shm")
+    before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
+    try:
+        results = tg.run_workers(_ds_worker, tg.WORLD, tmp_path, stages=stages)
+    finally:  # DeepSpeed's CPU accelerator leaves shared-memory buffers behind
+        for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
+            leftover.unlink(missing_ok=True)
+    # fp32 (DeepSpeed does not reduce float64): agreement to fp32 rounding, while the
+    # 1/dp average DeepSpeed does by default lands far away (the weighting is what matters).
+    # The MLP's last two tensors are its never-used layer: DeepSpeed gives it zero gradients
+    # (so weight decay moves it) where torch leaves None; the trained layers are compared.
+    used = slice(0, 4)
+    truth = tg.reference("mlp", dtype=torch.float32)[used]
+    init = tg.params(tg.build("mlp", torch.float32))[used]
+    for stage in stages:
+        for rank, res in enumerate(results):
+            got = res[stage]
+            assert got["config"]["train_micro_batch_size_per_gpu"] == DS_MAP_MICRO[rank][0]
+            assert got["config"]["gradient_accumulation_steps"] == DS_MAP_MICRO[rank][1]
+            assert tg.rel_err(got["params"][used], truth) < 1e-5, (stage, rank)
+    assert tg.rel_err(truth, init) > 1e-3
+    assert tg.rel_err(results[0][0]["params"][used], _uniform_average_fp32()[used]) > 1e-4
+
+
+def _uniform_average_fp32() -> list[Any]:
+    """What DeepSpeed's default (mean of the ranks' mean gradients) trains to with these shares."""
+    model = tg.build("mlp", torch.float32)
+    opt = tg.optimizer(model)
+    x, y, _ = tg.data("mlp", torch.float32)
+    sampler = ShareSampler(tg.N_SAMPLES, [m * c for m, c in DS_MAP_MICRO], 0, seed=3)
+    for step in range(tg.STEPS):
+        if step == tg.UNEVEN[1][0]:
+            sampler.set_shares(tg.UNEVEN[1][1], step)
+        opt.zero_grad()
+        ranks = [sampler.indices(step, r) for r in range(tg.WORLD)]
+        loss = sum(tg.sample_loss(model, x[idx], y[idx]) for idx in ranks if idx) / tg.WORLD
+        loss.backward()
+        opt.step()
+    return tg.params(model)
+
+
+def test_deepspeed_rank_config_from_planner_export():
+    from fleetwise.planner.exports import deepspeed_config, microbatch_map
+    from fleetwise.training.frameworks.deepspeed import micro_batches, micro_weight, rank_config
+
+    plan = _mixed_plan()
+    base = deepspeed_config(plan)
+    mb = microbatch_map(plan)
+    for row in mb["ranks"]:
+        cfg = rank_config(base, mb, row["rank"])
+        assert cfg["train_micro_batch_size_per_gpu"] == row["micro_batch"]
+        assert cfg["gradient_accumulation_steps"] == row["num_micro_batches"]
+        assert cfg["gradient_allreduce_op"] == "sum" and cfg["managed_gradient_accumulation"] is False
+        assert "train_batch_size" not in cfg
+        assert cfg["zero_optimization"]["stage"] == base["zero_optimization"]["stage"]
+    assert base["train_batch_size"] == plan.global_batch  # the shared export is unchanged
+    assert micro_batches(list(range(7)), 3) == [([0, 1, 2], 3), ([3, 4, 5], 3), ([6], 1)]
+    assert micro_batches([], 3, dummy=5) == [([5], 0)] and micro_batches([], 3, dummy=None) == []
+    assert micro_weight(3, 12) == 0.25
+    with pytest.raises(ValueError, match="global_samples"):
+        micro_weight(1, 0)
+    with pytest.raises(ValueError, match="pp=2"):
+        rank_config(base, {**mb, "pp": 2}, 0)
+
+
+def _mixed_plan():
+    """A real planner plan for a mixed H100/B200 fleet, pure data parallelism (uneven shares)."""
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+
+    request = PlanRequest(
+        model=resolve_model("gpt-1.3b"), global_batch=128, strategy=(1, 1, 8), zero_stages=(1,)
+    )
+    plan = plan_job(request, parse_gpu_spec("h100-sxm:4,b200:4"))
+    assert len({r.samples for r in plan.ranks}) > 1, "the test needs an uneven plan"
+    return plan

@@ -121,21 +121,22 @@ class TinyTransformer(torch.nn.Module):
         return self.head(self.layer(self.proj(x), src_key_padding_mask=pad))
 
 
-def build(name: str) -> Any:
+def build(name: str, dtype: Any = torch.float64) -> Any:
     torch.manual_seed(11)
     model = {"mlp": MLP, "transformer": TinyTransformer}[name]()
-    return model.double()
+    return model.to(dtype)
 
 
-def data(name: str) -> tuple[Any, Any, Any]:
+def data(name: str, dtype: Any = torch.float64) -> tuple[Any, Any, Any]:
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 6, (N_SAMPLES,), generator=g)
     if name == "mlp":
-        return torch.randn(N_SAMPLES, 6, generator=g, dtype=torch.float64), torch.randn(
-            N_SAMPLES, 3, generator=g, dtype=torch.float64
-        ), lengths
-    x = torch.randn(N_SAMPLES, 5, 6, generator=g, dtype=torch.float64)
-    return x, torch.randn(N_SAMPLES, 5, 3, generator=g, dtype=torch.float64), lengths
+        x = torch.randn(N_SAMPLES, 6, generator=g, dtype=torch.float64)
+        y = torch.randn(N_SAMPLES, 3, generator=g, dtype=torch.float64)
+    else:
+        x = torch.randn(N_SAMPLES, 5, 6, generator=g, dtype=torch.float64)
+        y = torch.randn(N_SAMPLES, 5, 3, generator=g, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype), lengths
 
 
 def sample_loss(model: Any, x: Any, y: Any) -> Any:
@@ -181,11 +182,11 @@ def apply_schedule(sampler: ShareSampler, schedule: list[tuple[int, list[int]]],
             sampler.set_shares(shares, from_step)
 
 
-def reference(name: str, tokens: bool = False) -> list[Any]:
+def reference(name: str, tokens: bool = False, dtype: Any = torch.float64) -> list[Any]:
     """One process, whole global batch per step (the sampler's global order)."""
-    model = build(name)
+    model = build(name, dtype)
     opt = optimizer(model)
-    x, y, lengths = data(name)
+    x, y, lengths = data(name, dtype)
     sampler = ShareSampler(N_SAMPLES, UNIFORM, 0, seed=3)
     for step in range(STEPS):
         idx = sampler.global_indices(step)
