@@ -5,6 +5,7 @@ the drain's; every command also reaches the audit topic."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from test_streams_kafka import (  # noqa: F401 - `namespace` is a fixture
@@ -48,13 +49,44 @@ async def commands_until(bootstrap: str, prefix: str, want: str, worker,
     return [Command.model_validate_json(m.value) for m in got]
 
 
+class Workers:
+    """One or more workers; alive while all are."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+
+    def check_alive(self) -> bool:
+        return all(w.check_alive() for w in self.workers)
+
+    def log_tail(self) -> str:
+        return "\n".join(w.log_tail() for w in self.workers)
+
+
+def wait_until_all_hold_partitions(workers: list) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            held = [w.metric("fleetwise_assigned_partitions", topic=T.TELEMETRY_GPU.name) for w in workers]
+        except OSError:
+            held = [0.0] * len(workers)
+        if sum(held) == T.TELEMETRY_GPU.partitions and min(held) > 0:
+            return
+        assert all(w.check_alive() for w in workers) and time.monotonic() < deadline, held
+        time.sleep(0.5)
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
+@pytest.mark.parametrize("n_workers", [1, 2])
 async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(
-    kafka_bootstrap: str, namespace,  # noqa: F811 - the fixture imported above
+    kafka_bootstrap: str, namespace, n_workers: int,  # noqa: F811 - the fixture imported above
 ):
+    # With two workers the ack lands on whichever acks partition its key gives; every worker
+    # reads the acks whole, so the one whose policy sent the checkpoint gets it.
     prefix, new_worker = namespace
-    worker = new_worker().start()
+    worker = Workers([new_worker().start() for _ in range(n_workers)])
+    if n_workers > 1:
+        wait_until_all_hold_partitions(worker.workers)
     await produce(kafka_bootstrap, prefix, xid_batches())
     first = await commands_until(kafka_bootstrap, prefix, "checkpoint", worker)
     assert {c.type for c in first} == {"checkpoint"}  # no drain before the checkpoint is acked

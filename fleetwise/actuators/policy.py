@@ -628,8 +628,10 @@ class ActionPolicy:
                                 f"returned by {op.by}" + (f": {op.reason}" if op.reason else ""))
         pending = self.fleet.commands.get(op.command_id or "")
         if pending is None or pending.status != "held":
-            return self._audit("operator_ignored", f"{op.action} {op.command_id}: no command waits for "
-                               "approval under that id", op.ts, target=str(op.command_id), once=False)
+            # Every worker reads the operator topic; the one holding the command acts on it.
+            key = "operator_unknown_command"
+            self.suppressed[key] = self.suppressed.get(key, 0) + 1
+            return []
         if op.action == "deny":
             pending.status = "rejected"
             pending.detail = f"denied by {op.by}"

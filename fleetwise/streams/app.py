@@ -64,7 +64,7 @@ from fleetwise.schemas import AuditEvent, DeadLetter, GpuSample, NodeBatch, Trai
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
 from fleetwise.streams import metrics as M
-from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, client_security_from_env, topic_name
+from fleetwise.streams.kafka_io import PRODUCED_AT_HEADER, client_kwargs, client_security_from_env, topic_name
 from fleetwise.streams.limits import evict_idle
 from fleetwise.streams.pipeline import ControlPlane, Item, Routed
 
@@ -968,12 +968,8 @@ def make_app(
     telemetry_topic = source(T.TELEMETRY_GPU)
     steps_topic = source(T.TELEMETRY_STEPS)
     # Context: inventories and plans, and what drives the fleet state: consumers' acks and
-    # operators' actions (approvals, GPU returns).
-    context_topic = app.topic(
-        topic_name(T.INVENTORY, topic_prefix), topic_name(T.PLANS, topic_prefix),
-        topic_name(T.ACKS, topic_prefix), topic_name(T.OPERATOR, topic_prefix),
-        key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw",
-    )
+    # operators' actions (approvals, GPU returns). Read whole by every worker (`context` below).
+    context_names = [topic_name(t, topic_prefix) for t in (T.INVENTORY, T.PLANS, T.ACKS, T.OPERATOR)]
     # Entries are bytes we encode ourselves (`encode_entry`): no serializer work in faust.
     table = app.Table(STATE_TABLE, default=None, partitions=state_partitions,
                       key_type=str, value_type=bytes)
@@ -1141,23 +1137,38 @@ def make_app(
             if held and time.monotonic() - last_step[0] >= checkpoint_interval_s:
                 checkpoint_all()
 
-    @app.agent(context_topic, name="fleetwise.context")
-    async def context(stream: faust.StreamT) -> None:
-        # Inventories and plans (latest per node / job), acks and operator actions: the
-        # ControlPlane keeps them and its policy answers them (a drain after its checkpoint's ack).
-        async for event in stream.events():
-            name = unprefix.get(event.message.topic, event.message.topic)
-            records = control.decode(name, event.value,
-                                     source=f"{event.message.topic}:{event.message.partition}:"
-                                     f"{event.message.offset}")
-            routed = control.handle(name, records)
-            for out_topic, key, record in routed:
-                await app.producer.send(topic_name(out_topic, topic_prefix), key.encode(),
-                                        record.to_json_bytes(),
-                                        partition=None, timestamp=None, headers=None)
-                if isinstance(record, DeadLetter):
-                    M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
-            count_policy_events(routed, control)
+    @app.task
+    async def context() -> None:
+        """Inventories and plans (latest per node / job), acks and operator actions, read whole
+        by every worker from the start (no consumer group): each worker's straggler detector
+        learns every GPU's model, and an ack reaches the worker whose policy sent the command,
+        whichever partition it is on (the others hold no such command and ignore it)."""
+        from aiokafka import AIOKafkaConsumer
+
+        consumer = AIOKafkaConsumer(*context_names, **client_kwargs({
+            "bootstrap_servers": bootstrap, "group_id": None, "enable_auto_commit": False,
+            "auto_offset_reset": "earliest", "metadata_max_age_ms": 5000,
+        }))
+        await consumer.start()
+        try:
+            while True:
+                fetched = await consumer.getmany(timeout_ms=500, max_records=500)
+                for tp, messages in fetched.items():
+                    name = unprefix.get(tp.topic, tp.topic)
+                    for m in messages:
+                        source = f"{tp.topic}:{tp.partition}:{m.offset}"
+                        records = control.decode(name, m.value, source=source)
+                        async with lock:  # state changes never interleave with a checkpoint
+                            routed = control.handle(name, records)
+                        for out_topic, key, record in routed:
+                            await app.producer.send(topic_name(out_topic, topic_prefix), key.encode(),
+                                                    record.to_json_bytes(),
+                                                    partition=None, timestamp=None, headers=None)
+                            if isinstance(record, DeadLetter):
+                                M.DEADLETTER.labels(M.reason_category(record.reason)).inc()
+                        count_policy_events(routed, control)
+        finally:
+            await consumer.stop()
 
     return app
 

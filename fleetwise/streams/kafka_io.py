@@ -131,7 +131,7 @@ def _ssl_context(env: Mapping[str, str]) -> Any:
     return context
 
 
-def _client_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def client_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The environment's security settings under explicit `kwargs` (which win)."""
     return {**client_security_from_env(), **kwargs}
 
@@ -214,7 +214,7 @@ async def ensure_topics(
 
     topics = list(topics)
     wanted = {topic_name(t, prefix): t for t in topics}
-    admin = AIOKafkaAdminClient(**_client_kwargs(
+    admin = AIOKafkaAdminClient(**client_kwargs(
         {"bootstrap_servers": bootstrap, "request_timeout_ms": int(timeout_s * 1000)}))
     await admin.start()
     try:
@@ -266,7 +266,7 @@ async def start_producer(bootstrap: str, *, idempotent: bool = True, linger_ms: 
         "acks": "all" if idempotent else 1,
     }
     params.update(kwargs)
-    producer = AIOKafkaProducer(**_client_kwargs(params))
+    producer = AIOKafkaProducer(**client_kwargs(params))
     await producer.start()
     return producer
 
@@ -376,7 +376,7 @@ async def consume_until(
 
     consumer = AIOKafkaConsumer(
         *topics,
-        **_client_kwargs({
+        **client_kwargs({
             "bootstrap_servers": bootstrap,
             "group_id": None,
             "enable_auto_commit": False,
