@@ -290,3 +290,105 @@ def _mixed_plan():
     plan = plan_job(request, parse_gpu_spec("h100-sxm:4,b200:4"))
     assert len({r.samples for r in plan.ranks}) > 1, "the test needs an uneven plan"
     return plan
+
+
+# ---- Megatron-LM (megatron-core) -------------------------------------------------------------------
+
+MEGATRON_MICRO = [(3, 2), (1, 2), (2, 2)]  # (micro_batch_size, num_microbatches) per replica: 6, 2, 4
+
+
+class _MegatronMLP(tg.MLP):
+    """The test MLP with the hook megatron-core's forward_step calls on every model."""
+
+    def set_input_tensor(self, input_tensor: Any) -> None:  # first pipeline stage: no input
+        pass
+
+
+def _megatron_worker(rank: int, world: int) -> dict[str, Any]:
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fleetwise.training.frameworks.megatron import (
+        finalize_per_token_grads,
+        megatron_rank_schedule,
+        per_sample_loss_func,
+    )
+
+    mb = _map([m * c for m, c in MEGATRON_MICRO])
+    for row, (m, c) in zip(mb["ranks"], MEGATRON_MICRO, strict=True):
+        row["micro_batch"], row["num_micro_batches"] = m, c
+    schedule = megatron_rank_schedule(mb, rank)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, calculate_per_token_loss=True
+    )
+    torch.manual_seed(11)
+    model = _MegatronMLP().double()
+    opt = tg.optimizer(model)
+    x, y, _ = tg.data("mlp")
+    sampler = ShareSampler(tg.N_SAMPLES, [r["samples"] for r in mb["replicas"]], rank, seed=3)
+
+    def forward_step_func(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        idx = next(data_iterator)
+        out = model(x[idx])
+        return out, lambda output: per_sample_loss_func((output - y[idx]).pow(2).mean(dim=1))
+
+    tokens_seen = []
+    for step in range(tg.STEPS):
+        idx = sampler.indices(step)
+        micro = schedule["micro_batch_size"]
+        chunks = [idx[i : i + micro] for i in range(0, len(idx), micro)]  # the last may be short
+        opt.zero_grad(set_to_none=True)
+        data_iterator = iter(chunks)
+        total_tokens = torch.zeros([], dtype=torch.int)
+        for i in range(len(chunks)):  # this replica's own num_microbatches
+            output, num_tokens = forward_step(
+                forward_step_func, data_iterator, model, len(chunks), None, [], config,
+                cp_group_size=1, is_first_microbatch=(i == 0), is_last_stage=True,
+            )  # fmt: skip
+            total_tokens += num_tokens
+            backward_step(None, output, None, ModelType.encoder_or_decoder, config)
+        tokens_seen.append(finalize_per_token_grads(model, int(total_tokens)))
+        opt.step()
+    return {"params": tg.params(model), "schedule": schedule, "tokens": tokens_seen}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_megatron_core_per_token_loss_with_uneven_microbatch_counts(tmp_path):
+    pytest.importorskip("megatron.core")
+    results = tg.run_workers(_megatron_worker, tg.WORLD, tmp_path)
+    truth = tg.reference("mlp")
+    for rank, res in enumerate(results):
+        assert res["schedule"]["micro_batch_size"] == MEGATRON_MICRO[rank][0]
+        assert res["schedule"]["num_microbatches"] == MEGATRON_MICRO[rank][1]
+        # Global counts as Megatron's finalize_model_grads sees them: 12 per step, 6 at the end.
+        assert res["tokens"] == [12.0, 12.0, 12.0, 12.0, 6.0]
+        assert tg.rel_err(res["params"], truth) < tg.TOL, rank
+
+
+def test_megatron_plan_args_add_per_token_loss_to_planner_export():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fleetwise.planner import resolve_model
+    from fleetwise.planner.exports import megatron_arg_dict, microbatch_map
+    from fleetwise.training.frameworks.megatron import megatron_plan_args, megatron_rank_schedule
+
+    plan = _mixed_plan()
+    model = resolve_model("gpt-1.3b")
+    args = megatron_plan_args(plan, model)
+    assert args["calculate_per_token_loss"] is True
+    exported = megatron_arg_dict(plan, model)
+    assert {k: v for k, v in args.items() if k != "calculate_per_token_loss"} == exported
+    config = TransformerConfig(
+        num_layers=args["num_layers"],
+        hidden_size=args["hidden_size"],
+        num_attention_heads=args["num_attention_heads"],
+        calculate_per_token_loss=args["calculate_per_token_loss"],
+    )
+    assert config.calculate_per_token_loss
+    mb = microbatch_map(plan)
+    schedules = [megatron_rank_schedule(mb, row["rank"]) for row in mb["ranks"]]
+    assert sum(s["samples"] for s in schedules) == plan.global_batch  # tp = pp = 1 here
+    for s in schedules:
+        assert s["micro_batch_size"] * s["num_microbatches"] == s["samples"]

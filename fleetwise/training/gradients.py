@@ -101,7 +101,13 @@ def _reduce(
     group: Any,
     bucket_mb: float,
     what: str,
-) -> None:
+    summed: bool = False,
+) -> float:
+    """Weighted SUM all-reduce of `module`'s gradients; returns the global count.
+
+    Gradients are of the mean over `local` (weight local/total) or, with `summed`, of the
+    sum over them (weight 1/total, Megatron's per-token-loss convention).
+    """
     import torch
     import torch.distributed as dist
 
@@ -135,7 +141,7 @@ def _reduce(
     else:
         total = total_given
         meta_work = dist.all_reduce(meta, group=group, async_op=True)
-    weight = _weight(local, total)
+    weight = (1.0 / total if total > 0 else 0.0) if summed else _weight(local, total)
 
     works = []
     bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
@@ -147,7 +153,7 @@ def _reduce(
             for p in bucket
         ]
         flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
-        if weight == 0.0:
+        if weight == 0.0 or local == 0.0:
             # An empty share contributes zeros, whatever its (NaN) mean-of-nothing gradient.
             flat.zero_()
         else:
@@ -178,6 +184,7 @@ def _reduce(
             else:
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
+    return total
 
 
 def _parameters(module: Any) -> list[Any]:
