@@ -392,3 +392,34 @@ def test_megatron_plan_args_add_per_token_loss_to_planner_export():
     assert sum(s["samples"] for s in schedules) == plan.global_batch  # tp = pp = 1 here
     for s in schedules:
         assert s["micro_batch_size"] * s["num_microbatches"] == s["samples"]
+
+
+# ---- Alpa (export only, untested against Alpa) ------------------------------------------------------
+
+
+def test_alpa_manual_stage_option_follows_plan_stages():
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+    from fleetwise.planner.exports import stage_layer_counts
+    from fleetwise.training.frameworks.alpa import alpa_stage_option
+
+    model = resolve_model("gpt-1.3b")
+    request = PlanRequest(model=model, global_batch=128, strategy=(1, 2, 4), zero_stages=(0,))
+    plan = plan_job(request, parse_gpu_spec("h100-sxm:4,b200:4"))
+    export = alpa_stage_option(plan, model.layers)
+    option = export["stage_option"]
+    # Exactly the fields of alpa.ManualStageOption (alpa/pipeline_parallel/stage_construction.py).
+    assert set(option) == {
+        "forward_stage_layer_ids",
+        "submesh_physical_shapes",
+        "submesh_logical_shapes",
+        "submesh_autosharding_option_dicts",
+    }
+    counts = stage_layer_counts(plan, model.layers)
+    assert [len(ids) for ids in option["forward_stage_layer_ids"]] == counts
+    assert [i for ids in option["forward_stage_layer_ids"] for i in ids] == list(range(model.layers))
+    assert export["layer_num"] == model.layers
+    shapes = zip(option["submesh_physical_shapes"], option["submesh_logical_shapes"], strict=True)
+    for physical, logical in shapes:
+        assert physical[0] * physical[1] == plan.dp * plan.tp == logical[0] * logical[1]
+    assert export["num_micro_batches"] * export["micro_batch"] * plan.dp == plan.global_batch
+    assert export["tested"] is False
