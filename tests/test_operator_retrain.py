@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 from fleetwise.cli import app
 from fleetwise.predictors.training import FAILURE_XIDS, LabelError, labels_from_records
-from fleetwise.sim import FleetSimulator, SimConfig, write_trace
+from fleetwise.sim import FleetSimulator, SimConfig
 
 XID = "DCGM_FI_DEV_XID_ERRORS"
 
@@ -19,8 +20,6 @@ XID = "DCGM_FI_DEV_XID_ERRORS"
 def _operator_records(trace: Path) -> list[dict]:
     """What an operator has: failure XIDs seen in the telemetry and replacement tickets (a GPU
     that comes back with a new UUID), read from the trace file alone - no simulator objects."""
-    import gzip
-
     last_xid: dict[tuple[str, int], int] = {}
     uuid: dict[tuple[str, int], str] = {}
     last_ts: dict[tuple[str, int], float] = {}
@@ -68,10 +67,12 @@ def test_labels_file_format_and_errors() -> None:
 
 
 def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -> None:
-    sim = FleetSimulator(SimConfig(gpus="h100-sxm:16,a100-sxm-80gb:8", days=3, seed=11,
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:16,a100-sxm-80gb:8", days=2, seed=11,
                                    failure_rate_per_1000_gpu_days=250, sample_interval_s=300))
     trace = tmp_path / "fleet.jsonl.gz"
-    write_trace(sim, trace)
+    with gzip.open(trace, "wt") as out:  # the operator's telemetry: GPU samples only
+        for tick in sim.ticks():
+            out.writelines(json.dumps(s) + "\n" for s in tick.samples)
     records = _operator_records(trace)
     assert len(records) >= 5
     labels = tmp_path / "rma.jsonl"
