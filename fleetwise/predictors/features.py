@@ -237,14 +237,17 @@ def _feature_names() -> list[str]:
     return names
 
 
-# Peer context (issue 16): the GPU against the other GPUs of its node and of its model in the
-# fleet, as of their last hop that ended before this one began (so a hop's features do not
-# depend on which GPU's hop happened to close first). A node-wide heat wave moves every
-# residual of the node; a sympathetic XID 74 or a flaky node-level PCIe path touches several
-# GPUs at once, a failing part one.
+# Peer context (issue 16): the GPU against the other GPUs of its node, as of their last hop
+# that ended before this one began (so a hop's features do not depend on which GPU's hop
+# happened to close first). A node-wide heat wave moves every residual of the node; a
+# sympathetic XID 74 or a flaky node-level PCIe path touches several GPUs at once, a failing
+# part one. Peers are the node's only: a node's GPUs share one Kafka partition (one node batch
+# per message), so a worker sees them in event-time order; GPUs of the same model on other
+# nodes sit on other partitions, whose relative lag would make the features (and decisions)
+# depend on the order partitions were read in, and a worker holds only its partitions.
 PEER_FEATURES = [
-    "temp_resid_vs_node", "temp_resid_vs_model",  # own 24 h thermal residual minus the peers' mean
-    "sbe_peers_node_6h", "sbe_peers_model_6h",  # share of peers with single-bit errors in 6 h
+    "temp_resid_vs_node",  # own 24 h thermal residual minus the node peers' mean
+    "sbe_peers_node_6h",  # share of node peers with single-bit errors in 6 h
     "nvl_peers_node_1h", "pcie_peers_node_1h", "xid74_peers_node_1h",  # share of node peers with
 ]
 # What each GPU publishes to its peers per closed hop (columns of `peer_cur` / `peer_prev`).
@@ -323,7 +326,6 @@ class GpuFeatureWindows:
         self.phase = grow(getattr(self, "phase", None), (), 0.0)  # hop grid offset, s (from the key)
         # Peer groups: node and GPU model index per slot.
         self.node_idx = grow(getattr(self, "node_idx", None), (), 0.0)
-        self.model_idx = grow(getattr(self, "model_idx", None), (), 0.0)
         self._cap = capacity
 
     def _slot_of(self, node: str, gpu: int, model: str, rack: str | None, site: str | None) -> int:
@@ -344,10 +346,9 @@ class GpuFeatureWindows:
         return slot
 
     def _set_groups(self, slot: int) -> None:
-        """Node and model group index of a slot (peer context)."""
+        """Node group index of a slot (peer context)."""
         m = self._meta[slot]
         self.node_idx[slot] = self._groups.setdefault(("node", m["node"]), len(self._groups))
-        self.model_idx[slot] = self._groups.setdefault(("model", m["model"]), len(self._groups))
 
     def hop_phase(self, key: str) -> float:
         """Offset of a GPU's hop grid (s): 0 unless staggered, else one of 60 steps of the hop
@@ -893,36 +894,29 @@ class GpuFeatureWindows:
             (f[:, _FI["xid_nvlink_1h"]] > 0.5).astype(float),
         ], axis=1)
         cur, prev = self.peer_cur[:n], self.peer_prev[:n]
-        node, model = self.node_idx[:n].astype(np.int64), self.model_idx[:n].astype(np.int64)
+        node = self.node_idx[:n].astype(np.int64)
         n_groups = len(self._groups)
-        cols = {"node": (node, self.node_idx[slots].astype(np.int64)),
-                "model": (model, self.model_idx[slots].astype(np.int64))}
+        mine = self.node_idx[slots].astype(np.int64)
         for t0 in np.unique(start):
             rows = np.flatnonzero(start == t0)
             v = np.where((cur[:, :1] <= t0), cur[:, 1:], np.where(prev[:, :1] <= t0, prev[:, 1:], np.nan))
             valid = ~np.isnan(v)
             v0 = np.where(valid, v, 0.0)
             sl = slots[rows]
-            for kind in ("node", "model"):
-                grp, mine = cols[kind]
-                tot = np.stack([np.bincount(grp, weights=v0[:, c], minlength=n_groups)
-                                for c in range(N_PEER)], 1)
-                cnt = np.stack([np.bincount(grp, weights=valid[:, c], minlength=n_groups)
-                                for c in range(N_PEER)], 1)
-                # the GPU itself is not its own peer
-                t_peer = tot[mine[rows]] - v0[sl]
-                c_peer = cnt[mine[rows]] - valid[sl]
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    mean = np.where(c_peer > 0, t_peer / np.where(c_peer > 0, c_peer, 1.0), np.nan)
-                if kind == "node":
-                    f[rows, _FI["temp_resid_vs_node"]] = own[rows, 0] - mean[:, 0]
-                    f[rows, _FI["sbe_peers_node_6h"]] = mean[:, 1]
-                    f[rows, _FI["nvl_peers_node_1h"]] = mean[:, 2]
-                    f[rows, _FI["pcie_peers_node_1h"]] = mean[:, 3]
-                    f[rows, _FI["xid74_peers_node_1h"]] = mean[:, 4]
-                else:
-                    f[rows, _FI["temp_resid_vs_model"]] = own[rows, 0] - mean[:, 0]
-                    f[rows, _FI["sbe_peers_model_6h"]] = mean[:, 1]
+            tot = np.stack([np.bincount(node, weights=v0[:, c], minlength=n_groups)
+                            for c in range(N_PEER)], 1)
+            cnt = np.stack([np.bincount(node, weights=valid[:, c], minlength=n_groups)
+                            for c in range(N_PEER)], 1)
+            # the GPU itself is not its own peer
+            t_peer = tot[mine[rows]] - v0[sl]
+            c_peer = cnt[mine[rows]] - valid[sl]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = np.where(c_peer > 0, t_peer / np.where(c_peer > 0, c_peer, 1.0), np.nan)
+            f[rows, _FI["temp_resid_vs_node"]] = own[rows, 0] - mean[:, 0]
+            f[rows, _FI["sbe_peers_node_6h"]] = mean[:, 1]
+            f[rows, _FI["nvl_peers_node_1h"]] = mean[:, 2]
+            f[rows, _FI["pcie_peers_node_1h"]] = mean[:, 3]
+            f[rows, _FI["xid74_peers_node_1h"]] = mean[:, 4]
             # Published before the next (later) hops of this call are judged: what a later hop
             # sees does not depend on whether the earlier one closed in this call or before.
             self.peer_prev[sl] = self.peer_cur[sl]
