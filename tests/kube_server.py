@@ -165,7 +165,11 @@ def _start_local(request: pytest.FixtureRequest, state_dir: Path) -> str:
 @pytest.fixture(scope="session")
 def kube_api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> KubeCluster:
     """A real Kubernetes API server (see the module docstring for the order)."""
-    pytest.importorskip("kubernetes", reason="the `kube` extra (kubernetes client) is not installed")
+    try:
+        import kubernetes  # noqa: F401 - the `kube` extra
+    except ImportError:
+        pytest.fail("the `kube` extra (kubernetes client) is not installed: pip install -e '.[kube]'",
+                    pytrace=False)
     candidates = [(ENV_KUBECONFIG, os.environ.get(ENV_KUBECONFIG, "").strip())]
     if os.environ.get(ENV_LOCAL, "").strip().lower() not in {"1", "true", "yes", "on"}:
         candidates.append(("KUBECONFIG", os.environ.get("KUBECONFIG", "").strip()))

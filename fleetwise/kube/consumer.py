@@ -236,7 +236,11 @@ def _event(command: Command, node: str, reason: str, message: str, now: float) -
 def _node_patch(node: str, why: str, *, unschedulable: bool | None = None,
                 labels: Mapping[str, str | None] | None = None,
                 annotations: Mapping[str, str | None] | None = None,
-                add_taints: Sequence[Mapping[str, str]] = (), remove_taints: Sequence[str] = ()) -> Action:
+                taints: Sequence[Mapping[str, Any]] | None = None,
+                resource_version: str | None = None) -> Action:
+    """A strategic-merge patch of a node. Node taints have no merge key (the list is replaced
+    whole), so `taints` is the full new list, sent with the `resource_version` it was computed
+    from: a node changed meanwhile answers 409 and the consumer re-reads it."""
     body: dict[str, Any] = {"metadata": {}}
     if labels:
         body["metadata"]["labels"] = dict(labels)
@@ -245,9 +249,10 @@ def _node_patch(node: str, why: str, *, unschedulable: bool | None = None,
     spec: dict[str, Any] = {}
     if unschedulable is not None:
         spec["unschedulable"] = unschedulable
-    taints = [dict(t) for t in add_taints] + [{"$patch": "delete", "key": k} for k in remove_taints]
-    if taints:
-        spec["taints"] = taints
+    if taints is not None:
+        spec["taints"] = [dict(t) for t in taints]
+        if resource_version:
+            body["metadata"]["resourceVersion"] = resource_version
     if spec:
         body["spec"] = spec
     if not body["metadata"]:
@@ -353,7 +358,8 @@ def _decide_drain(command: Command, view: ClusterView, waiting: list[str], now: 
     if cordon or taint or patch_ann:
         out.actions.append(_node_patch(name, f"cordon and taint {where}: {command.reason}",
                                        unschedulable=True if cordon else None, annotations=patch_ann,
-                                       add_taints=taint))
+                                       taints=[*(node.get("taints") or []), *taint] if taint else None,
+                                       resource_version=node.get("resourceVersion")))
     pods = [p for p in view.pods if p.get("node") == name and not p.get("deleting")] if command.job else []
     if waiting:
         out.detail = (f"cordoned and tainted {where}; evicting {len(pods)} pod(s) of {command.job} after "
@@ -545,7 +551,9 @@ def decide_return(node_name: str, gpu: int | None, view: ClusterView, why: str) 
     return Decision(done=True, detail=f"{node_name} back in service" + (": uncordoned" if uncordon else ""),
                     actions=[_node_patch(node_name, f"return {node_name}: {why}",
                                          unschedulable=False if uncordon else None, annotations=patch_ann,
-                                         remove_taints=[DRAIN_TAINT] if has_taint else [])])
+                                         taints=[t for t in node.get("taints") or []
+                                                 if t.get("key") != DRAIN_TAINT] if has_taint else None,
+                                         resource_version=node.get("resourceVersion"))])
 
 
 def required_rbac() -> list[dict[str, Any]]:
@@ -638,10 +646,8 @@ class DryRunApi:
         spec = action.body.get("spec", {})
         if "unschedulable" in spec:
             node["unschedulable"] = spec["unschedulable"]
-        for t in spec.get("taints", []):
-            node["taints"] = [x for x in node["taints"] if x.get("key") != t["key"]]
-            if t.get("$patch") != "delete":
-                node["taints"].append(dict(t))
+        if "taints" in spec:
+            node["taints"] = [dict(t) for t in spec["taints"]]
 
 
 def _api_status(exc: Exception) -> int | None:
@@ -663,6 +669,7 @@ class ClientApi:
                 except config.ConfigException:
                     config.load_kube_config()
                 api_client = client.ApiClient()
+        self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
 
@@ -673,10 +680,11 @@ class ClientApi:
             if _api_status(exc) == 404:
                 return None
             raise
+        # As the API has them (timeAdded included): the patch sends the whole list back.
+        taints = [self.api_client.sanitize_for_serialization(t) for t in (n.spec.taints or [])]
         return {"labels": dict(n.metadata.labels or {}), "annotations": dict(n.metadata.annotations or {}),
-                "unschedulable": bool(n.spec.unschedulable),
-                "taints": [{"key": t.key, "value": t.value, "effect": t.effect}
-                           for t in (n.spec.taints or [])]}
+                "unschedulable": bool(n.spec.unschedulable), "taints": taints,
+                "resourceVersion": n.metadata.resource_version}
 
     def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
         names = set(nodes)
@@ -735,6 +743,8 @@ class ClientApi:
                 return ActionResult("error", f"unknown kind {action.kind}")
         except Exception as exc:  # noqa: BLE001 - ApiException: classify by HTTP status
             status = _api_status(exc)
+            if status == 409 and action.verb == "patch":
+                return ActionResult("conflict", "changed since read")
             if status == 409:
                 return ActionResult("exists")
             if status == 404 and action.kind in ("Pod", "ConfigMap"):
@@ -880,11 +890,11 @@ class KubeConsumer:
             self.log.append(f"{result.status}: {action.describe()}")
             if result.status == "blocked":
                 blocked.append(f"{action.name}: {result.detail}")
-            elif result.status == "error":
-                return f"{action.verb} {action.kind} {action.name}: {result.detail}"
+            elif result.status in ("error", "conflict"):
+                return f"{result.status}: {action.verb} {action.kind} {action.name}: {result.detail}"
         return ("blocked: " + "; ".join(blocked)) if blocked else None
 
-    def _advance(self, cid: str, view: ClusterView | None = None) -> list[Ack]:
+    def _advance(self, cid: str, view: ClusterView | None = None, tries: int = 3) -> list[Ack]:
         p = self.pending[cid]
         cmd = p.command
         try:
@@ -900,6 +910,8 @@ class KubeConsumer:
             failed = self._execute(decision.finish)
         out: list[Ack] = []
         actions = {"actions": [a.describe() for a in decision.actions + decision.finish]}
+        if failed and failed.startswith("conflict: ") and tries > 1:
+            return self._advance(cid, None, tries - 1)  # a node changed under us: read it again
         if failed and not failed.startswith("blocked: "):
             del self.pending[cid]
             return [self._ack(cmd, "failed", failed, actions)]
@@ -913,7 +925,9 @@ class KubeConsumer:
             self.finished.add(cid)
             self.done_acks.add(cid)  # a later command may require this one
             out.append(self._ack(cmd, "done", decision.detail, actions))
-        elif decision.actions and "applied" not in p.acked:
+        elif "applied" not in p.acked and (
+                decision.actions or command_phase(self._target_annotations(cmd, view), cid) == "applied"):
+            # applied now, or found applied on the cluster by a restarted consumer
             p.acked.add("applied")
             out.append(self._ack(cmd, "applied", decision.detail, actions))
         elif "received" not in p.acked and not p.acked:
