@@ -11,10 +11,11 @@ it first, the fixture again: a no-op when cached). Nothing here skips.
   every container's arguments parse with the real ``fleetwise`` CLI;
 - the rendered chart, with every optional part on, is created with server-side dry-run on a
   real API server (``kube_api``). ServiceMonitor, PrometheusRule and KafkaTopic need CRDs:
-  on the local test API server minimal CRDs for them are installed (a schema that accepts any
-  spec: the dry run checks the objects' names, kinds, metadata and namespaces; their specs are
-  checked above). On an existing cluster (KUBECONFIG) nothing cluster-wide is installed: parts
-  whose CRD is missing there are rendered off for the dry run.
+  on a test API server (the fixture's own, or the one ``make test`` starts and names in
+  FLEETWISE_KUBECONFIG) minimal CRDs for them are installed unless real ones are there (a
+  schema that accepts any spec: the dry run checks the objects' names, kinds, metadata and
+  namespaces; their specs are checked above). On a user's cluster (KUBECONFIG) nothing
+  cluster-wide is installed: parts whose CRD is missing there are rendered off for the dry run.
 """
 
 from __future__ import annotations
@@ -414,7 +415,9 @@ def test_rendered_chart_is_accepted_by_the_api_server(helm: str, kube_api: Any, 
     """Server-side dry-run of every rendered object: the API server validates each against
     its schema (built-in kinds: Kubernetes' own validation; RBAC: the rules' shape)."""
     args = list(ALL_ON) + ["--set", f"consumer.jobNamespace={kube_namespace}"]
-    if kube_api.source == "local":
+    # A test API server (started by the fixture, or by `make test` for FLEETWISE_KUBECONFIG)
+    # gets the minimal CRDs; a user's cluster (KUBECONFIG) gets nothing cluster-wide.
+    if kube_api.source in ("local", "FLEETWISE_KUBECONFIG"):
         crds = []
         for kind in _MINIMAL_CRDS:
             path = tmp_path / f"{kind}.yaml"
