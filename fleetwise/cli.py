@@ -789,6 +789,9 @@ def replay(
                              "the trace, other commands expire and are reported."),
     audit: Path | None = typer.Option(None, "--audit", help="Also write the audit events (rails that "
                                       "held a command back, expiries, approvals) as JSON lines."),
+    model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
+                                             "from the model beside the rules, or the rules alone (default: "
+                                             "as the packaged model's policy says: the rules alone)."),
 ) -> None:
     """Run the whole control plane, embedded, over recorded telemetry; write its decisions."""
     from fleetwise.streams.embedded import replay as run_replay
@@ -802,7 +805,7 @@ def replay(
     if acks not in ("simulated", "none"):
         fail(f"--acks must be simulated or none, got {acks!r}")
     config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops,
-                                policy=_load_policy(policy), keyring=_keyring())
+                                policy=_load_policy(policy), keyring=_keyring(), model_alerts=model_alerts)
     control = ControlPlane(config)
     with replay_process():
         runtime = run_replay(traces, out, inventory=inventory, features=features, control=control,
@@ -1466,6 +1469,10 @@ def predictor_train(
                                       "(docs/predictors.md: labels file)."),
     policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory' to store "
                                       "with the model (choose it with `fleetwise backtest --policy`)."),
+    model_alerts: bool = typer.Option(False, "--model-alerts/--rules-only", help="Store a policy in "
+                                      "which the model raises alerts beside the rules (default: the rules "
+                                      "alone; turn the model on once a backtest on your fleet shows "
+                                      "it pays)."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
@@ -1473,7 +1480,7 @@ def predictor_train(
     """Fit the failure model on simulator traces (a randomised family by default) or on your own
     telemetry and failure records (--trace/--labels), and write it to OUT_DIR."""
     import time
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     import numpy as np
 
@@ -1567,6 +1574,10 @@ def predictor_train(
                               np.concatenate(groups), seed=fit_seed, metadata=meta)
     model.policy = chosen or (AlertPolicy(**TRAIN_POLICY) if not trace and family == TRAIN_FAMILY
                               else model.policy)
+    if model_alerts:
+        model.policy = replace(model.policy, model_alerts=True)
+        command += " --model-alerts"
+        model.metadata["training_command"] = command
     model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys)),
                                                  "policy_source": policy or "default"})
     size_kb = model_path.stat().st_size / 1024
@@ -1598,9 +1609,11 @@ def backtest_cmd(
     if chosen is not None:
         from dataclasses import replace
 
+        # A threshold is the model's: backtesting one turns the model's alerts on.
         predictor = FailurePredictor(predictor.model, replace(predictor.policy, hi=chosen.hi, lo=chosen.lo,
                                                               k_raise=chosen.k_raise,
-                                                              k_raise_memory=chosen.k_raise_memory))
+                                                              k_raise_memory=chosen.k_raise_memory,
+                                                              model_alerts=True))
     label_list = _operator_labels(labels)
     steps: list[dict] = []
 
@@ -1667,6 +1680,9 @@ def worker(
         "same features."),
     policy: Path | None = typer.Option(None, "--policy", envvar="FLEETWISE_POLICY",
                                        help="Operator policy file (YAML)."),
+    model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
+                                             "from the model beside the rules, or the rules alone (default: "
+                                             "the packaged model's policy: the rules alone)."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka.
 
@@ -1698,7 +1714,8 @@ def worker(
                    topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
                    checkpoint_interval_s=checkpoint_interval,
                    control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops,
-                                                           policy=_load_policy(policy), keyring=_keyring())))
+                                                           policy=_load_policy(policy), keyring=_keyring(),
+                                                           model_alerts=model_alerts)))
     except ConnectionError as exc:
         fail(str(exc))
 

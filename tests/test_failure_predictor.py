@@ -42,7 +42,7 @@ def stub_model(policy: AlertPolicy | None = None) -> FailureModel:
         classifier=_ColumnClassifier(), calibrator=_Identity(), lead_regressor=None,
         feature_names=list(MODEL_FEATURES), baseline_median=np.zeros(n), baseline_scale=np.ones(n),
         importance=np.ones(n) / n, horizon_h=48.0,
-        policy=policy or AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3),
+        policy=policy or AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=True),
     )
 
 
@@ -156,7 +156,7 @@ def test_predictions_carry_the_gpus_job_and_rank() -> None:
 def test_memory_driven_risk_needs_longer_persistence() -> None:
     from fleetwise.predictors.failure import MEMORY_PREFIXES
 
-    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, k_raise_memory=4, m_clear=3)
+    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, k_raise_memory=4, m_clear=3, model_alerts=True)
     model = stub_model(pol)
     mem_col = MODEL_FEATURES.index("sbe_vol_1h")
     assert MODEL_FEATURES[mem_col].startswith(MEMORY_PREFIXES)
@@ -201,7 +201,8 @@ def test_policy_replay_from_stored_probabilities_matches_the_stream() -> None:
 def test_same_evidence_does_not_raise_the_gpu_again() -> None:
     """After a model alert clears, the same GPU is raised again within `rearm_hops` only on
     stronger evidence (p above the cleared episode's peak + margin); after that, as usual."""
-    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, rearm_hops=10, rearm_margin=0.05)
+    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, rearm_hops=10, rearm_margin=0.05,
+                      model_alerts=True)
     first = [0.7, 0.7, 0.7, 0.1, 0.1, 0.1]  # raise at hop 2, clear at hop 6 (peak 0.7)
     same = [0.7, 0.7, 0.72, 0.1, 0.1, 0.1]  # the decaying burst comes back: no new alert
     stronger = [0.9, 0.9]  # new, stronger evidence inside the window: raised

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -64,6 +64,9 @@ class Routed(NamedTuple):
 class ControlPlaneConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     keyring: Keyring | None = None  # signing keys (None: the development key)
+    # Failure alerts from the model beside the rules (None: as the packaged model's policy says,
+    # which is the rules alone: docs/predictors.md, "An evaluation that can fail").
+    model_alerts: bool | None = None
     failure_predictor: bool = True
     straggler_detector: bool = True
     # Publish feature vectors on fleetwise.features, per GPU-hop and per rank window (off:
@@ -110,6 +113,8 @@ class ControlPlane:
         self.config = config or ControlPlaneConfig()
         self.features = GpuFeatureWindows(stagger=self.config.stagger_hops)
         self.failure = FailurePredictor.load() if self.config.failure_predictor else None
+        if self.failure is not None and self.config.model_alerts is not None:
+            self.failure.policy = replace(self.failure.policy, model_alerts=self.config.model_alerts)
         if self.failure is not None:
             _one_native_thread()
         self.stragglers = (StragglerDetector(features=self.config.publish_features)
