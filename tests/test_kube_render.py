@@ -4,6 +4,7 @@ KAI's CRD schemas, and accepted by a real Kubernetes API server with KAI's CRDs 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,21 @@ def test_api_server_refuses_a_bad_podgroup_naming_the_field(kube_api, kube_crds,
         kube_api.apply([pg], dry_run=True)
     assert info.value.status == 422
     assert "spec.minMember" in info.value.body
+
+
+def test_the_control_plane_collects_garbage(kube_api, kube_namespace):
+    """kube-controller-manager runs (here: the garbage collector): a dependent goes with its owner."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube_api.api_client())
+    owner = core.create_namespaced_config_map(kube_namespace, {"metadata": {"name": "owner"}})
+    core.create_namespaced_config_map(kube_namespace, {"metadata": {"name": "dependent", "ownerReferences": [
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid}]}})
+    core.delete_namespaced_config_map("owner", kube_namespace, propagation_policy="Background")
+    deadline = time.monotonic() + 60
+    names = {"dependent"}
+    while names and time.monotonic() < deadline:
+        items = core.list_namespaced_config_map(kube_namespace).items
+        names = {c.metadata.name for c in items} & {"dependent"}
+        time.sleep(0.5)
+    assert not names, "the garbage collector did not delete the dependent ConfigMap"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane for tests, without Docker: etcd + kube-apiserver
-# (+ kube-controller-manager) built from the Go module proxy, run on 127.0.0.1.
+# (+ kube-controller-manager) built from the Go module proxy, run on 127.0.0.1. The node
+# lifecycle, node IPAM and taint-eviction controllers are off: Nodes are API objects without a
+# kubelet, and they would mark them NotReady and evict their pods.
 #
 #   kube.sh build                 build (once) and cache the binaries; prints the bin dir
 #   kube.sh start STATE_DIR       start etcd, kube-apiserver, kube-controller-manager on free
@@ -192,9 +194,14 @@ cmd_start() {
             --authentication-kubeconfig "$state/kubeconfig" --authorization-kubeconfig "$state/kubeconfig" \
             --service-account-private-key-file "$state/pki/sa.key" --root-ca-file "$state/pki/ca.crt" \
             --use-service-account-credentials=false --leader-elect=false \
-            --controllers '*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,-route,-ttl' \
+            --controllers '*,-node-ipam-controller,-node-lifecycle-controller,-taint-eviction-controller,-device-taint-eviction-controller' \
             >"$state/logs/kube-controller-manager.log" 2>&1 &
         echo $! > "$state/kube-controller-manager.pid"
+        # It fails fast on a bad flag; give it a moment, then insist it is alive.
+        sleep 3
+        kill -0 "$(cat "$state/kube-controller-manager.pid")" 2>/dev/null || {
+            tail -5 "$state/logs/kube-controller-manager.log" >&2
+            cmd_stop "$state"; die "kube-controller-manager exited (see $state/logs/kube-controller-manager.log)"; }
     fi
     if [[ -n "${KUBE_WATCH_PID:-}" ]]; then
         # Stop the cluster if the process that asked for it dies without stopping it.
