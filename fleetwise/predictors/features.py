@@ -373,19 +373,25 @@ class GpuFeatureWindows:
         return self.to_records(*self.ingest_samples(records))
 
     def ingest_samples(
-        self, samples: SampleColumns | Sequence[GpuSample | FastGpuSample | NodeBatch | SampleColumns]
+        self, samples: SampleColumns | Sequence[GpuSample | FastGpuSample | NodeBatch | SampleColumns],
+        slots: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Validated samples (pydantic records, `SAMPLE_DECODER`'s structs or columns, node
         batches) -> closed hops as arrays; per sample only a slot lookup, the rest is one matrix
-        per call."""
+        per call. `slots`: each sample's slot as the caller looked it up in `_slot_by_gpu`
+        (-1: not there), e.g. `SampleGate.screen`'s, so it is not looked up twice."""
         cols = samples if isinstance(samples, SampleColumns) else sample_columns(samples)
         slot_by_gpu = self._slot_by_gpu
-        slots = list(map(slot_by_gpu.get, zip(cols.node, cols.gpu, strict=True)))
-        if None in slots:  # GPUs not looked up this way before
-            for i in [i for i, slot in enumerate(slots) if slot is None]:
-                node, gpu = cols.node[i], cols.gpu[i]
-                slot = self._slot_of(node, gpu, cols.model[i], cols.rack[i], cols.site[i])
-                slots[i] = slot_by_gpu[node, gpu] = slot
+        found: Any = slots
+        if found is None:
+            found = list(map(slot_by_gpu.get, zip(cols.node, cols.gpu, strict=True)))
+            new = [i for i, slot in enumerate(found) if slot is None] if None in found else []
+        else:
+            new = np.flatnonzero(found < 0).tolist()
+        for i in new:  # GPUs not looked up this way before
+            node, gpu = cols.node[i], cols.gpu[i]
+            slot = self._slot_of(node, gpu, cols.model[i], cols.rack[i], cols.site[i])
+            found[i] = slot_by_gpu[node, gpu] = slot
         x = cols.metrics
         # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
         old = x[:, N_INPUT]
@@ -393,7 +399,7 @@ class GpuFeatureWindows:
         if fill.any():
             x = x.copy()  # (the columns are the caller's)
             x[fill, COL_REASONS] = old[fill]
-        return self.ingest(slots, cols.ts, x[:, :N_INPUT], job_ranks=_JobRanks(cols.job, cols.rank))
+        return self.ingest(found, cols.ts, x[:, :N_INPUT], job_ranks=_JobRanks(cols.job, cols.rank))
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""

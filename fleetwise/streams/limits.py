@@ -32,6 +32,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,10 @@ class SampleGate:
         self.rate_limited = 0  # samples refused for rate, in total (a flood's size)
         self._node_part: dict[str, int] = {}
         self._slot_part = np.empty(0, np.int64)  # partition of each windows slot
+        # The slots in partition order (for the per-partition event time), for `_by_part_n` slots
+        self._by_part_n = -1
+        self._by_part = self._part_starts = self._part_ids = np.empty(0, np.int64)
+        self._below = self._above = np.empty((0, 0), dtype=bool)  # `_bounds`' reused masks
         self.limits = limits or Limits()
 
     @property
@@ -118,35 +123,31 @@ class SampleGate:
     # ------------------------------------------------------------------------------------
     def check(self, cols: SampleColumns) -> tuple[SampleColumns, list[DeadLetter]]:
         """(the samples to keep, dead letters for the rest), in order."""
+        kept, letters, _slots = self.screen(cols)
+        return kept, letters
+
+    def screen(self, cols: SampleColumns) -> tuple[SampleColumns, list[DeadLetter], np.ndarray]:
+        """`check`, and the windows slot of each kept sample (-1: a GPU the windows have not
+        seen yet), for `GpuFeatureWindows.ingest_samples(slots=...)`: the gate looks every
+        sample's GPU up anyway, so the windows need not do it again."""
         n = len(cols)
         if n == 0:
-            return cols, []
+            return cols, [], np.empty(0, np.int64)
         reasons: dict[int, str] = {}
         ts = cols.ts
-        x = cols.metrics
-        with np.errstate(invalid="ignore"):
-            bad = (x < self._lo) | (x > self._hi)  # NaN (missing) compares False
-        if bad.any():
-            rows, colidx = np.nonzero(bad)
-            vals = x[rows, colidx]
-            blank = _is_blank(
-                vals
-            )  # DCGM "no value" sentinels (and >= 2**63) are missing, as the windows read them
-            keep = ~blank
-            for i, j, v in zip(rows[keep].tolist(), colidx[keep].tolist(), vals[keep].tolist(), strict=True):
-                if i not in reasons:
-                    reasons[i] = self._bounds_reason(self._fields[j], v)
-        outside = (ts < self.limits.ts_min) | (ts >= self.limits.ts_max)
-        if outside.any():
+        self._bounds(cols.metrics, reasons)
+        lim = self.limits
+        if not (ts.min() >= lim.ts_min and ts.max() < lim.ts_max):  # (NaN: look row by row)
+            outside = (ts < lim.ts_min) | (ts >= lim.ts_max)
             for i in np.flatnonzero(outside).tolist():
                 reasons.setdefault(
                     i, f"ts: {float(ts[i])!r} is outside 2000-01-01..2100-01-01 (Unix seconds expected)"
                 )
-        slots = self._slots(cols)
-        self._skew(cols, slots, reasons)
-        rate = self._rate(cols, slots, reasons)
+        slots, fresh = self._slots(cols)
+        self._skew(cols, slots, fresh, reasons)
+        rate = self._rate(cols, slots, fresh, reasons)
         if not reasons and not rate:
-            return cols, []
+            return cols, [], slots
         letters = [
             self.dead_letter(self._source(cols, i), reason, self._raw(cols, i), float(ts[i]))
             for i, reason in sorted(reasons.items())
@@ -165,19 +166,69 @@ class SampleGate:
         keep[list(reasons)] = False
         for idx in self._rate_rows:
             keep[idx] = False
-        return _take(cols, np.flatnonzero(keep)), letters
+        return _take(cols, keep), letters, slots[keep]
+
+    # -- plausibility -----------------------------------------------------------------------
+    def _bounds(self, x: np.ndarray, reasons: dict[int, str]) -> None:
+        """Metric values outside their field's bounds, the first such field of each row.
+
+        Compared a block of rows at a time into two reused masks: the chunk's matrix is read
+        once, in cache, and no chunk-sized temporaries are allocated."""
+        lo, hi, block = self._lo, self._hi, self._BLOCK
+        if len(self._below) < min(len(x), block):
+            self._below = np.empty((min(len(x), block), len(lo)), dtype=bool)
+            self._above = np.empty_like(self._below)
+        for start in range(0, len(x), block):
+            part = x[start : start + block]
+            below, above = self._below[: len(part)], self._above[: len(part)]
+            with np.errstate(invalid="ignore"):  # NaN (missing) compares False
+                np.less(part, lo, out=below)
+                np.greater(part, hi, out=above)
+            np.logical_or(below, above, out=below)
+            if not below.any():
+                continue
+            rows, colidx = np.nonzero(below)
+            vals = part[rows, colidx]
+            # DCGM "no value" sentinels (and >= 2**63) are missing, as the windows read them
+            keep = ~_is_blank(vals)
+            for i, j, v in zip(
+                (rows[keep] + start).tolist(), colidx[keep].tolist(), vals[keep].tolist(), strict=True
+            ):
+                if i not in reasons:
+                    reasons[i] = self._bounds_reason(self._fields[j], v)
+
+    _BLOCK = 4096  # rows compared at a time (~100 KB of metrics: in L2)
 
     # -- event time -------------------------------------------------------------------------
-    def _slots(self, cols: SampleColumns) -> np.ndarray:
-        """Windows slot of each sample (-1 for a GPU the windows have not seen)."""
-        get = self.windows._slot_by_gpu.get
-        found = list(map(get, zip(cols.node, cols.gpu, strict=True)))
-        if None in found:
-            slot_of = self.windows._slot
-            for i in [i for i, s in enumerate(found) if s is None]:
-                s = slot_of.get(f"{cols.node[i]}/{cols.gpu[i]}")
-                found[i] = -1 if s is None else s
-        return np.array(found, dtype=np.int64)
+    def _slots(self, cols: SampleColumns) -> tuple[np.ndarray, _Fresh | None]:
+        """Windows slot of each sample (-1 for a GPU the windows have not seen), and what the
+        checks need of the rows of unseen GPUs (None when there are none). One dict lookup
+        per sample, in C, the one the windows would do."""
+        w = self.windows
+        by_gpu = w._slot_by_gpu
+        found = map(by_gpu.get, zip(cols.node, cols.gpu, strict=True), repeat(-1))
+        slots = np.fromiter(found, np.int64, len(cols))
+        unknown = np.flatnonzero(slots < 0)
+        if not len(unknown):
+            return slots, None
+        idx = unknown.tolist()
+        nodes = list(map(cols.node.__getitem__, idx))
+        gpus = list(map(cols.gpu.__getitem__, idx))
+        keys = list(zip(nodes, gpus, strict=True))
+        # Restored state: known by its "node/gpu" key only (once per GPU, not per row).
+        by_key = {key: w._slot.get(f"{key[0]}/{key[1]}", -1) for key in dict.fromkeys(keys)}
+        found = np.fromiter(map(by_key.__getitem__, keys), np.int64, len(keys))
+        if not (found < 0).any():
+            slots[unknown] = found
+            by_gpu.update(by_key)
+            return slots, None
+        if (found >= 0).any():
+            slots[unknown] = found
+            by_gpu.update((key, s) for key, s in by_key.items() if s >= 0)
+            left = np.flatnonzero(found < 0)
+            unknown = unknown[left]
+            nodes, gpus = [nodes[k] for k in left.tolist()], [gpus[k] for k in left.tolist()]
+        return slots, _Fresh(unknown, nodes, gpus)
 
     def _partition_of_node(self, node: str) -> int:
         p = self._node_part.get(node)
@@ -186,26 +237,46 @@ class SampleGate:
         return p
 
     def _watermarks(self) -> np.ndarray:
-        """Per partition: the newest accepted sample of its GPUs (-inf: none yet)."""
+        """Per partition: the newest accepted sample of its GPUs (-inf: none yet). From the
+        windows' `last_ts` each call (so restored, forgotten and evicted GPUs count as they
+        are now): one gather and one `maximum.reduceat` over the slots in partition order."""
         w = self.windows
         n = len(w._meta)
         if len(self._slot_part) < n:
             extra = [self._partition_of_node(m["node"]) for m in w._meta[len(self._slot_part) : n]]
             self._slot_part = np.concatenate([self._slot_part, np.array(extra, dtype=np.int64)])
+        if self._by_part_n != n:
+            order = np.argsort(self._slot_part[:n], kind="stable")
+            parts = self._slot_part[order]
+            starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]]) if n else np.empty(0, np.int64)
+            self._by_part, self._part_starts, self._part_ids = order, starts, parts[starts]
+            self._by_part_n = n
         marks = np.full(self.partitions, -np.inf)
         if n:
-            np.maximum.at(marks, self._slot_part[:n], w.last_ts[:n])
+            marks[self._part_ids] = np.maximum.reduceat(w.last_ts[self._by_part], self._part_starts)
         return marks
 
-    def _skew(self, cols: SampleColumns, slots: np.ndarray, reasons: dict[int, str]) -> None:
+    def _skew(
+        self, cols: SampleColumns, slots: np.ndarray, fresh: _Fresh | None, reasons: dict[int, str]
+    ) -> None:
         lim = self.limits
         marks = self._watermarks()
         ts = cols.ts
-        known = slots >= 0
-        part = np.empty(len(ts), np.int64)
-        part[known] = self._slot_part[slots[known]]
-        for i in np.flatnonzero(~known).tolist():
-            part[i] = self._partition_of_node(cols.node[i])
+        if fresh is None and len(self._part_ids):
+            # Every GPU seen before: if the call's whole time range is within the limits of
+            # every partition that has GPUs, no sample is odd (the verdict below finds none).
+            have = marks[self._part_ids]
+            with np.errstate(invalid="ignore"):
+                if (np.isfinite(have).all() and ts.max() <= (have + lim.max_ahead_s).min()
+                        and ts.min() >= (have - lim.max_behind_s).max()):
+                    return
+        if fresh is None:
+            part = self._slot_part[slots]
+        else:
+            part = np.empty(len(ts), np.int64)
+            known = slots >= 0
+            part[known] = self._slot_part[slots[known]]
+            part[fresh.rows] = fresh.partitions(self)
         ref = marks[part]
         # Fast verdict against the reference before the call; exact (arrival order, each
         # accepted sample moving its partition's reference on) only for partitions where
@@ -215,8 +286,23 @@ class SampleGate:
         if not odd.any():
             return
         for p in np.unique(part[odd]).tolist():
-            w = float(marks[p])
-            for i in np.flatnonzero(part == p).tolist():
+            rows = np.flatnonzero(part == p)
+            w0 = float(marks[p])
+            done = np.fromiter(reasons, np.int64, len(reasons))  # refused already: not judged
+            judged = rows[~np.isin(rows, done)] if len(done) else rows
+            if len(judged):
+                # If every sample were accepted, the reference before each would be the
+                # running max of those before it: when that refuses none, none is refused.
+                t = ts[judged]
+                before = np.maximum.accumulate(np.r_[w0, t[:-1]])
+                with np.errstate(invalid="ignore"):
+                    refused = np.isfinite(before) & (
+                        (t > before + lim.max_ahead_s) | (t < before - lim.max_behind_s)
+                    )
+                if np.isfinite(t).all() and not refused.any():
+                    continue
+            w = w0
+            for i in rows.tolist():
                 if i in reasons:
                     continue
                 t = float(ts[i])
@@ -238,7 +324,7 @@ class SampleGate:
         return max(1, int(self.limits.max_rate_hz * self.windows.hop_s))
 
     def _rate(
-        self, cols: SampleColumns, slots: np.ndarray, reasons: dict[int, str]
+        self, cols: SampleColumns, slots: np.ndarray, fresh: _Fresh | None, reasons: dict[int, str]
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """(node, gpu) -> (first refused row, rows refused) for GPUs over the per-hop limit."""
         self._rate_rows: list[np.ndarray] = []
@@ -246,25 +332,26 @@ class SampleGate:
         cap = self._per_hop()
         w = self.windows
         # Unseen GPUs get ids after the slots (one per GPU) and count from 0.
-        ids = slots.copy()
-        unknown = np.flatnonzero(ids < 0)
-        if len(unknown):
-            fresh: dict[tuple[str, int], int] = {}
-            base = len(w._meta)
-            for i in unknown.tolist():
-                ids[i] = fresh.setdefault((cols.node[i], cols.gpu[i]), base + len(fresh))
+        ids = slots
+        if fresh is not None:
+            ids = slots.copy()
+            ids[fresh.rows] = fresh.ids(len(w._meta))
+        # No GPU can pass the cap in this call: the common case, decided in O(n). A sample's
+        # count before the call is its GPU's open-hop count or 0, so at most the largest.
+        per_id = np.bincount(ids)
+        most = w.acc[: len(w._meta), A_NSAMPLE].max() if len(w._meta) else 0.0
+        if most + per_id.max() <= cap:
+            return {}
         known = slots >= 0
         phase = np.zeros(n)
         phase[known] = w.phase[slots[known]]
-        for i in unknown.tolist():
-            phase[i] = w.hop_phase(f"{cols.node[i]}/{cols.gpu[i]}")
+        if fresh is not None:
+            phase[fresh.rows] = fresh.phases(w)
         hop = np.floor((cols.ts - phase) / w.hop_s)
         before = np.zeros(n)
         open_now = known.copy()
         open_now[known] = w.open_hop[slots[known]] == hop[known]
         before[open_now] = w.acc[slots[open_now], A_NSAMPLE]
-        # No GPU can pass the cap in this call: the common case, decided in O(n).
-        per_id = np.bincount(ids)
         if not (before + per_id[ids] > cap).any():
             return {}
         # Rank of each row among its (GPU, hop) rows in arrival order.
@@ -319,15 +406,37 @@ class SampleGate:
         return json.dumps(sample, allow_nan=True)
 
 
-def _take(cols: SampleColumns, idx: np.ndarray) -> SampleColumns:
-    """The rows `idx` of columns (lists, lazy attribute views or arrays)."""
-    rows = idx.tolist()
+class _Fresh:
+    """The rows of a call whose GPU the windows have not seen: their (node, gpu), and per
+    row its partition, an id per GPU (first seen first) and its hop phase, each worked out
+    once per GPU, not per row."""
+
+    def __init__(self, rows: np.ndarray, nodes: list[str], gpus: list[int]) -> None:
+        self.rows, self.nodes, self.gpus = rows, nodes, gpus
+        self.keys = list(zip(nodes, gpus, strict=True))
+        self.first = {key: k for k, key in enumerate(dict.fromkeys(self.keys))}
+
+    def partitions(self, gate: SampleGate) -> list[int]:
+        part_of = {node: gate._partition_of_node(node) for node in dict.fromkeys(self.nodes)}
+        return list(map(part_of.__getitem__, self.nodes))
+
+    def ids(self, base: int) -> np.ndarray:
+        return np.fromiter(map(self.first.__getitem__, self.keys), np.int64, len(self.keys)) + base
+
+    def phases(self, windows: GpuFeatureWindows) -> list[float]:
+        phase = {key: windows.hop_phase(f"{key[0]}/{key[1]}") for key in self.first}
+        return list(map(phase.__getitem__, self.keys))
+
+
+def _take(cols: SampleColumns, keep: np.ndarray) -> SampleColumns:
+    """The rows where `keep` of columns (lists, lazy attribute views or arrays)."""
+    mask = keep.tolist()
     lists = {
-        name: [getattr(cols, name)[i] for i in rows]
+        name: list(compress(getattr(cols, name), mask))
         for name in SampleColumns.__slots__
         if name not in ("ts", "metrics")
     }
-    return SampleColumns(**lists, ts=cols.ts[idx], metrics=cols.metrics[idx])
+    return SampleColumns(**lists, ts=cols.ts[keep], metrics=cols.metrics[keep])
 
 
 def evict_idle(control: Any, keep: int) -> list[str]:
@@ -369,4 +478,5 @@ def evict_idle(control: Any, keep: int) -> list[str]:
     gate = getattr(control, "gate", None)
     if gate is not None:
         gate._slot_part = np.empty(0, np.int64)  # slots renumbered
+        gate._by_part_n = -1
     return evicted

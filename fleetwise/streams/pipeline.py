@@ -312,10 +312,11 @@ class ControlPlane:
         if not good:
             return out
         if topic == T.TELEMETRY_GPU.name:
-            samples, refused = self.gate.check(sample_columns(good))  # type: ignore[arg-type]
+            # The gate looks each sample's GPU up; the windows reuse those slots.
+            samples, refused, slots = self.gate.screen(sample_columns(good))  # type: ignore[arg-type]
             out.extend(Routed(T.DEADLETTER.name, r.source, r) for r in refused)
             self.counts["samples_in"] += len(samples)
-            out.extend(self._gpu_outputs(*self.features.ingest_samples(samples)))
+            out.extend(self._gpu_outputs(*self.features.ingest_samples(samples, slots=slots)))
         elif topic == T.TELEMETRY_STEPS.name:
             self.counts["steps_in"] += len(good)
             if self.stragglers is not None:
