@@ -63,3 +63,20 @@ def test_without_consumers_commands_expire_and_are_reported_not_retried(demo_tra
     # Re-decided, not retried: a later command for the same GPU has a new id.
     checkpoints = [c for c in commands if c.type == "checkpoint"]
     assert len({c.id for c in checkpoints}) == len(checkpoints)
+
+
+def test_each_command_goes_to_the_consumers_that_carry_it_out():
+    from fleetwise.streams.pipeline import command_topics
+
+    def cmd(kind: str, job: str | None = "llm", **params) -> Command:
+        return Command(id=f"{kind}-1", type=kind, ts=0.0, job=job, reason="r", params=params)
+
+    train, kube = T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name
+    assert command_topics(cmd("rebalance")) == [train]
+    assert command_topics(cmd("checkpoint")) == [train]
+    assert command_topics(cmd("drain")) == [train, kube]  # the rank leaves; the node is cordoned
+    assert command_topics(cmd("drain", job=None)) == [kube]
+    assert command_topics(cmd("resize")) == [train, kube]  # process group and PodGroup gang
+    assert [command_topics(cmd("migrate", phase=p)) for p in ("snapshot", "transfer", "restore")] == [
+        [train], [kube], [train]]
+    assert command_topics(cmd("consolidate", job=None, action="hibernate")) == [kube]

@@ -451,16 +451,21 @@ def _one_native_thread() -> None:
 _NATIVE_LIMITED = False
 
 
-# Training-side commands go to the plugin, placement-side ones to the KAI consumer; a drain of a
-# GPU a job runs on goes to both (the rank leaves; the GPU is cordoned).
-TRAINING_COMMANDS = frozenset({"rebalance", "checkpoint", "resize", "migrate"})
+# Training-side commands go to the plugin, placement-side ones to the KAI consumer. Both act on
+# a drain of a GPU a job runs on (the rank leaves; the node is cordoned) and on a resize (the
+# process group is rebuilt; the PodGroup's gang changes). A migration's snapshot and restore are
+# the plugin's, its transfer (the job's pods to the destination) the KAI consumer's.
+TRAINING_COMMANDS = frozenset({"rebalance", "checkpoint"})
 
 
 def command_topics(cmd: Command) -> list[str]:
     """The command topics a command is published on."""
     if cmd.type in TRAINING_COMMANDS:
         return [T.COMMANDS_TRAINING.name]
-    if cmd.type == "drain" and cmd.job:
+    if cmd.type == "migrate":
+        phase = cmd.params.get("phase")
+        return [T.COMMANDS_KUBE.name if phase == "transfer" else T.COMMANDS_TRAINING.name]
+    if cmd.type in ("drain", "resize") and cmd.job:
         return [T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name]
     return [T.COMMANDS_KUBE.name]
 
