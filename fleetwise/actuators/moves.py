@@ -33,17 +33,20 @@ class UtilisationWindow:
         self._keys: dict[GpuKey, int] = {}
         self._key_list: list[GpuKey] = []
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ts, gpu index, util)
-        self._jobs: list[tuple[float, list[int], list[str | None], list[int | None]]] = []
+        self._jobs: list[tuple[float, np.ndarray, list[str | None], list[int | None]]] = []
 
     def observe(self, keys: Sequence[GpuKey], ts: np.ndarray, util: np.ndarray,
                 jobs: Sequence[str | None] | None = None, ranks: Sequence[int | None] | None = None) -> None:
         index = self._keys
         idx = np.fromiter((index[k] if k in index else self._add(k) for k in keys), dtype=np.int64,
                           count=len(keys))
-        ts = np.asarray(ts, dtype=np.float64)
-        self._chunks.append((ts, idx, np.asarray(util, dtype=np.float64)))
+        # Copies: `util` is usually a column of the closed hops' feature matrix, and a view
+        # would keep that whole matrix alive as long as the window holds the chunk (~100 MiB
+        # for a replayed day of 512 GPUs).
+        ts = np.array(ts, dtype=np.float64)
+        self._chunks.append((ts, idx, np.array(util, dtype=np.float64)))
         if jobs is not None and ranks is not None and len(ts):
-            self._jobs.append((float(ts.max()), idx.tolist(), list(jobs), list(ranks)))
+            self._jobs.append((float(ts.max()), idx, list(jobs), list(ranks)))
 
     def _add(self, key: GpuKey) -> int:
         self._keys[key] = len(self._key_list)
@@ -86,7 +89,7 @@ class UtilisationWindow:
         """The latest job -> {rank: GPU} seen in the window."""
         where: dict[GpuKey, tuple[str, int]] = {}
         for _ts, idx, jobs, ranks in self._jobs:
-            for i, job, rank in zip(idx, jobs, ranks, strict=True):
+            for i, job, rank in zip(idx.tolist(), jobs, ranks, strict=True):
                 key = self._key_list[i]
                 if job is None or rank is None:
                     where.pop(key, None)
