@@ -16,7 +16,6 @@ from fleetwise.predictors.features import (
     F_UTIL,
     F_XID,
     FEATURE_NAMES,
-    PEER_FEATURES,
     GpuFeatureWindows,
 )
 from fleetwise.schemas import GpuSample, NodeBatch
@@ -387,10 +386,8 @@ def test_staggered_hops_are_aligned_hops_shifted_by_each_gpus_phase():
     want = aligned.process_dicts(shifted) + aligned.flush()
 
     def by_key(vectors: list, shift: bool) -> dict:
-        # Per-GPU features only: peer context compares GPUs at their own hop ends, which the
-        # phases move relative to each other.
-        return {(v.node, v.gpu, v.ts + (phases[f"{v.node}/{v.gpu}"] if shift else 0.0)):
-                {k: x for k, x in v.values.items() if k not in PEER_FEATURES} for v in vectors}
+        return {(v.node, v.gpu, v.ts + (phases[f"{v.node}/{v.gpu}"] if shift else 0.0)): v.values
+                for v in vectors}
 
     assert by_key(got, shift=False) == by_key(want, shift=True)
     # Hop ends differ between GPUs: the closes spread over the hop.

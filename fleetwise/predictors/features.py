@@ -233,25 +233,7 @@ def _feature_names() -> list[str]:
     names += [f"{g}_surprise" for g in ACTIVE_GROUPS]
     names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
     names += ["temp_residual_24h", "temp_residual_cool_24h"]
-    names += PEER_FEATURES
     return names
-
-
-# Peer context (issue 16): the GPU against the other GPUs of its node, as of their last hop
-# that ended before this one began (so a hop's features do not depend on which GPU's hop
-# happened to close first). A node-wide heat wave moves every residual of the node; a
-# sympathetic XID 74 or a flaky node-level PCIe path touches several GPUs at once, a failing
-# part one. Peers are the node's only: a node's GPUs share one Kafka partition (one node batch
-# per message), so a worker sees them in event-time order; GPUs of the same model on other
-# nodes sit on other partitions, whose relative lag would make the features (and decisions)
-# depend on the order partitions were read in, and a worker holds only its partitions.
-PEER_FEATURES = [
-    "temp_resid_vs_node",  # own 24 h thermal residual minus the node peers' mean
-    "sbe_peers_node_6h",  # share of node peers with single-bit errors in 6 h
-    "nvl_peers_node_1h", "pcie_peers_node_1h", "xid74_peers_node_1h",  # share of node peers with
-]
-# What each GPU publishes to its peers per closed hop (columns of `peer_cur` / `peer_prev`).
-N_PEER = 5  # temp_residual_24h, any SBE 6 h, any NVLink error 1 h, any PCIe replay 1 h, any XID 74 1 h
 
 
 FEATURE_NAMES: list[str] = _feature_names()
@@ -298,7 +280,6 @@ class GpuFeatureWindows:
         # The same slots by (node, gpu), filled by `ingest_samples`: its per-sample lookup then
         # builds no "node/gpu" string.
         self._slot_by_gpu: dict[tuple[str, int], int] = {}
-        self._groups: dict[tuple[str, str], int] = {}  # ("node" | "model", name) -> group index
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
         self._job: list[str | None] = []  # job and rank of the GPU's last sample in its hop
         self._rank: list[int | None] = []
@@ -324,8 +305,6 @@ class GpuFeatureWindows:
             setattr(self, name, grow(getattr(self, name, None), shape, fill))
         self.tdp = grow(getattr(self, "tdp", None), (), np.nan)
         self.phase = grow(getattr(self, "phase", None), (), 0.0)  # hop grid offset, s (from the key)
-        # Peer groups: node and GPU model index per slot.
-        self.node_idx = grow(getattr(self, "node_idx", None), (), 0.0)
         self._cap = capacity
 
     def _slot_of(self, node: str, gpu: int, model: str, rack: str | None, site: str | None) -> int:
@@ -342,13 +321,7 @@ class GpuFeatureWindows:
             self._rank.append(None)
             self.tdp[slot] = tdp
             self.phase[slot] = self.hop_phase(key)
-            self._set_groups(slot)
         return slot
-
-    def _set_groups(self, slot: int) -> None:
-        """Node group index of a slot (peer context)."""
-        m = self._meta[slot]
-        self.node_idx[slot] = self._groups.setdefault(("node", m["node"]), len(self._groups))
 
     def hop_phase(self, key: str) -> float:
         """Offset of a GPU's hop grid (s): 0 unless staggered, else one of 60 steps of the hop
@@ -489,7 +462,6 @@ class GpuFeatureWindows:
             self.phase[slot] = self.hop_phase(key)
         else:
             self._meta[slot] = dict(meta)
-        self._set_groups(slot)
         self._job[slot], self._rank[slot] = job, rank
         return slot
 
@@ -877,57 +849,11 @@ class GpuFeatureWindows:
             ew[:, E_RESID_COOL + 1] = ew[:, E_RESID_COOL + 1] * d24 + cool
             f[:, _FI["temp_residual_cool_24h"]] = ew[:, E_RESID_COOL] / ew[:, E_RESID_COOL + 1]
             f[~seen, _FI["samples"]] = 0.0
-            self._peer_context(slots, (hop + 1) * self.hop_s + self.phase[slots], f)
 
         self.ew[slots] = ew
         self.closed_hop[slots] = hop
         self.acc[slots] = 0.0  # temperatures and levels are >= 0, so 0 is a neutral start for fmax
         return slots.astype(np.int64), (hop + 1) * self.hop_s + self.phase[slots], f
-
-    def _peer_context(self, slots: np.ndarray, end: np.ndarray, f: np.ndarray) -> None:
-        """PEER_FEATURES of closing hops (rows of f), then publish these hops to the peers.
-
-        A peer counts with its last closed hop that ended at or before this hop's start (its
-        newest such of two kept), so the result depends on event time, not on which hops the
-        same call closed first."""
-        n = len(self._meta)
-        start = end - self.hop_s
-        own = np.stack([
-            f[:, _FI["temp_residual_24h"]],
-            (f[:, _FI["sbe_vol_6h"]] > 0.5).astype(float),
-            (sum(f[:, _FI[f"{c}_1h"]] for c in ACTIVE_GROUPS["nvl"]) > 0.5).astype(float),
-            (f[:, _FI["pcie_replay_1h"]] > 0.5).astype(float),
-            (f[:, _FI["xid_nvlink_1h"]] > 0.5).astype(float),
-        ], axis=1)
-        cur, prev = self.peer_cur[:n], self.peer_prev[:n]
-        node = self.node_idx[:n].astype(np.int64)
-        n_groups = len(self._groups)
-        mine = self.node_idx[slots].astype(np.int64)
-        for t0 in np.unique(start):
-            rows = np.flatnonzero(start == t0)
-            v = np.where((cur[:, :1] <= t0), cur[:, 1:], np.where(prev[:, :1] <= t0, prev[:, 1:], np.nan))
-            valid = ~np.isnan(v)
-            v0 = np.where(valid, v, 0.0)
-            sl = slots[rows]
-            tot = np.stack([np.bincount(node, weights=v0[:, c], minlength=n_groups)
-                            for c in range(N_PEER)], 1)
-            cnt = np.stack([np.bincount(node, weights=valid[:, c], minlength=n_groups)
-                            for c in range(N_PEER)], 1)
-            # the GPU itself is not its own peer
-            t_peer = tot[mine[rows]] - v0[sl]
-            c_peer = cnt[mine[rows]] - valid[sl]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                mean = np.where(c_peer > 0, t_peer / np.where(c_peer > 0, c_peer, 1.0), np.nan)
-            f[rows, _FI["temp_resid_vs_node"]] = own[rows, 0] - mean[:, 0]
-            f[rows, _FI["sbe_peers_node_6h"]] = mean[:, 1]
-            f[rows, _FI["nvl_peers_node_1h"]] = mean[:, 2]
-            f[rows, _FI["pcie_peers_node_1h"]] = mean[:, 3]
-            f[rows, _FI["xid74_peers_node_1h"]] = mean[:, 4]
-            # Published before the next (later) hops of this call are judged: what a later hop
-            # sees does not depend on whether the earlier one closed in this call or before.
-            self.peer_prev[sl] = self.peer_cur[sl]
-            self.peer_cur[sl, 0] = end[rows]
-            self.peer_cur[sl, 1:] = own[rows]
 
     # ---- output ----
     def to_records(
@@ -1019,15 +945,12 @@ def _from_json(value: Any) -> np.ndarray:
 
 
 # The per-slot arrays (first axis: slot) that hold a GPU's window state besides its meta and job.
-STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring",
-                "peer_cur", "peer_prev")
+STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring")
 # The state arrays a GPU starts with (shape per GPU, fill value); `tdp` comes from its model.
 _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER,), np.nan),
     "last_xid": ((), np.nan), "open_hop": ((), -1.0), "closed_hop": ((), -1.0),
     "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
-    # What the GPU published to its peers at its last two closed hops: hop end, then N_PEER values.
-    "peer_cur": ((N_PEER + 1,), np.nan), "peer_prev": ((N_PEER + 1,), np.nan),
 }
 
 
