@@ -366,3 +366,22 @@ def test_properties_over_random_prediction_and_ack_streams(events):
         if c.job:
             assert c.seq > seqs.get(c.job, 0)
             seqs[c.job] = c.seq
+
+
+def test_a_job_that_lost_a_gpu_grows_back_onto_a_joining_gpu_of_the_same_model():
+    inv = [NodeInventory(ts=T0 - 10, node=n, gpus=[GpuInventory(index=g, model="H100") for g in range(4)])
+           for n in ("n1", "n2")]
+    policy = ActionPolicy()
+    policy.process(inv)
+    with_ranks(policy, 8)
+    cp = commands(policy.process([failure("n1", 3, rank=3)]))[0]
+    drain = commands(policy.process([ack(cp, ts=T0 + 10)]))[0]
+    policy.process([ack(drain, ts=T0 + 20)])  # -> resize down, n1/3 left the job
+    other = NodeInventory(ts=T0 + 100, node="n9", gpus=[GpuInventory(index=0, model="A100")])
+    assert commands(policy.process([other])) == []  # another model: no growth
+    new = NodeInventory(ts=T0 + 200, node="n8", gpus=[GpuInventory(index=0, model="H100"),
+                                                      GpuInventory(index=1, model="H100")])
+    grow = commands(policy.process([new]))
+    assert [c.type for c in grow] == ["resize"]  # one GPU was lost: the job grows by one, not two
+    assert grow[0].params["join"] == [["n8", 0]] and grow[0].params["replaces"] == [["n1", 3]]
+    assert grow[0].params["world_size"] == 8

@@ -606,15 +606,39 @@ class ActionPolicy:
 
     # -- inventory, plans, operators ----------------------------------------------------------
     def _on_inventory(self, inv: NodeInventory) -> list[Record]:
+        models = {(n.node, g.index): g.model for n in self.inventory.values() for g in n.gpus}
         self.inventory[inv.node] = inv
         out: list[Record] = []
         for g in inv.gpus:
             key = (inv.node, g.index)
+            joined = key not in self.fleet.gpus
             self.fleet.known(key)
             state = self.fleet.gpus[key]
             if state.status in ("drained", "hibernating") and inv.ts > state.since_ts:
                 out += self._return(key, inv.ts, f"inventory of {inv.node} at {inv.ts:.0f} lists it again")
+            elif joined:
+                out += self._grow_onto(key, g.model, models, inv.ts)
         return out
+
+    def _grow_onto(self, key: GpuKey, model: str, models: dict[GpuKey, str], ts: float) -> list[Record]:
+        """A GPU joined the fleet: the first job (by name) that lost a GPU of the same model to a
+        drain grows back onto it. A job's intent, as far as the stream knows it, is the size it
+        was planned at, so a job only grows back to that size, never beyond."""
+        for name, job in sorted(self.jobs.items()):
+            lost = next((k for k in job.left if models.get(k) == model), None)
+            if lost is None:
+                continue
+            job.left.remove(lost)
+            cmd = Command(
+                id=command_id("resize", name, "join", key[0], key[1], ts), type="resize", ts=ts, job=name,
+                node=key[0], gpu=key[1],
+                reason=f"{key[0]}/gpu{key[1]} ({model}) joined the fleet: {name} grows back to its planned "
+                       f"size in place of {lost[0]}/gpu{lost[1]}",
+                params={"join": [list(key)], "replaces": [list(lost)],
+                        "world_size": self._job_size(job) - len(job.left)},
+            )
+            return self._send(cmd, self.config.resize.mode)
+        return []
 
     def _on_plan(self, plan: Plan) -> None:
         job = self._job(plan.job)
