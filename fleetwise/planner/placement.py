@@ -502,7 +502,10 @@ def _context(
     current = set(settings.current)
     current_site = None
     if current:
-        current_site = Counter(index.node_of(k).site for k in current).most_common(1)[0][0]
+        # The site holding most of the job's GPUs; a tie goes to the first site by name (not to
+        # a set's iteration order, which changes with the interpreter's hash seed).
+        per_site = Counter(index.node_of(k).site for k in current)
+        current_site = min(per_site, key=lambda site: (-per_site[site], site))
     min_tokens = settings.min_tokens_per_s
     if min_tokens is None:
         extra = getattr(intent.constraints, "min_tokens_per_s", None)
