@@ -306,29 +306,36 @@ def plan_cmd(
 # ---- place -----------------------------------------------------------------------------------
 
 
-def _place_intent(path: Path):  # -> JobIntent
-    """A job intent from a YAML/JSON file; errors name the file and the field."""
+def _read_mapping(path: Path, option: str, what: str) -> dict:
+    """A YAML/JSON file holding one mapping; errors name the option and the file."""
     import yaml
+
+    if not path.is_file():
+        fail(f"{option}: {what} file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"{option}: cannot read {str(path)!r}: {exc}")
+    except yaml.YAMLError as exc:
+        fail(f"{option}: {path} is not valid YAML/JSON: {exc}")
+    if not isinstance(data, dict):
+        fail(f"{option}: {path} must hold a {what} mapping, got {type(data).__name__}")
+    return data
+
+
+def _place_intent(path: Path, option: str = "JOB"):  # -> JobIntent
+    """A job intent from a YAML/JSON file; errors name the file and the field."""
     from pydantic import ValidationError
 
     from fleetwise.schemas import JobIntent, describe_error
 
-    if not path.is_file():
-        fail(f"JOB: job intent file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        fail(f"JOB: cannot read {str(path)!r}: {exc}")
-    except yaml.YAMLError as exc:
-        fail(f"JOB: {path} is not valid YAML/JSON: {exc}")
-    if not isinstance(data, dict):
-        fail(f"JOB: {path} must hold a mapping (job, model, global_batch, ...), got {type(data).__name__}")
+    data = _read_mapping(path, option, "job intent (job, model, global_batch, ...)")
     if isinstance(data.get("model"), str):  # a preset name is accepted for the model
         data["model"] = _plan_model(data["model"]).model_dump()
     try:
         return JobIntent.model_validate(data)
     except ValidationError as exc:
-        fail(f"JOB: {path} is not a job intent: {describe_error(exc)}")
+        fail(f"{option}: {path} is not a job intent: {describe_error(exc)}")
 
 
 def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
@@ -515,16 +522,7 @@ def _kube_plan_file(path: Path):  # -> Plan
 
     from fleetwise.schemas import Plan, describe_error
 
-    if not path.is_file():
-        fail(f"--plan: plan file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        fail(f"--plan: cannot read {str(path)!r}: {exc}")
-    except json.JSONDecodeError as exc:
-        fail(f"--plan: {path} is not valid JSON: {exc.msg} (line {exc.lineno})")
-    if not isinstance(data, dict):
-        fail(f"--plan: {path} must hold a plan object (fleetwise plan --format json)")
+    data = _read_mapping(path, "--plan", "plan (fleetwise plan --format json)")
     data.pop("speedup", None)
     try:
         return Plan.model_validate(data)
@@ -567,7 +565,7 @@ def kube_render_cmd(
         render_queues,
         render_topology,
     )
-    from fleetwise.planner import InfeasiblePlanError, PlanRequest, plan_job
+    from fleetwise.planner import InfeasiblePlanError, plan_job, request_for_intent
     from fleetwise.planner.exports import ExportError
 
     if (plan_file is None) == (intent_file is None):
@@ -575,13 +573,8 @@ def kube_render_cmd(
     if intent_file is not None:
         if gpus is None:
             fail("--intent needs --gpus (the GPUs to plan the job over)")
-        intent = _place_intent(intent_file)
-        c = intent.constraints
-        request = PlanRequest(
-            model=intent.model, global_batch=intent.global_batch, seq_len=intent.seq_len, dtype=intent.dtype,
-            zero_stages=tuple(c.zero_stages) if c.zero_stages else (0, 1, 2, 3), job=intent.job,
-            memory_headroom=c.min_memory_headroom,
-        )
+        intent = _place_intent(intent_file, "--intent")
+        request = request_for_intent(intent)
         try:
             plan = plan_job(request, _plan_cluster(gpus))
         except (InfeasiblePlanError, ValueError) as exc:

@@ -3,7 +3,7 @@
 from fleetwise.planner.cluster import Cluster, GpuSlot, cluster_from_inventory, parse_gpu_spec
 from fleetwise.planner.models import MODEL_PRESETS, load_model, parse_model_dict, resolve_model
 from fleetwise.planner.replan import RankDiff, diff_plans, plan_timeline, replan
-from fleetwise.planner.search import InfeasiblePlanError, PlanRequest, plan_job
+from fleetwise.planner.search import InfeasiblePlanError, PlanRequest, plan_job, request_for_intent
 
 __all__ = [
     "MODEL_PRESETS",
@@ -20,5 +20,6 @@ __all__ = [
     "plan_job",
     "plan_timeline",
     "replan",
+    "request_for_intent",
     "resolve_model",
 ]

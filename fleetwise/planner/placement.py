@@ -36,7 +36,7 @@ import numpy as np
 from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
 from fleetwise.planner import cost
 from fleetwise.planner.cluster import Cluster, GpuSlot, cluster_from_inventory
-from fleetwise.planner.search import InfeasiblePlanError, PlanRequest, plan_job
+from fleetwise.planner.search import InfeasiblePlanError, plan_job, request_for_intent
 from fleetwise.schemas import GpuSample, JobIntent, NodeInventory, Plan
 
 __all__ = [
@@ -932,12 +932,7 @@ def _plan_on(ctx: _Context, keys: Sequence[tuple[str, int]]) -> tuple[float | No
         node_pcie_gbs={n: cl.node_pcie_gbs[n] for n in nodes if n in cl.node_pcie_gbs},
         default_network_gbs=cl.default_network_gbs,
     )
-    c = intent.constraints
-    request = PlanRequest(
-        model=intent.model, global_batch=intent.global_batch, seq_len=intent.seq_len, dtype=intent.dtype,
-        zero_stages=tuple(c.zero_stages) if c.zero_stages else (0, 1, 2, 3), job=intent.job,
-        memory_headroom=c.min_memory_headroom,
-    )
+    request = request_for_intent(intent)
     try:
         plan = plan_job(request, sub)
     except InfeasiblePlanError as exc:

@@ -26,7 +26,7 @@ import numpy as np
 from fleetwise.catalog import UnsupportedDtypeError, normalize_dtype
 from fleetwise.planner import cost
 from fleetwise.planner.cluster import Cluster, GpuSlot
-from fleetwise.schemas import ModelShape, Plan, RankPlan
+from fleetwise.schemas import JobIntent, ModelShape, Plan, RankPlan
 
 ARRANGEMENTS = ("grouped", "striped")
 
@@ -59,6 +59,16 @@ class PlanRequest:
     @property
     def seq(self) -> int:
         return self.seq_len or self.model.seq_len
+
+
+def request_for_intent(intent: JobIntent) -> PlanRequest:
+    """What the planner is asked for a job intent (its model, batch, dtype and constraints)."""
+    c = intent.constraints
+    return PlanRequest(
+        model=intent.model, global_batch=intent.global_batch, seq_len=intent.seq_len, dtype=intent.dtype,
+        zero_stages=tuple(c.zero_stages) if c.zero_stages else (0, 1, 2, 3), job=intent.job,
+        memory_headroom=c.min_memory_headroom,
+    )
 
 
 # ---- kinds and TP groups ------------------------------------------------------------------
