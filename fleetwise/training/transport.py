@@ -192,9 +192,13 @@ class KafkaTransport:
             return consumer
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
-                                    auto_offset_reset="earliest" if self.from_beginning else "latest",
-                                    metadata_max_age_ms=1000)
+        from fleetwise.streams.kafka_io import client_kwargs
+
+        # Credentials and CA from the environment (FLEETWISE_KAFKA_*, docs/security.md).
+        consumer = AIOKafkaConsumer(**client_kwargs({
+            "bootstrap_servers": self.bootstrap, "group_id": None, "enable_auto_commit": False,
+            "auto_offset_reset": "earliest" if self.from_beginning else "latest",
+            "metadata_max_age_ms": 1000}))
         await consumer.start()
         name = self._name(topic)
         parts = consumer.partitions_for_topic(name)
