@@ -524,6 +524,7 @@ class ActionPolicy:
         now = float(max(ts))
         out: list[Record] = []
         if self._due("consolidate", now, self.config.consolidate.check_every_s):
+            self.utilisation.prune(now)  # also when no consolidation can be planned (no inventory)
             out += self._consider_consolidation(now)
         if self.config.migrate.mode != "off" and self._due("migrate", now, self.config.migrate.check_every_s):
             out += self._consider_migrations(now)
