@@ -37,13 +37,15 @@ def xid_batches() -> list[bytes]:
     return [encode(b) for b in batches]
 
 
-async def commands_until(bootstrap: str, prefix: str, want: str, worker,
+async def commands_until(bootstrap: str, prefix: str, want: str, worker, copies: int = 1,
                          timeout_s: float = 90) -> list[Command]:
+    """Commands on both command topics, read until `copies` messages of type `want` arrived."""
     topics = [topic_name(T.COMMANDS_TRAINING, prefix), topic_name(T.COMMANDS_KUBE, prefix)]
     try:
         got = await consume_until(
             bootstrap, topics, timeout_s=timeout_s,
-            until=lambda ms: worker.check_alive() and any(json.loads(m.value)["type"] == want for m in ms))
+            until=lambda ms: worker.check_alive()
+            and sum(json.loads(m.value)["type"] == want for m in ms) >= copies)
     except TimeoutError as exc:
         pytest.fail(f"no {want} command: {exc}\n{worker.log_tail()}")
     return [Command.model_validate_json(m.value) for m in got]
@@ -97,7 +99,7 @@ async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(
     ack = Ack(command_id=checkpoint.id, ts=checkpoint.ts + 20, job="llm", by="training-plugin",
               status="done", step=120, result={"checkpoint_uri": "file:///ckpt/120", "step": 120})
     await produce_records(kafka_bootstrap, topic_name(T.ACKS, prefix), [ack], key=record_key)
-    got = await commands_until(kafka_bootstrap, prefix, "drain", worker)
+    got = await commands_until(kafka_bootstrap, prefix, "drain", worker, copies=2)
     drains = [c for c in got if c.type == "drain"]
     # one drain, on both command topics (the rank leaves; the GPU is cordoned)
     assert {c.id for c in drains} == {drains[0].id} and len(drains) == 2
@@ -108,7 +110,7 @@ async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(
     done = Ack(command_id=drain.id, ts=drain.ts + 30, job="llm", gpu=1, node="node-001",
                by="kube-consumer", status="done")
     await produce_records(kafka_bootstrap, topic_name(T.ACKS, prefix), [done], key=record_key)
-    got = await commands_until(kafka_bootstrap, prefix, "resize", worker)
+    got = await commands_until(kafka_bootstrap, prefix, "resize", worker, copies=2)
     resize = next(c for c in got if c.type == "resize")
     assert resize.params["leave"] == [list(BAD_GPU)] and resize.requires == [] and resize.seq == 3
     audit = await consume_until(kafka_bootstrap, [topic_name(T.AUDIT, prefix)], timeout_s=10,
