@@ -3,7 +3,7 @@
 from fleetwise.actuators.config import PolicyConfig, PolicyFileError, parse_policy, policy_yaml
 from fleetwise.actuators.fleet import FleetState, PendingCommand
 from fleetwise.actuators.ids import command_id
-from fleetwise.actuators.policy import ActionPolicy, proportional_shares
+from fleetwise.actuators.policy import ActionPolicy
 from fleetwise.actuators.signing import (
     Keyring,
     KeyringError,
@@ -17,5 +17,5 @@ from fleetwise.actuators.signing import (
 __all__ = [
     "ActionPolicy", "FleetState", "Keyring", "KeyringError", "PendingCommand", "PolicyConfig",
     "PolicyFileError", "Verdict", "command_id", "keyring_from_env", "parse_policy", "policy_yaml",
-    "proportional_shares", "sign", "verify", "verify_command",
+    "sign", "verify", "verify_command",
 ]

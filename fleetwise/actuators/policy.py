@@ -28,6 +28,8 @@ from fleetwise.actuators.moves import (
     migration_for,
 )
 from fleetwise.actuators.signing import Keyring, sign
+from fleetwise.planner.exports import replica_samples
+from fleetwise.planner.shares import proportional_shares
 from fleetwise.schemas import (
     Ack,
     AuditEvent,
@@ -45,19 +47,6 @@ DISRUPTIVE = frozenset({"drain", "resize", "migrate", "consolidate"})
 # re-raised every hop must not flood the audit topic.
 AUDIT_REPEAT_S = 3600.0
 KEEP_FINISHED_S = 86400.0
-
-
-def proportional_shares(weights: Sequence[float], total: int) -> list[int]:
-    """Integer shares of `total` proportional to `weights` (largest remainder; ties by index)."""
-    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"cannot split {total} by weights {list(weights)}")
-    s = float(sum(weights))
-    exact = [w * total / s for w in weights]
-    shares = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[: total - sum(shares)]:
-        shares[i] += 1
-    return shares
 
 
 @dataclass
@@ -410,7 +399,7 @@ class ActionPolicy:
         if new_plan is not None:
             plan, diffs = new_plan
             params["world_size"] = len(plan.ranks)
-            params["samples"] = {str(d): s for d, s in sorted(_replica_samples(plan.model_dump()).items())}
+            params["samples"] = {str(d): s for d, s in sorted(replica_samples(plan).items())}
             params["global_samples"] = plan.global_batch
             params["strategy"] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}
             params["plan_diff"] = [{"node": d.node, "gpu": d.gpu, "before": d.before, "after": d.after,
@@ -496,7 +485,7 @@ class ActionPolicy:
     def _rebalance_shares(self, job: JobState) -> tuple[dict[int, int], dict[int, int], int | None]:
         """(current, new) samples per dp rank and the global batch; relative units without a plan."""
         if job.plan:
-            base = _replica_samples(job.plan)
+            base = replica_samples(Plan.model_validate(job.plan))
             total = int(job.plan["global_batch"])
             current = job.shares or base
             order = sorted(base)
@@ -689,12 +678,6 @@ def _event_ts(record: Record) -> float:
     return float("-inf") if ts is None else float(ts)
 
 
-def _replica_samples(plan: dict[str, Any]) -> dict[int, int]:
-    """Samples per step of each data-parallel replica of a plan (as JSON)."""
-    return {int(r["dp_rank"]): int(r["micro_batch"]) * int(r["num_micro_batches"])
-            for r in plan["ranks"] if r["tp_rank"] == 0 and r["stage"] == 0}
-
-
 def _step_gain(current: dict[int, int], new: dict[int, int], job: JobState) -> float:
     """Predicted step-time gain of `new` over `current` shares: a step lasts as long as its
     slowest replica, shares / speed (speed = the plan's share of an unslowed replica x factor)."""
@@ -703,7 +686,7 @@ def _step_gain(current: dict[int, int], new: dict[int, int], job: JobState) -> f
 
     def step(shares: dict[int, int]) -> float:
         base = sum(current.values()) / max(len(current), 1)
-        base_of = _replica_samples(job.plan) if job.plan else {}
+        base_of = replica_samples(Plan.model_validate(job.plan)) if job.plan else {}
         return max(s / (base_of.get(d, base) * job.slow.get(d, 1.0)) for d, s in shares.items())
     before, after = step(current), step(new)
     return 0.0 if before <= 0 else max(0.0, 1.0 - after / before)

@@ -4,6 +4,7 @@ from fleetwise.planner.cluster import Cluster, GpuSlot, cluster_from_inventory, 
 from fleetwise.planner.models import MODEL_PRESETS, load_model, parse_model_dict, resolve_model
 from fleetwise.planner.replan import RankDiff, diff_plans, plan_timeline, replan
 from fleetwise.planner.search import InfeasiblePlanError, PlanRequest, plan_job, request_for_intent
+from fleetwise.planner.shares import proportional_shares
 
 __all__ = [
     "MODEL_PRESETS",
@@ -19,6 +20,7 @@ __all__ = [
     "parse_model_dict",
     "plan_job",
     "plan_timeline",
+    "proportional_shares",
     "replan",
     "request_for_intent",
     "resolve_model",

@@ -67,7 +67,7 @@ class ExportError(ValueError):
 # ---- plan structure helpers ------------------------------------------------------------------
 
 
-def _replica_samples(plan: Plan) -> dict[int, int]:
+def replica_samples(plan: Plan) -> dict[int, int]:
     """Samples per step of each data-parallel replica; checks ranks of a replica agree."""
     samples: dict[int, int] = {}
     for rank in plan.ranks:
@@ -401,7 +401,7 @@ def microbatch_map(plan: Plan) -> dict[str, Any]:
     shares; REFERENCE.md, Megatron-LM notes). Ranks of one replica share its weight; the
     weights of the replicas sum to 1.
     """
-    samples = _replica_samples(plan)
+    samples = replica_samples(plan)
     total = sum(samples.values())
     if total != plan.global_batch:
         raise ExportError(

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fleetwise.actuators.signing import Keyring, keyring_from_env, verify_command
+from fleetwise.planner.shares import proportional_shares
 from fleetwise.schemas import Ack, Command
 from fleetwise.schemas import topics as T
 from fleetwise.training import elastic
@@ -62,12 +63,7 @@ def scaled_shares(base: Sequence[int], factors: Mapping[str, float] | Mapping[in
     total = sum(base) if total is None else int(total)
     if sum(weights) <= 0:
         raise ValueError(f"speed_factors: no rank left with a positive share (base {list(base)})")
-    exact = [w * total / sum(weights) for w in weights]
-    out = [int(x) for x in exact]
-    order = sorted(range(len(out)), key=lambda i: (-(exact[i] - out[i]), i))
-    for i in order[: total - sum(out)]:
-        out[i] += 1
-    return out
+    return proportional_shares(weights, total)
 
 
 def _even(total: int, world: int) -> list[int]:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from fleetwise.planner.shares import proportional_shares
+
 __all__ = [
     "MicrobatchMap",
     "ShareSampler",
@@ -58,18 +60,6 @@ def _check_shares(shares: Sequence[int] | Mapping[Any, int], field: str = "share
     if sum(out) == 0:
         raise ValueError(f"{field} sum to 0; a global batch needs at least one sample")
     return out
-
-
-def _split_remainder(total: int, shares: list[int]) -> list[int]:
-    """Split a short final batch of `total` samples in proportion to `shares` (largest remainder)."""
-    full = sum(shares)
-    exact = [total * s / full for s in shares]
-    base = [int(x) for x in exact]
-    left = total - sum(base)
-    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - base[i]), i))
-    for i in order[:left]:
-        base[i] += 1
-    return base
 
 
 class ShareSampler:
@@ -194,7 +184,7 @@ class ShareSampler:
         left = self.num_samples - self.offset(step)
         if left >= sum(shares):
             return list(shares)
-        return _split_remainder(left, shares)
+        return proportional_shares(shares, left)  # the short last batch, by the same shares
 
     def global_samples(self, step: int | None = None) -> int:
         """Samples in the global batch at `step` (default: the current position)."""
