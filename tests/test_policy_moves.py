@@ -104,7 +104,8 @@ def test_a_much_cheaper_placement_migrates_in_three_acked_phases():
                                           ["llm"] * 8, list(range(8)))
     snap = [c for c in out if isinstance(c, Command) and c.type == "migrate"]
     assert [c.params["phase"] for c in snap] == ["snapshot"]
-    assert {tuple(d) for d in snap[0].params["destination"]} == {("m0", g) for g in range(8)}
+    dest = snap[0].params["destination"]
+    assert {tuple(d) for d in dest["gpus"]} == {("m0", g) for g in range(8)} and dest["nodes"] == ["m0"]
     done = Ack(command_id=snap[0].id, ts=T0 + 2000, job="llm", by="training-plugin", status="done")
     transfer = [c for c in policy.process([done]) if isinstance(c, Command)]
     assert [c.params["phase"] for c in transfer] == ["transfer"] and transfer[0].requires == [snap[0].id]

@@ -574,9 +574,12 @@ class ActionPolicy:
             move = migration_for(plan, list(self.inventory.values()), gone, pol.min_saving, pol.remaining_s)
             if move is None:
                 continue
-            dest = [list(k) for k in move.destination]
+            gpus = [list(k) for k in move.destination]
+            # The destination as the KAI consumer reads it (docs/kube.md): GPUs, site and type.
+            dest = {"gpus": gpus, "site": move.site, "gpu_type": move.gpu_type,
+                    "nodes": sorted({node for node, _ in move.destination})}
             saving = 1 - move.best_total / move.current_total
-            why = (f"placement cost {move.best_total:.3f} on {len(dest)} {move.gpu_type} at {move.site} vs "
+            why = (f"placement cost {move.best_total:.3f} on {len(gpus)} {move.gpu_type} at {move.site} vs "
                    f"{move.current_total:.3f} where {name} runs ({saving:.0%} "
                    f"cheaper, >= {pol.min_saving:.0%}); transfer {move.transfer_s:.0f} s")
             base = {"job": name, "ts": now, "evidence": [], "reason": why}
