@@ -288,8 +288,8 @@ def test_trace_text_is_refused_unless_every_line_is_one_sample_or_step_the_fast_
         "gpu 1024": text(line(gpu=1024)),
         "no model": text(json.dumps({k: v for k, v in GOOD.items() if k != "model"}).encode()),
         "empty model": text(line(model="")),
-        "rfc3339 ts": text(line(ts="2025-12-01T00:00:00Z")),
-        "string metric": text(line(metrics={"DCGM_FI_DEV_GPU_TEMP": "61"})),
+        "rfc3339 ts, no offset": text(line(ts="2025-12-01T00:00:00")),
+        "non-numeric string metric": text(line(metrics={"DCGM_FI_DEV_GPU_TEMP": "hot"})),
         "node batch": text(json.dumps({"ts": 1.0, "node": "n1", "samples": [GOOD]}).encode()),
         "inventory": text(json.dumps({"ts": 1.0, "node": "n1", "gpus": []}).encode()),
         "not json": text(b"{not json"),
@@ -302,6 +302,13 @@ def test_trace_text_is_refused_unless_every_line_is_one_sample_or_step_the_fast_
     }
     for name, raw in refused.items():
         assert SAMPLE_DECODER.trace_lines(raw) is None, name
+    # What the records accept and the C splitter reads as they do (issue 16 item 5): RFC 3339
+    # times and metrics written as numeric strings.
+    rfc, stringly = (SAMPLE_DECODER.trace_lines(text(raw)) for raw in (
+        line(ts="2025-12-01T00:00:00.25+01:00"), line(metrics={"DCGM_FI_DEV_GPU_TEMP": "61.5"})))
+    assert rfc.samples.ts[-1] == GpuSample.model_validate_json(line(ts="2025-12-01T00:00:00.25+01:00")).ts
+    temp = SAMPLE_DECODER.metric_fields.index("DCGM_FI_DEV_GPU_TEMP")
+    assert stringly.samples.metrics[-1, temp] == 61.5
     # Through the control plane, an unknown GPU model refuses the text too (the line path
     # dead-letters that line and keeps the others).
     control = ControlPlane(FEATURES_ONLY)

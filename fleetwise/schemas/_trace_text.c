@@ -1,22 +1,36 @@
 /* Splits a block of replay lines (GPU samples and training steps, one JSON object per line)
  * into sample columns and step records, in one pass over the text.
  *
- * The replay's hot path in front of msgspec (`SampleDecoder.trace_lines` in fast.py): it reads
- * only the plain shape the simulator and the agent write (ASCII strings without escapes, flat
- * values) and returns None for anything else, which then takes the msgspec path. What it
- * accepts it decodes to the values msgspec would give, one rule per field as `TraceLine`
- * (tests/test_trace_text.py compares the two on real and mutated lines):
+ * The replay's hot path in front of msgspec (`SampleDecoder.trace_lines` in fast.py). It reads
+ * the line shapes writers use, not only the simulator's (issue 16 item 5), and returns None for
+ * anything else, which then takes the msgspec path (and the pydantic records, which name the
+ * problem). What it accepts it decodes to the values msgspec would give, one rule per field as
+ * `TraceLine`, or, where only the records read a line (RFC 3339 times, numeric strings), to the
+ * values the records give (tests/test_trace_text.py compares them on real, generated and mutated
+ * lines). Taken in C:
  *
- * - a line that has a top-level "metrics" key is a GPU sample: ts a finite number, node a
- *   non-empty string, gpu an integer 0..1023, model a non-empty string, rack/site/job a string
- *   or null, rank an integer >= 0 or null, metrics an object whose keys named in `fields` hold
- *   an int64 integer, a finite number or null (NaN) and whose other keys hold any flat value;
- *   a step's fields on a sample line, a key twice, a nested value anywhere: refused;
+ * - keys in any order (top level and in metrics; the metric keys of the line before are tried
+ *   first at each place, so a writer's own order costs one memcmp a key), JSON whitespace
+ *   around any token, one "\r" before the newline;
+ * - optional fields in or out: rack/site/job a string or null, rank an integer >= 0 or null,
+ *   uuid and any other key not read holding any value, nested objects and arrays included
+ *   (their grammar checked, up to MAX_DEPTH deep, then skipped);
+ * - strings of ASCII with JSON's escapes (\" \\ \/ \b \f \n \r \t \uXXXX, surrogate pairs),
+ *   keys included; read strings are decoded (UTF-8 from the escapes); a lone surrogate, an
+ *   unknown escape, a control character, a raw byte >= 0x80 or an escaped key (or RFC 3339
+ *   time) over MAX_ESCAPED bytes: refused;
+ * - ts a finite number or an RFC 3339 string, YYYY-MM-DD(T|t| )HH:MM:SS[.digits](Z|z|+-HH:MM),
+ *   read as `_parse_ts` reads it (`rfc3339`); other spellings Python parses: refused;
+ * - a line that has a top-level "metrics" key is a GPU sample: node a non-empty string, gpu an
+ *   integer 0..1023, model a non-empty string, metrics an object whose keys named in `fields`
+ *   hold an int64 integer, a finite number, null (NaN) or a string of a JSON number (read as
+ *   the records read it, `numeric_string`), and whose other keys hold any flat value; a step's
+ *   fields on a sample line, a read key twice, a nested value in metrics or where a field is
+ *   read: refused;
  * - any other line is a training step, checked by `TraceLine`'s rules for a step and those
  *   `_trace_steps_ok` adds (see `step_record`), and returned as a `TraceStep` record;
- * - strings: ASCII without escapes or control characters (else refused);
- * - every line starts with "{" and ends with "}" (one "\r" before the newline aside), as the
- *   msgspec path's check; a blank line is refused.
+ * - every line starts with "{" and ends with "}", as the msgspec path's check; a blank line is
+ *   refused. A node batch (a "samples" list) is refused: the line path reads it.
  *
  * Numbers: JSON's grammar is checked here; integers are read exactly (beyond int64: refused
  * where the value is read, skipped where it is not); other numbers are correctly rounded:
@@ -33,6 +47,7 @@ enum { T_STR = 1, T_INT, T_BIGINT, T_FLOAT, T_NULL, T_TRUE, T_FALSE, T_NESTED };
 
 typedef struct {
     int type;
+    int esc; /* T_STR: has escapes (its text is JSON's, `unescape` gives the value) */
     const char *p; /* string contents (without quotes) or number text */
     Py_ssize_t n;
     int64_t i; /* T_INT */
@@ -55,6 +70,8 @@ typedef struct {
     PyObject *str; /* borrowed from the intern dict */
 } StringSlot;
 
+#define MAX_DEPTH 32 /* nesting of an unread value; deeper: refused */
+#define MAX_ESCAPED 1024 /* bytes of a key or a read string with escapes; longer: refused */
 #define MAX_EXPECTED 128 /* metric keys remembered by their place in the object */
 
 /* The metric key seen at a place in the last sample's metrics object: samples of one writer
@@ -93,30 +110,116 @@ static inline unsigned special16(const char *p) {
 }
 #endif
 
-/* A string without escapes, of ASCII without control characters; NULL when it is anything else. */
+static inline int hex_digit(char ch) {
+    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
+}
+
+/* The code unit of the 4 hex digits at p; -1 when they are not. */
+static inline int hex4(const char *p) {
+    int a = hex_digit(p[0]), b = hex_digit(p[1]), c = hex_digit(p[2]), d = hex_digit(p[3]);
+    return (a | b | c | d) < 0 ? -1 : a << 12 | b << 8 | c << 4 | d;
+}
+
+/* The length of the escape at p (a backslash) when it is one JSON has and decodes to a Unicode
+ * scalar value: \" \\ \/ \b \f \n \r \t, \uXXXX other than a surrogate, or a high and a low
+ * surrogate's \uXXXX\uXXXX; 0 for anything else (a lone surrogate included: refused). */
+static inline int escape_length(const char *p, const char *end) {
+    if (end - p < 2) return 0;
+    switch (p[1]) {
+    case '"': case '\\': case '/': case 'b': case 'f': case 'n': case 'r': case 't': return 2;
+    case 'u': break;
+    default: return 0;
+    }
+    int unit = end - p >= 6 ? hex4(p + 2) : -1;
+    if (unit < 0 || (unit >= 0xDC00 && unit <= 0xDFFF)) return 0;
+    if (unit < 0xD800 || unit > 0xDBFF) return 6;
+    int low = end - p >= 12 && p[6] == '\\' && p[7] == 'u' ? hex4(p + 8) : -1;
+    return low >= 0xDC00 && low <= 0xDFFF ? 12 : 0;
+}
+
+/* A string of ASCII without control characters, with or without escapes (`escape_length`); NULL
+ * when it is anything else (raw bytes >= 0x80 included). */
 static inline const char *parse_string(const char *p, const char *end, Tok *t) {
     const char *start = ++p; /* past the opening quote */
+    int esc = 0;
+    for (;;) {
 #if defined(__SSE2__)
-    while (end - p >= 16) {
-        unsigned hits = special16(p);
-        if (hits) {
-            p += __builtin_ctz(hits);
-            break; /* the byte loop decides on it */
+        while (end - p >= 16) {
+            unsigned hits = special16(p);
+            if (hits) {
+                p += __builtin_ctz(hits);
+                break; /* decided on below */
+            }
+            p += 16;
         }
-        p += 16;
-    }
 #endif
-    for (; p < end; p++) {
+        if (p >= end) return NULL;
         unsigned char c = (unsigned char)*p;
         if (c == '"') {
             t->type = T_STR;
+            t->esc = esc;
             t->p = start;
             t->n = p - start;
             return p + 1;
         }
-        if (c < 0x20 || c >= 0x80 || c == '\\') return NULL;
+        if (c == '\\') {
+            int n = escape_length(p, end);
+            if (n == 0) return NULL;
+            p += n;
+            esc = 1;
+            continue;
+        }
+        if (c < 0x20 || c >= 0x80) return NULL;
+        p++;
     }
-    return NULL;
+}
+
+/* The value of a string token with escapes (checked by `parse_string`), as UTF-8, into buf (at
+ * least t->n bytes: no escape is shorter than what it stands for); returns its length. */
+static Py_ssize_t unescape(const Tok *t, char *buf) {
+    const char *p = t->p, *end = t->p + t->n;
+    char *o = buf;
+    while (p < end) {
+        if (*p != '\\') {
+            *o++ = *p++;
+            continue;
+        }
+        char e = p[1];
+        p += 2;
+        switch (e) {
+        case 'b': *o++ = '\b'; break;
+        case 'f': *o++ = '\f'; break;
+        case 'n': *o++ = '\n'; break;
+        case 'r': *o++ = '\r'; break;
+        case 't': *o++ = '\t'; break;
+        case 'u': {
+            unsigned cp = (unsigned)hex4(p);
+            p += 4;
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                cp = 0x10000 + ((cp - 0xD800) << 10) + ((unsigned)hex4(p + 2) - 0xDC00);
+                p += 6;
+            }
+            if (cp < 0x80) {
+                *o++ = (char)cp;
+            } else if (cp < 0x800) {
+                *o++ = (char)(0xC0 | cp >> 6);
+                *o++ = (char)(0x80 | (cp & 0x3F));
+            } else if (cp < 0x10000) {
+                *o++ = (char)(0xE0 | cp >> 12);
+                *o++ = (char)(0x80 | (cp >> 6 & 0x3F));
+                *o++ = (char)(0x80 | (cp & 0x3F));
+            } else {
+                *o++ = (char)(0xF0 | cp >> 18);
+                *o++ = (char)(0x80 | (cp >> 12 & 0x3F));
+                *o++ = (char)(0x80 | (cp >> 6 & 0x3F));
+                *o++ = (char)(0x80 | (cp & 0x3F));
+            }
+            break;
+        }
+        default: *o++ = e; /* " \ / */
+        }
+    }
+    return o - buf;
 }
 
 /* A number as JSON's grammar has it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
@@ -174,7 +277,8 @@ static inline const char *parse_literal(const char *p, const char *end, const ch
     return p + n;
 }
 
-/* A flat value; a nested one is reported as T_NESTED (not parsed: callers refuse it). */
+/* A flat value; a nested one is reported as T_NESTED at its bracket (not parsed: callers refuse
+ * it or `skip_nested` it). */
 static inline const char *parse_value(const char *p, const char *end, Tok *t) {
     if (p >= end) return NULL;
     switch (*p) {
@@ -189,6 +293,32 @@ static inline const char *parse_value(const char *p, const char *end, Tok *t) {
 }
 
 static inline int finite_number(const Tok *t, double *out);
+
+/* The nested value (object or array) at p, its grammar checked, skipped; NULL when refused
+ * (malformed, a string `parse_string` refuses, deeper than MAX_DEPTH). */
+static const char *skip_nested(const char *p, const char *end, int depth) {
+    if (depth > MAX_DEPTH) return NULL;
+    const int object = *p == '{';
+    const char close = object ? '}' : ']';
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == close) return p + 1;
+    for (;;) {
+        Tok t;
+        if (object) {
+            if (p >= end || *p != '"' || (p = parse_string(p, end, &t)) == NULL) return NULL;
+            p = skip_ws(p, end);
+            if (p >= end || *p != ':') return NULL;
+            p = skip_ws(p + 1, end);
+        }
+        if ((p = parse_value(p, end, &t)) == NULL) return NULL;
+        if (t.type == T_NESTED && (p = skip_nested(p, end, depth + 1)) == NULL) return NULL;
+        p = skip_ws(p, end);
+        if (p >= end) return NULL;
+        if (*p == close) return p + 1;
+        if (*p != ',') return NULL;
+        p = skip_ws(p + 1, end);
+    }
+}
 
 /* A float field's value (JSON integers beyond 2**53, which msgspec may round otherwise, refused). */
 static inline int float_field(const Tok *t, double *out) {
@@ -258,6 +388,91 @@ static inline int finite_number(const Tok *t, double *out) {
     return 1;
 }
 
+/* A metric given as a string of a JSON number ("61", as exporters that write every value as text
+ * do): the double pydantic's lax float gives for it, the text read as a float ("-0" is -0.0); 0
+ * for any other string (escapes, spaces, "NaN", "1_0", ...: the pydantic path decides). */
+static inline int numeric_string(const Tok *t, double *out) {
+    Tok number;
+    if (t->esc || t->n == 0 || parse_number(t->p, t->p + t->n, &number) != t->p + t->n) return 0;
+    number.type = T_FLOAT; /* "7" too: read as float(text) is, not as an int */
+    return finite_number(&number, out);
+}
+
+static inline int is_digits(const char *p, int n) {
+    for (int k = 0; k < n; k++)
+        if (p[k] < '0' || p[k] > '9') return 0;
+    return 1;
+}
+
+static inline int digits_value(const char *p, int n) {
+    int v = 0;
+    for (int k = 0; k < n; k++) v = v * 10 + (p[k] - '0');
+    return v;
+}
+
+/* Days from 1970-01-01 to a proleptic Gregorian date (H. Hinnant's days_from_civil). */
+static inline int64_t days_from_civil(int64_t y, int m, int d) {
+    y -= m <= 2;
+    const int64_t era = (y >= 0 ? y : y - 399) / 400;
+    const int64_t yoe = y - era * 400;
+    const int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    const int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+
+/* An RFC 3339 date-time, YYYY-MM-DD(T|t| )HH:MM:SS[.digits](Z|z|+HH:MM|-HH:MM), as the Unix
+ * seconds `_parse_ts` gives (`datetime.fromisoformat(...).timestamp()`: microseconds, further
+ * digits cut off, over 10**6, correctly rounded). 0 for anything else, an invalid date, a leap
+ * second or a time beyond 2**53 microseconds from the epoch (the pydantic path decides those). */
+static int rfc3339(const char *p, Py_ssize_t n, double *out) {
+    static const int month_days[12] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    if (n < 20 || !is_digits(p, 4) || p[4] != '-' || !is_digits(p + 5, 2) || p[7] != '-' || !is_digits(p + 8, 2)
+        || (p[10] != 'T' && p[10] != 't' && p[10] != ' ') || !is_digits(p + 11, 2) || p[13] != ':'
+        || !is_digits(p + 14, 2) || p[16] != ':' || !is_digits(p + 17, 2))
+        return 0;
+    int year = digits_value(p, 4), month = digits_value(p + 5, 2), day = digits_value(p + 8, 2);
+    int hour = digits_value(p + 11, 2), minute = digits_value(p + 14, 2), second = digits_value(p + 17, 2);
+    int leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    if (year < 1 || month < 1 || month > 12 || day < 1 || day > month_days[month - 1] + (month == 2 && leap)
+        || hour > 23 || minute > 59 || second > 59)
+        return 0;
+    Py_ssize_t i = 19;
+    int64_t micro = 0;
+    if (p[i] == '.') {
+        int digits = 0;
+        for (i++; i < n && p[i] >= '0' && p[i] <= '9'; i++, digits++)
+            if (digits < 6) micro = micro * 10 + (p[i] - '0');
+        if (digits == 0) return 0;
+        for (; digits < 6; digits++) micro *= 10;
+    }
+    int64_t offset = 0;
+    if (i < n && (p[i] == 'Z' || p[i] == 'z')) {
+        i++;
+    } else if (n - i == 6 && (p[i] == '+' || p[i] == '-') && is_digits(p + i + 1, 2) && p[i + 3] == ':'
+               && is_digits(p + i + 4, 2)) {
+        int hours = digits_value(p + i + 1, 2), minutes = digits_value(p + i + 4, 2);
+        if (hours > 23 || minutes > 59) return 0;
+        offset = (p[i] == '-' ? -1 : 1) * (hours * 3600 + minutes * 60);
+        i += 6;
+    } else {
+        return 0;
+    }
+    if (i != n) return 0;
+    int64_t seconds = days_from_civil(year, month, day) * 86400 + hour * 3600 + minute * 60 + second - offset;
+    int64_t total = seconds * 1000000 + micro;
+    if (total > (1ll << 53) || total < -(1ll << 53)) return 0;
+    *out = (double)total / 1e6; /* both exact: one correctly rounded division, as Python's int / int */
+    return 1;
+}
+
+/* A `ts` value: a number (`float_field`) or an RFC 3339 string (`rfc3339`), as Unix seconds. */
+static inline int ts_field(const Tok *t, double *out) {
+    if (t->type != T_STR) return float_field(t, out);
+    if (!t->esc) return rfc3339(t->p, t->n, out);
+    char buf[MAX_ESCAPED];
+    return t->n <= MAX_ESCAPED && rfc3339(buf, unescape(t, buf), out);
+}
+
 static inline uint64_t key_hash(const char *p, Py_ssize_t n) {
     /* DCGM names share their prefix: hash the length and the last 8 bytes. */
     uint64_t tail = 0;
@@ -276,8 +491,11 @@ static inline int field_index(const Ctx *c, const char *p, Py_ssize_t n) {
     }
 }
 
-/* The shared str for these bytes (new reference), through this call's table, then the dict. */
-static PyObject *shared_string(Ctx *c, const char *p, Py_ssize_t n) {
+/* The shared str of a string token (new reference), through this call's table (by the token's
+ * bytes: the same escaped text, the same value), then the dict. */
+static PyObject *shared_string(Ctx *c, const Tok *t) {
+    const char *p = t->p;
+    Py_ssize_t n = t->n;
     uint64_t h = 1469598103934665603ull;
     for (Py_ssize_t k = 0; k < n; k++) h = (h ^ (unsigned char)p[k]) * 1099511628211ull;
     unsigned slot = (unsigned)(h >> 40) & (STRING_SLOTS - 1);
@@ -290,7 +508,15 @@ static PyObject *shared_string(Ctx *c, const char *p, Py_ssize_t n) {
         }
         slot = (slot + 1) & (STRING_SLOTS - 1);
     }
-    PyObject *fresh = PyUnicode_DecodeASCII(p, n, NULL);
+    PyObject *fresh;
+    if (t->esc) {
+        char stack[256], *buf = n <= (Py_ssize_t)sizeof(stack) ? stack : PyMem_Malloc((size_t)n);
+        if (buf == NULL) return PyErr_NoMemory();
+        fresh = PyUnicode_DecodeUTF8(buf, unescape(t, buf), NULL);
+        if (buf != stack) PyMem_Free(buf);
+    } else {
+        fresh = PyUnicode_DecodeASCII(p, n, NULL);
+    }
     if (fresh == NULL) return NULL;
     PyObject *shared = PyDict_SetDefault(c->intern, fresh, fresh); /* borrowed */
     Py_DECREF(fresh);
@@ -346,8 +572,14 @@ static const char *parse_metrics(Ctx *c, const char *p, const char *end, double 
             p += e->n + 2;
         } else {
             if ((p = parse_string(p, end, &key)) == NULL) return NULL;
-            k = field_index(c, key.p, key.n);
-            if (e) *e = (ExpectedKey){key.p, key.n, k};
+            if (key.esc) { /* looked up by its value, not remembered */
+                char buf[MAX_ESCAPED];
+                if (key.n > MAX_ESCAPED) return NULL;
+                k = field_index(c, buf, unescape(&key, buf));
+            } else {
+                k = field_index(c, key.p, key.n);
+                if (e) *e = (ExpectedKey){key.p, key.n, k};
+            }
         }
         p = skip_ws(p, end);
         if (p >= end || *p != ':') return NULL;
@@ -357,7 +589,8 @@ static const char *parse_metrics(Ctx *c, const char *p, const char *end, double 
             if (seen & (1ull << k)) return NULL;
             seen |= 1ull << k;
             if (value.type == T_NULL) row[k] = NAN;
-            else if (!finite_number(&value, &row[k])) return NULL;
+            else if (value.type == T_STR ? !numeric_string(&value, &row[k]) : !finite_number(&value, &row[k]))
+                return NULL;
         }
         p = skip_ws(p, end);
         if (p >= end) return NULL;
@@ -381,7 +614,7 @@ static inline int string_or_null(const Tok *t, int present) {
  * Python error). */
 static PyObject *optional_string(Ctx *c, const Tok *t, int present) {
     if (!present || t->type == T_NULL) Py_RETURN_NONE;
-    return shared_string(c, t->p, t->n);
+    return shared_string(c, t);
 }
 
 static int append_new(PyObject *list, PyObject *item) {
@@ -395,16 +628,16 @@ static int append_new(PyObject *list, PyObject *item) {
 static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Columns *out) {
 #define HAS(k) (seen & (1u << (k)))
     if ((seen & STEP_FIELDS) || !HAS(K_TS) || !HAS(K_NODE) || !HAS(K_GPU) || !HAS(K_MODEL)) return 0;
-    if (!float_field(&keys[K_TS], ts)) return 0;
+    if (!ts_field(&keys[K_TS], ts)) return 0;
     if (keys[K_NODE].type != T_STR || keys[K_NODE].n == 0) return 0;
     if (keys[K_MODEL].type != T_STR || keys[K_MODEL].n == 0) return 0;
     if (keys[K_GPU].type != T_INT || keys[K_GPU].i < 0 || keys[K_GPU].i > 1023) return 0;
     if (HAS(K_RANK) && keys[K_RANK].type != T_NULL && !count_field(&keys[K_RANK])) return 0;
     for (int k = K_RACK; k <= K_JOB; k++)
         if (!string_or_null(&keys[k], HAS(k))) return 0;
-    if (append_new(out->node, shared_string(c, keys[K_NODE].p, keys[K_NODE].n)) < 0) return -1;
+    if (append_new(out->node, shared_string(c, &keys[K_NODE])) < 0) return -1;
     if (append_new(out->gpu, PyLong_FromLongLong(keys[K_GPU].i)) < 0) return -1;
-    if (append_new(out->model, shared_string(c, keys[K_MODEL].p, keys[K_MODEL].n)) < 0) return -1;
+    if (append_new(out->model, shared_string(c, &keys[K_MODEL])) < 0) return -1;
     if (append_new(out->rack, optional_string(c, &keys[K_RACK], HAS(K_RACK))) < 0) return -1;
     if (append_new(out->site, optional_string(c, &keys[K_SITE], HAS(K_SITE))) < 0) return -1;
     if (append_new(out->job, optional_string(c, &keys[K_JOB], HAS(K_JOB))) < 0) return -1;
@@ -442,7 +675,7 @@ static PyObject *step_record(Ctx *c, const Tok *keys, unsigned seen) {
                               | (1u << K_STEP) | (1u << K_STEP_TIME) | (1u << K_COMPUTE);
     double ts, step_time, compute;
     if ((seen & required) != required) Py_RETURN_NONE;
-    if (!float_field(&keys[K_TS], &ts) || !float_field(&keys[K_STEP_TIME], &step_time)
+    if (!ts_field(&keys[K_TS], &ts) || !float_field(&keys[K_STEP_TIME], &step_time)
         || !float_field(&keys[K_COMPUTE], &compute) || !(step_time > 0) || !(compute >= 0)
         || !(compute <= step_time * 1.5))
         Py_RETURN_NONE;
@@ -458,9 +691,9 @@ static PyObject *step_record(Ctx *c, const Tok *keys, unsigned seen) {
     if (rec == NULL) return NULL;
     PyObject *items[11] = {
         PyFloat_FromDouble(ts),
-        shared_string(c, keys[K_JOB].p, keys[K_JOB].n),
+        shared_string(c, &keys[K_JOB]),
         PyLong_FromLongLong(keys[K_RANK].i),
-        shared_string(c, keys[K_NODE].p, keys[K_NODE].n),
+        shared_string(c, &keys[K_NODE]),
         PyLong_FromLongLong(keys[K_GPU].i),
         PyLong_FromLongLong(keys[K_STEP].i),
         PyFloat_FromDouble(step_time),
@@ -499,13 +732,24 @@ static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double
             p = skip_ws(p, end);
             if (p >= end || *p != ':') return -2;
             p = skip_ws(p + 1, end);
-            int k = top_key(key.p, key.n);
+            int k;
+            if (key.esc) {
+                char buf[MAX_ESCAPED];
+                if (key.n > MAX_ESCAPED) return -2;
+                k = top_key(buf, unescape(&key, buf));
+            } else {
+                k = top_key(key.p, key.n);
+            }
             if (k != K_OTHER && (seen & (1u << k))) return -2;
             if (k == K_METRICS) {
                 if (p >= end || *p != '{' || (p = parse_metrics(c, p, end, row)) == NULL) return -2;
             } else {
-                if ((p = parse_value(p, end, &value)) == NULL || value.type == T_NESTED) return -2;
-                if (k >= 0) keys[k] = value;
+                if ((p = parse_value(p, end, &value)) == NULL) return -2;
+                if (value.type != T_NESTED) {
+                    if (k >= 0) keys[k] = value;
+                } else if (k != K_OTHER || (p = skip_nested(p, end, 1)) == NULL) {
+                    return -2; /* a nested value where a field is read: the msgspec path names it */
+                }
             }
             if (k >= 0) seen |= 1u << k;
             p = skip_ws(p, end);

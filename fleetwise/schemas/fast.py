@@ -5,13 +5,16 @@ this is the hot path in front of them (msgspec: JSON parsed and type-checked in 
 per sample, all lines of a chunk in one call). It accepts a subset of what the records
 accept and never a record they would reject for a field it reads, so callers use it first
 and hand anything it refuses to the pydantic path, which accepts or dead-letters with the
-exact reason. A replay's text blocks in the plain shape the simulator and the agent write
-are split in C first (`_trace_text.c`: sample columns and step records, the same values),
-anything else in msgspec. Differences from the records, by design:
+exact reason. A replay's text blocks are split in C first (`_trace_text.c`: sample columns and
+step records, the same values; it takes the line shapes writers use: any key order and
+whitespace, optional fields in or out, escapes, nested extra keys, RFC 3339 times, metrics as
+numeric strings), anything it leaves in msgspec. Differences from the records, by design:
 
-- `ts` must be a JSON number here (RFC 3339 strings take the pydantic path);
-- numbers must have their JSON type (`"gpu": 3.0` or `"52"` as a metric take the pydantic
-  path, which coerces them);
+- `ts` must be a JSON number on the msgspec paths (RFC 3339 strings take the pydantic path
+  there; the C splitter reads them as the records do);
+- numbers must have their JSON type (`"gpu": 3.0` takes the pydantic path, which coerces
+  it; so does `"52"` as a metric, except in the C splitter, which reads a string holding a
+  JSON number as the records do);
 - only the metrics a decoder is built for are read and checked; other metrics are skipped
   unread (their values feed nothing downstream).
 """
@@ -156,16 +159,18 @@ class SampleDecoder:
 
         None when the fast path refuses the text: a line that does not start with "{" or end
         with "}", one that is neither a sample (has "metrics") nor a step (has "step_time_s"),
-        or one the sample or step fast path (`samples`, `training_steps`) would refuse. So
-        what it accepts it decodes to the same values as those, one record per line."""
+        or one the sample or step fast path (`samples`, `training_steps`) would refuse, but
+        for RFC 3339 times and numeric-string metrics, which the C splitter reads as the
+        records do. So what it accepts it decodes to the same values as those paths (or the
+        records), one record per line."""
         if not text:
             return TraceBlock(self.columns([]), [], [])
         return self._plain_trace_lines(text) or self._any_trace_lines(text)
 
     def _plain_trace_lines(self, text: bytes) -> TraceBlock | None:
-        """`trace_lines` for text in the plain shape the simulator and the agent write, split in
-        C (`_trace_text.split`: its rules there): ~3x faster than decoding every line with
-        msgspec, the same values (the steps as `TraceStep` records). None for anything else."""
+        """`trace_lines` for text in the line shapes writers use, split in C (`_trace_text.split`:
+        its rules there): ~3x faster than decoding every line with msgspec, the same values (the
+        steps as `TraceStep` records). None for anything else."""
         strings = self._strings
         if len(strings) > _MAX_INTERNED:
             strings.clear()
