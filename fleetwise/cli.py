@@ -1143,64 +1143,64 @@ def _demo_actions(runtime: Any, decisions: list, plan: Any, inventories: list, t
 
     # 9. Consolidation at low load: the quietest hour of the trace.
     console.rule("[bold]9. Consolidation at low load")
-    _demo_consolidation(trace, in_service, when)
+    _demo_consolidation(trace, in_service, when, policy.config)
 
 
-def _demo_consolidation(trace: Path, inventories: list, when: Any) -> None:
-    """Plan a consolidation over the trace's quietest hour (jobs and utilisation from the samples)."""
-    from fleetwise.actuators.consolidation import (
-        ConsolidationConfig,
-        FleetSnapshot,
-        JobState,
-        UtilSample,
-        nodes_from_inventory,
-        plan_consolidation,
-    )
+def _demo_consolidation(trace: Path, inventories: list, when: Any, config: Any) -> None:
+    """Plan a consolidation over the trace's quietest hour, as the policy would at its end:
+    the same utilisation window, snapshot and thresholds (`config`: the policy's settings)."""
+    import numpy as np
 
-    samples: list[UtilSample] = []
-    for obj in _iter_jsonl(trace):
-        util = obj.get("metrics", {}).get("DCGM_FI_DEV_GPU_UTIL")
-        if util is None:
-            continue
-        samples.append(UtilSample(ts=float(obj["ts"]), node=obj["node"], gpu=int(obj["gpu"]),
-                                  util=util / 100))
-    if not samples:
+    from fleetwise.actuators.consolidation import ConsolidationConfig, ConsolidationError, plan_consolidation
+    from fleetwise.actuators.moves import UtilisationWindow, consolidation_snapshot
+
+    rows = [(float(o["ts"]), o["node"], int(o["gpu"]), float(o["metrics"]["DCGM_FI_DEV_GPU_UTIL"]),
+             o.get("job"), o.get("rank"))
+            for o in _iter_jsonl(trace) if o.get("metrics", {}).get("DCGM_FI_DEV_GPU_UTIL") is not None]
+    if not rows:
         console.print("no utilisation samples in the trace")
         return
-    hour = 3600.0
-    start = min(s.ts for s in samples)
+    cons = config.consolidate
+    hour = cons.sustained_s
+    start = min(r[0] for r in rows)
     by_hour: dict[int, list[float]] = {}
-    for s in samples:
-        by_hour.setdefault(int((s.ts - start) // hour), []).append(s.util)
-    jobs_by_hour: dict[int, dict[str, dict[int, tuple[str, int]]]] = {}
-    for obj in _iter_jsonl(trace):  # who runs where at the end of each hour
-        h, into = divmod(float(obj["ts"]) - start, hour)
-        if "metrics" in obj and obj.get("job") and into >= hour - 120:
-            jobs_by_hour.setdefault(int(h), {}).setdefault(obj["job"], {})[int(obj.get("rank") or 0)] = (
-                obj["node"], int(obj["gpu"]))
+    jobs_by_hour: dict[int, set[str]] = {}
+    for ts, _node, _gpu, util, job, _rank in rows:
+        h = int((ts - start) // hour)
+        by_hour.setdefault(h, []).append(util)
+        if job:
+            jobs_by_hour.setdefault(h, set()).add(job)
     # The quietest full hour in which at least two jobs ran (there is something to pack).
-    busy = [h for h in by_hour if h > 0 and len(jobs_by_hour.get(h, {})) >= 2] or [max(by_hour)]
+    busy = [h for h in by_hour if h > 0 and len(jobs_by_hour.get(h, ())) >= 2] or [max(by_hour)]
     quiet = min(busy, key=lambda h: sum(by_hour[h]) / len(by_hour[h]))
     end = start + (quiet + 1) * hour
-    window = [s for s in samples if end - hour <= s.ts < end]
-    placed = jobs_by_hour.get(quiet, {})
-    nodes, budgets = nodes_from_inventory(inventories)
-    serving = {(n.node, g) for n in nodes for g in n.gpus}
-    # A job that lost a GPU to a drain runs on the rest (its resize).
-    jobs = tuple(JobState(job=j, gpus=tuple(g for _, g in sorted(r.items()) if g in serving))
-                 for j, r in sorted(placed.items()) if set(r.values()) & serving)
-    snapshot = FleetSnapshot(ts=end, nodes=nodes, jobs=jobs, rack_power_budget_w=budgets,
-                             samples=tuple(window))
-    mean = sum(s.util for s in window) / len(window)
-    plan = plan_consolidation(snapshot, ConsolidationConfig())
-    console.print(f"hour ending {when(end)}: mean GPU utilisation {mean:.0%}, {len(jobs)} jobs running; "
-                  f"{len(plan.moves)} job moves, {len(plan.hibernate)} nodes to hibernate "
+    window_rows = [r for r in rows if end - hour <= r[0] < end]
+    window = UtilisationWindow(hour)
+    window.observe([(r[1], r[2]) for r in window_rows], np.array([r[0] for r in window_rows]),
+                   np.array([r[3] for r in window_rows]), [r[4] for r in window_rows],
+                   [r[5] for r in window_rows])
+    mean = sum(r[3] for r in window_rows) / len(window_rows) / 100.0
+    snapshot = consolidation_snapshot(window, inventories, end, cons.utilisation_below * 100.0, (), ())
+    if snapshot is None:
+        console.print(f"hour ending {when(end)}: mean GPU utilisation {mean:.0%}; no node stayed below "
+                      f"{cons.utilisation_below:.0%} all hour: nothing to consolidate")
+        return
+    settings = ConsolidationConfig(low_util_threshold=cons.utilisation_below, window_s=hour,
+                                   max_moves=cons.max_moves)
+    try:
+        plan = plan_consolidation(snapshot, settings)
+    except ConsolidationError as exc:
+        console.print(f"consolidation not planned: {exc}")
+        return
+    console.print(f"hour ending {when(end)}: mean GPU utilisation {mean:.0%}, {len(snapshot.jobs)} jobs on "
+                  f"nodes below {cons.utilisation_below:.0%}; {len(plan.moves)} job moves, "
+                  f"{len(plan.hibernate)} nodes to hibernate "
                   f"({plan.active_nodes_before} -> {plan.active_nodes_after} nodes awake)")
     for move in plan.moves[:6]:
         console.print(f"  move {move.job}: {move.reason}", highlight=False)
     sv = plan.savings
     console.print(f"saved: {sv.watts_saved:,.0f} W, {sv.gpu_hours_saved:,.1f} GPU-hours and "
-                  f"{sv.gco2_saved / 1000:,.1f} kg CO2 over {ConsolidationConfig().horizon_h:g} h "
+                  f"{sv.gco2_saved / 1000:,.1f} kg CO2 over {settings.horizon_h:g} h "
                   "(commands need an operator's approval by default: policy consolidate.mode)")
 
 
