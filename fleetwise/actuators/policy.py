@@ -13,6 +13,7 @@ job's resize over its remaining GPUs is sent once the drain is `done`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,13 @@ DISRUPTIVE = frozenset({"drain", "resize", "migrate", "consolidate"})
 # re-raised every hop must not flood the audit topic.
 AUDIT_REPEAT_S = 3600.0
 KEEP_FINISHED_S = 86400.0
+# A job the policy knows only from predictions (where its ranks run: no plan, no command, no
+# rail's clock) and that no prediction named for this long (event time) starts over at its next
+# prediction; the sweep drops such jobs once they are silent for RETIRE_JOB_S plus the margin
+# (so a prediction up to the margin behind the newest one still finds what the sweep left):
+# without it `jobs` grew with every job ever seen on the fleet.
+RETIRE_JOB_S = 86400.0
+RETIRE_SWEEP_MARGIN_S = 3600.0
 
 
 @dataclass
@@ -61,6 +69,13 @@ class JobState:
     last_rebalance_ts: float | None = None
     disruptive_ts: list[float] = field(default_factory=list)
     left: list[GpuKey] = field(default_factory=list)  # GPUs drained out of the job (for resize up)
+    last_ts: float | None = None  # newest prediction naming the job (event time)
+
+    def ranks_only(self) -> bool:
+        """Whether all it holds is where ranks ran (learned from predictions): nothing that a
+        fresh state would decide differently on, apart from the job's size."""
+        return (self.plan is None and not self.shares and not self.slow and self.seq == 0
+                and self.last_rebalance_ts is None and not self.disruptive_ts and not self.left)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,7 +83,7 @@ class JobState:
             "plan": self.plan, "shares": {str(d): s for d, s in sorted(self.shares.items())},
             "slow": {str(d): f for d, f in sorted(self.slow.items())}, "seq": self.seq,
             "last_rebalance_ts": self.last_rebalance_ts, "disruptive_ts": list(self.disruptive_ts),
-            "left": [list(k) for k in self.left],
+            "left": [list(k) for k in self.left], "last_ts": self.last_ts,
         }
 
     @classmethod
@@ -80,6 +95,7 @@ class JobState:
             last_rebalance_ts=d.get("last_rebalance_ts"),
             disruptive_ts=[float(t) for t in d.get("disruptive_ts", [])],
             left=[(k[0], int(k[1])) for k in d.get("left", [])],
+            last_ts=None if d.get("last_ts") is None else float(d["last_ts"]),
         )
 
     def dp_of(self, rank: int) -> int:
@@ -110,9 +126,11 @@ class ActionPolicy:
         self._audited: dict[tuple[str, str], float] = {}
         self.suppressed: dict[str, int] = {}  # rail or reason -> count (metrics)
         self.expired = 0
+        self.retired_jobs = 0  # silent jobs dropped by `_retire_silent_jobs` (metrics)
         cons = self.config.consolidate
         self.utilisation = UtilisationWindow(cons.sustained_s) if cons.mode != "off" else None
         self._next_check: dict[str, float] = {}
+        self._next_retire = float("-inf")  # event time of the next sweep for silent jobs (not state)
 
     # -- processor contract ------------------------------------------------------------------
     def process(self, records: Sequence[Record]) -> list[Record]:
@@ -137,6 +155,8 @@ class ActionPolicy:
                 self._on_plan(record)
             elif isinstance(record, OperatorAction):
                 out.extend(self._on_operator(record))
+        if self.jobs and math.isfinite(self.newest_ts) and self.newest_ts >= self._next_retire:
+            self._retire_silent_jobs(self.newest_ts)
         return out
 
     def flush(self) -> list[Record]:
@@ -247,19 +267,43 @@ class ActionPolicy:
                 node=c.get("node"), gpu=c.get("gpu"), evidence=c.get("evidence", []), once=False))
         return out
 
+    def _retire_silent_jobs(self, now: float) -> None:
+        """Drop the jobs known only from predictions, with no command tracked, that no
+        prediction named for `RETIRE_JOB_S` + `RETIRE_SWEEP_MARGIN_S` before the last point of
+        a fixed event-time grid (every `RETIRE_SWEEP_MARGIN_S`) at or before `now`. Run after a
+        call's records: what it keeps then depends on the event times seen, not on how the
+        records were split into calls (a dropped job's next prediction would start it over)."""
+        grid = math.floor(now / RETIRE_SWEEP_MARGIN_S) * RETIRE_SWEEP_MARGIN_S
+        self._next_retire = grid + RETIRE_SWEEP_MARGIN_S
+        horizon = grid - RETIRE_JOB_S - RETIRE_SWEEP_MARGIN_S
+        with_commands = {p.command.get("job") for p in self.fleet.commands.values()}
+        for name in [n for n, j in self.jobs.items() if j.last_ts is not None and j.last_ts < horizon
+                     and j.ranks_only() and n not in with_commands]:
+            del self.jobs[name]
+            self.retired_jobs += 1
+
     def _stale(self, p: Prediction) -> bool:
         return self.newest_by_type.get(p.type, p.ts) - p.ts > self.config.rails.stale_after_s
 
     # -- failure alerts: checkpoint, then drain, then resize ----------------------------------
     def _on_prediction(self, p: Prediction) -> list[Record]:
         job_name = p.job
+        if job_name is not None:
+            known = self.jobs.get(job_name)
+            if (known is not None and known.last_ts is not None and known.ranks_only()
+                    and p.ts - known.last_ts > RETIRE_JOB_S):
+                self.jobs[job_name] = JobState()  # silent that long: starts over (see the sweep)
         if job_name is not None and p.rank is not None and p.gpu is not None:
             self._job(job_name).ranks[p.rank] = (p.node, p.gpu)
+        out: list[Record] = []
         if p.type == "failure" and p.alert and p.gpu is not None:
-            return self._on_failure(p)
-        if p.type == "straggler" and p.rank is not None and job_name is not None:
-            return self._on_straggler(p, job_name)
-        return []
+            out = self._on_failure(p)
+        elif p.type == "straggler" and p.rank is not None and job_name is not None:
+            out = self._on_straggler(p, job_name)
+        job = self.jobs.get(job_name) if job_name is not None else None
+        if job is not None:
+            job.last_ts = float(p.ts) if job.last_ts is None else max(job.last_ts, float(p.ts))
+        return out
 
     def _job_size(self, job: JobState) -> int:
         if job.plan:

@@ -92,6 +92,9 @@ FETCH_MAX_WAIT_MS = 100
 # original (base64 when binary: 4/3 of it), so a dead letter always fits under it.
 MAX_MESSAGE_BYTES = 512 * 1024
 DEADLETTER_ORIGINAL_BYTES = 64 * 1024
+# Most entries of the output-partition cache (`send_many`): one per (output topic, key), ~2
+# per GPU (features, predictions) plus jobs and nodes; past it the cache starts over (~30 MB).
+KEY_PARTITION_CACHE = 200_000
 ENTRY_MAGIC = b"FWS1"  # table entry: magic, u32 header length, JSON header, binary arrays
 # The same entry zlib-compressed (level 1): the windows' state arrays are mostly zeros and
 # repeats (16x smaller on the Kafka benchmark's fleet, for ~2.5 ms of CPU per MB; sending the
@@ -528,10 +531,10 @@ class StreamProcessor:
         M.WINDOW_STATE_KEYS.set(len(self.control.features.keys()))
         log.warning("state bound %d: evicted %d idle GPUs", self.max_state_keys, len(evicted))
 
-    def _changed_small_keys(self) -> Iterable[str]:
+    def _changed_small_keys(self, live: Iterable[str]) -> Iterable[str]:
         """Keys of small processors (other than the feature windows) whose state changed."""
         per_processor: dict[str, list[str]] = {}
-        for full in self.control.keys():  # noqa: SIM118 - ControlPlane is not a mapping
+        for full in live:
             name = full.partition(":")[0]
             if name != "features" or self.codec is None:
                 per_processor.setdefault(name, []).append(full)
@@ -548,11 +551,29 @@ class StreamProcessor:
         """The partitions a checkpoint round must save: those changed since they were last
         saved, and those of small processors (e.g. the action policy's job state, which a GPU
         sample can change) whose state differs from what was last saved. Sorted."""
-        for full in self._changed_small_keys():
+        live = self.control.keys()
+        for full in self._changed_small_keys(live):
             self._dirty.add(self.place(full.partition(":")[2])[0])
+        self._drop_gone(live)
         # A partition revoked at a rebalance stays dirty: if it comes back with no newer
         # entries from another worker, this worker's memory is still its latest state.
         return sorted(partition for partition in self._dirty if self.owns(partition))
+
+    def _drop_gone(self, live: Sequence[str]) -> None:
+        """Forget the per-key caches (placement, last saved JSON) of keys the processors no
+        longer hold: a job the straggler detector or the policy retired, a GPU evicted. They
+        grew with every job ever seen (~+1 entry per job in each, for the life of the worker).
+        A gone key whose state was saved marks its partition dirty, so the next save leaves it
+        out of the table too (a restore would bring the retired key back otherwise)."""
+        keep = set(live)
+        for full in [f for f in self._small_text if f not in keep]:
+            del self._small_text[full]
+            self._dirty.add(self.place(full.partition(":")[2])[0])
+        for full in [f for f in self._full_place if f not in keep]:
+            del self._full_place[full]
+        inner = {f.partition(":")[2] for f in live}
+        for key in [k for k in self._place if k not in inner]:
+            del self._place[key]
 
     def snapshot(self, partitions: Iterable[int] | None = None) -> Snapshot:
         """Encode the state of every bucket of `partitions` (default: a whole round,
@@ -609,6 +630,8 @@ class StreamProcessor:
                 entries.append((partition, key, value))
         M.WINDOW_STATE_KEYS.set(len(self._place))
         M.WINDOW_STATE_BYTES.set(self._state_bytes)
+        M.POLICY_JOBS.set(len(self.control.policy.jobs))
+        M.POLICY_JOBS_RETIRED.set(self.control.policy.retired_jobs)
         return Snapshot(outputs, entries, dict(self._saved))
 
     async def write(self, snapshot: Snapshot) -> int:
@@ -979,6 +1002,9 @@ def make_app(
         return await app.producer.send(topic, key, value, partition=None, timestamp=None, headers=headers)
 
     partitions: dict[str, list[int]] = {}
+    # (topic, key) -> partition: a cache of murmur2 over output keys. Keys include job names,
+    # so it grew with every job ever seen; emptied when it passes KEY_PARTITION_CACHE entries
+    # (a pure function of the key: emptying it changes no partition).
     key_partition: dict[tuple[str, bytes], int] = {}
 
     async def send_many(topic: str, items: list[tuple[bytes, bytes]],
@@ -992,6 +1018,8 @@ def make_app(
         if parts is None:
             parts = partitions[topic] = sorted(await aio.partitions_for(topic))
         by_partition: dict[int, list[tuple[bytes, bytes]]] = {}
+        if len(key_partition) > KEY_PARTITION_CACHE:
+            key_partition.clear()
         for key, value in items:
             where = key_partition.get((topic, key))
             if where is None:

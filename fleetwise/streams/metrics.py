@@ -80,6 +80,16 @@ BREAKER_OPEN = Gauge(
     "fleetwise_breaker_open",
     "1 while the drain circuit breaker is open in this worker's policy, else 0",
 )
+# The action policy's per-job state: jobs known only from predictions are dropped once silent
+# for a day of event time (fleetwise/actuators/policy.py, RETIRE_JOB_S); the rest stay.
+POLICY_JOBS = Gauge(
+    "fleetwise_policy_jobs",
+    "jobs the action policy holds state for in this worker (at the last checkpoint)",
+)
+POLICY_JOBS_RETIRED = Gauge(
+    "fleetwise_policy_jobs_retired",
+    "jobs the action policy dropped as silent since this worker started",
+)
 STATE_EVICTED = Counter(
     "fleetwise_state_evicted_keys_total",
     "GPUs whose window state was evicted (idle longest in event time) to keep the worker under its bound",
