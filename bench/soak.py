@@ -125,8 +125,8 @@ def segment_latency(outputs: list[tuple[float, float]], start: float, end: float
     return float(np.quantile(lat, 0.5)), float(np.quantile(lat, 0.99)), int(lat.size)
 
 
-def slope_mb_per_min(t: list[float], v: list[float], after: float) -> float:
-    pts = [(x, y) for x, y in zip(t, v, strict=True) if x >= after and y == y]
+def slope_mb_per_min(t: list[float], v: list[float], after: float, before: float = float("inf")) -> float:
+    pts = [(x, y) for x, y in zip(t, v, strict=True) if after <= x <= before and y == y]
     if len(pts) < 3:
         return float("nan")
     x, y = np.array(pts).T
@@ -296,7 +296,20 @@ async def run_config(args, n_workers: int, payloads, broker_pid: int | None, wor
                 cleared_s = x - burst_end
                 break
     warm = args.warmup_s
+    # Whether memory levels off: the slope over the first and the last `--slope-window-min`
+    # minutes of the steady phase (before the burst), besides the one over the whole run.
+    win = 60.0 * args.slope_window_min
+    steady_end = plan[1][2]
+    first = (warm, min(steady_end, warm + win))
+    last = (max(warm, steady_end - win), steady_end)
     return {
+        "rss_slope_windows_s": [first, last],
+        "rss_slope_first_mb_per_min": {name: slope_mb_per_min(series.t, v, *first)
+                                       for name, v in series.rss.items()},
+        "rss_slope_last_mb_per_min": {name: slope_mb_per_min(series.t, v, *last)
+                                      for name, v in series.rss.items()},
+        "rss_at_steady_end_mb": {name: next((y for x, y in zip(series.t, v, strict=True)
+                                             if x >= steady_end), None) for name, v in series.rss.items()},
         "workers": n_workers, "rows": rows, "series": series.__dict__,
         "rss_slope_mb_per_min": {name: slope_mb_per_min(series.t, v, warm) for name, v in series.rss.items()},
         "rss_after_warmup_mb": {name: next((y for x, y in zip(series.t, v, strict=True) if x >= warm), None)
@@ -408,6 +421,17 @@ def print_table(results: list[dict], args, broker: str) -> None:
                   f"({res['rss_max_mb'][name] or float('nan'):.0f}) | "
                   f"{res['rss_slope_mb_per_min'][name]:+.2f} | {res['cpu_s'][name]:.0f} |")
     print()
+    w = f"{args.slope_window_min:g} min"
+    print(f"| workers | process | RSS after warm-up -> end of steady MB | slope first {w} "
+          f"of steady MB/min | slope last {w} of steady MB/min |")
+    print("|---|---|---|---|---|")
+    for res in results:
+        for name in res["rss_end_mb"]:
+            print(f"| {res['workers']} | {name} | {res['rss_after_warmup_mb'][name] or float('nan'):.0f} -> "
+                  f"{res['rss_at_steady_end_mb'][name] or float('nan'):.0f} | "
+                  f"{res['rss_slope_first_mb_per_min'][name]:+.2f} | "
+                  f"{res['rss_slope_last_mb_per_min'][name]:+.2f} |")
+    print()
     for res in results:
         print(f"{res['workers']} worker(s): backlog of the burst cleared "
               f"{res['backlog_cleared_after_burst_s']:.0f} s "
@@ -446,6 +470,8 @@ def main() -> None:
     parser.add_argument("--take-max", type=int, default=500)
     parser.add_argument("--checkpoint-interval", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slope-window-min", type=float, default=10.0,
+                        help="RSS slope also over the first and last this many minutes of the steady phase")
     parser.add_argument("--plot", default=str(REPO / "docs" / "soak.png"))
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args()
