@@ -441,6 +441,103 @@ def print_table(results: list[dict], args, broker: str) -> None:
               f"{res['load_avg_end'][0]:.1f}")
 
 
+def container_sizes(root: object, name: str, depth: int = 0, seen: set | None = None,
+                    out: dict[str, int] | None = None) -> dict[str, int]:
+    """Entries of every dict, list and set reachable from `root` through fleetwise objects'
+    attributes (a few levels deep; containers of more than 64 entries are not entered)."""
+    seen = set() if seen is None else seen
+    out = {} if out is None else out
+    if id(root) in seen or depth > 4:
+        return out
+    seen.add(id(root))
+    if isinstance(root, dict | list | set):
+        out[name] = len(root)
+        if isinstance(root, dict) and len(root) <= 64:
+            for k, v in root.items():
+                container_sizes(v, f"{name}[{k!r}]", depth + 1, seen, out)
+        return out
+    attrs = getattr(root, "__dict__", None)
+    if attrs and type(root).__module__.startswith("fleetwise"):
+        for k, v in attrs.items():
+            container_sizes(v, f"{name}.{k}", depth + 1, seen, out)
+    return out
+
+
+async def in_process(args, payloads) -> None:
+    """`--in-process-hours`: the worker's logic without the broker (`StreamProcessor` over a
+    stand-in table and producer, a checkpoint every `--checkpoint-interval` s of input at
+    `--rate`), fed the same node batches for that many hours of event time, plus step records
+    of one 8-rank job at a time, a new one every `--job-hours` (job churn; 0: none). Prints
+    the process's RSS and the sizes of every container that changed, every `--report-every-h`."""
+    import gc
+    from types import SimpleNamespace
+
+    from aiokafka.partitioner import murmur2
+
+    from fleetwise.streams.app import StreamProcessor
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    class Table:
+        def __init__(self) -> None:
+            self.data: dict = {}
+
+    async def send(topic: str, key: bytes, value: bytes, headers: list) -> asyncio.Future:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    control = ControlPlane(ControlPlaneConfig())
+    proc = StreamProcessor(control, Table(), send, changelog=lambda p, k, v: None)
+    parts = T.TELEMETRY_GPU.partitions
+    offsets: dict[tuple[str, int], int] = {}
+
+    def message(topic: str, key: bytes, value: bytes) -> SimpleNamespace:
+        p = (murmur2(key) & 0x7FFFFFFF) % parts
+        o = offsets.get((topic, p), 0)
+        offsets[topic, p] = o + 1
+        return SimpleNamespace(topic=topic, partition=p, offset=o, key=key, value=value, headers=[],
+                               timestamp=0)
+
+    per_checkpoint = max(1, round(args.rate / GPUS * args.checkpoint_interval / args.nodes))  # ticks
+    ticks = int(args.in_process_hours * 3600 / kt.SAMPLE_INTERVAL_S)
+    per_report = max(1, int(args.report_every_h * 3600 / kt.SAMPLE_INTERVAL_S))
+    history: list[tuple[float, float, float, dict[str, int]]] = []
+    cpu0 = time.process_time()
+    for tick in range(ticks + 1):
+        ts = kt.START_TS + tick * kt.SAMPLE_INTERVAL_S
+        mark = repr(ts).encode()
+        msgs = [message("telemetry", node, template.replace(kt.TS_MARK, mark))
+                for node, template in payloads[tick % len(payloads)]]
+        for i in range(0, len(msgs), args.take_max):
+            await proc.process_messages(T.TELEMETRY_GPU.name, msgs[i:i + args.take_max])
+        if args.job_hours > 0 and tick % 6 == 0:  # a step record per rank every minute
+            job = f"job-{int(tick * kt.SAMPLE_INTERVAL_S // (args.job_hours * 3600)):05d}"
+            steps = [message("steps", job.encode(), json.dumps({
+                "ts": ts, "job": job, "rank": r, "node": f"node-{r:04d}", "gpu": 0, "step": tick,
+                "step_time_s": 1.0 + 0.01 * r, "compute_s": 0.8}).encode()) for r in range(8)]
+            await proc.process_messages(T.TELEMETRY_STEPS.name, steps)
+        if tick % per_checkpoint == 0:
+            await proc.checkpoint()
+        if tick % per_report == 0:
+            gc.collect()
+            sizes = container_sizes(proc, "worker")
+            hour = tick * kt.SAMPLE_INTERVAL_S / 3600
+            history.append((hour, kt.rss_mb(os.getpid()), time.process_time() - cpu0, sizes))
+            hour, rss, cpu, _ = history[-1]
+            print(f"# event hour {hour:g}: RSS {rss:.1f} MB, CPU {cpu:.0f} s", flush=True)
+    print(f"in-process: {args.nodes} nodes x {GPUS} GPUs, {args.in_process_hours:g} event hours, "
+          f"job churn every {args.job_hours:g} h; load average {os.getloadavg()[0]:.1f}")
+    print("| event hour | RSS MB |")
+    print("|---|---|")
+    for hour, rss, _cpu, _sizes in history:
+        print(f"| {hour:g} | {rss:.1f} |")
+    names = sorted({n for *_, sizes in history for n in sizes})
+    changed = [n for n in names if len({sizes.get(n) for *_, sizes in history[1:]}) > 1]
+    print("\ncontainers whose size changed after the first report (entries at each report):")
+    for n in changed:
+        print(f"  {n}: " + " ".join(str(sizes.get(n, "-")) for *_, sizes in history))
+
+
 async def main_async(args) -> list[dict]:
     workdir = Path(tempfile.mkdtemp(prefix="fleetwise-soak-"))
     payloads = kt.make_payloads(args.nodes, ticks=args.ticks, seed=args.seed)
@@ -470,11 +567,18 @@ def main() -> None:
     parser.add_argument("--take-max", type=int, default=500)
     parser.add_argument("--checkpoint-interval", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in-process-hours", type=float, default=0.0,
+                        help="instead: the worker's logic in this process, no broker, this many event hours")
+    parser.add_argument("--report-every-h", type=float, default=1.0, help="--in-process-hours: report every")
+    parser.add_argument("--job-hours", type=float, default=2.0, help="--in-process-hours: a new job every")
     parser.add_argument("--slope-window-min", type=float, default=10.0,
                         help="RSS slope also over the first and last this many minutes of the steady phase")
     parser.add_argument("--plot", default=str(REPO / "docs" / "soak.png"))
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args()
+    if args.in_process_hours:
+        asyncio.run(in_process(args, kt.make_payloads(args.nodes, ticks=args.ticks, seed=args.seed)))
+        return
     args.broker_pid = None
     state = None
     if args.bootstrap is None:
