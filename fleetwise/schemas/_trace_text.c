@@ -70,6 +70,14 @@ typedef struct {
     PyObject *str; /* borrowed from the intern dict */
 } StringSlot;
 
+/* Rare shapes (escapes, nested extras, RFC 3339 times, numeric strings) out of line, so the
+ * plain path stays inlined in one function, as before they were read here. */
+#if defined(__GNUC__)
+#define RARE __attribute__((cold, noinline))
+#else
+#define RARE
+#endif
+
 #define MAX_DEPTH 32 /* nesting of an unread value; deeper: refused */
 #define MAX_ESCAPED 1024 /* bytes of a key or a read string with escapes; longer: refused */
 #define MAX_EXPECTED 128 /* metric keys remembered by their place in the object */
@@ -123,7 +131,7 @@ static inline int hex4(const char *p) {
 /* The length of the escape at p (a backslash) when it is one JSON has and decodes to a Unicode
  * scalar value: \" \\ \/ \b \f \n \r \t, \uXXXX other than a surrogate, or a high and a low
  * surrogate's \uXXXX\uXXXX; 0 for anything else (a lone surrogate included: refused). */
-static inline int escape_length(const char *p, const char *end) {
+RARE static int escape_length(const char *p, const char *end) {
     if (end - p < 2) return 0;
     switch (p[1]) {
     case '"': case '\\': case '/': case 'b': case 'f': case 'n': case 'r': case 't': return 2;
@@ -142,18 +150,18 @@ static inline int escape_length(const char *p, const char *end) {
 static inline const char *parse_string(const char *p, const char *end, Tok *t) {
     const char *start = ++p; /* past the opening quote */
     int esc = 0;
-    for (;;) {
+scan:
 #if defined(__SSE2__)
-        while (end - p >= 16) {
-            unsigned hits = special16(p);
-            if (hits) {
-                p += __builtin_ctz(hits);
-                break; /* decided on below */
-            }
-            p += 16;
+    while (end - p >= 16) {
+        unsigned hits = special16(p);
+        if (hits) {
+            p += __builtin_ctz(hits);
+            break; /* the byte loop decides on it */
         }
+        p += 16;
+    }
 #endif
-        if (p >= end) return NULL;
+    for (; p < end; p++) {
         unsigned char c = (unsigned char)*p;
         if (c == '"') {
             t->type = T_STR;
@@ -167,16 +175,16 @@ static inline const char *parse_string(const char *p, const char *end, Tok *t) {
             if (n == 0) return NULL;
             p += n;
             esc = 1;
-            continue;
+            goto scan;
         }
         if (c < 0x20 || c >= 0x80) return NULL;
-        p++;
     }
+    return NULL;
 }
 
 /* The value of a string token with escapes (checked by `parse_string`), as UTF-8, into buf (at
  * least t->n bytes: no escape is shorter than what it stands for); returns its length. */
-static Py_ssize_t unescape(const Tok *t, char *buf) {
+RARE static Py_ssize_t unescape(const Tok *t, char *buf) {
     const char *p = t->p, *end = t->p + t->n;
     char *o = buf;
     while (p < end) {
@@ -296,7 +304,7 @@ static inline int finite_number(const Tok *t, double *out);
 
 /* The nested value (object or array) at p, its grammar checked, skipped; NULL when refused
  * (malformed, a string `parse_string` refuses, deeper than MAX_DEPTH). */
-static const char *skip_nested(const char *p, const char *end, int depth) {
+RARE static const char *skip_nested(const char *p, const char *end, int depth) {
     if (depth > MAX_DEPTH) return NULL;
     const int object = *p == '{';
     const char close = object ? '}' : ']';
@@ -391,7 +399,7 @@ static inline int finite_number(const Tok *t, double *out) {
 /* A metric given as a string of a JSON number ("61", as exporters that write every value as text
  * do): the double pydantic's lax float gives for it, the text read as a float ("-0" is -0.0); 0
  * for any other string (escapes, spaces, "NaN", "1_0", ...: the pydantic path decides). */
-static inline int numeric_string(const Tok *t, double *out) {
+RARE static int numeric_string(const Tok *t, double *out) {
     Tok number;
     if (t->esc || t->n == 0 || parse_number(t->p, t->p + t->n, &number) != t->p + t->n) return 0;
     number.type = T_FLOAT; /* "7" too: read as float(text) is, not as an int */
@@ -424,7 +432,7 @@ static inline int64_t days_from_civil(int64_t y, int m, int d) {
  * seconds `_parse_ts` gives (`datetime.fromisoformat(...).timestamp()`: microseconds, further
  * digits cut off, over 10**6, correctly rounded). 0 for anything else, an invalid date, a leap
  * second or a time beyond 2**53 microseconds from the epoch (the pydantic path decides those). */
-static int rfc3339(const char *p, Py_ssize_t n, double *out) {
+RARE static int rfc3339(const char *p, Py_ssize_t n, double *out) {
     static const int month_days[12] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
     if (n < 20 || !is_digits(p, 4) || p[4] != '-' || !is_digits(p + 5, 2) || p[7] != '-' || !is_digits(p + 8, 2)
         || (p[10] != 'T' && p[10] != 't' && p[10] != ' ') || !is_digits(p + 11, 2) || p[13] != ':'
@@ -465,12 +473,16 @@ static int rfc3339(const char *p, Py_ssize_t n, double *out) {
     return 1;
 }
 
-/* A `ts` value: a number (`float_field`) or an RFC 3339 string (`rfc3339`), as Unix seconds. */
-static inline int ts_field(const Tok *t, double *out) {
-    if (t->type != T_STR) return float_field(t, out);
+/* A `ts` string: an RFC 3339 time (`rfc3339`), escaped or not, as Unix seconds. */
+RARE static int ts_string(const Tok *t, double *out) {
     if (!t->esc) return rfc3339(t->p, t->n, out);
     char buf[MAX_ESCAPED];
     return t->n <= MAX_ESCAPED && rfc3339(buf, unescape(t, buf), out);
+}
+
+/* A `ts` value: a number (`float_field`) or an RFC 3339 string, as Unix seconds. */
+static inline int ts_field(const Tok *t, double *out) {
+    return t->type != T_STR ? float_field(t, out) : ts_string(t, out);
 }
 
 static inline uint64_t key_hash(const char *p, Py_ssize_t n) {
@@ -535,7 +547,7 @@ static PyObject *shared_string(Ctx *c, const Tok *t) {
 
 /* Top-level keys of a line, by what they are to a sample. */
 enum {
-    K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_METRICS,
+    K_REFUSED = -2, K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_METRICS,
     K_STEP, K_STEP_TIME, K_COMPUTE, K_MICRO_BATCH, K_SAMPLES, N_KEYS
 };
 #define STEP_FIELDS ((1u << K_STEP) | (1u << K_STEP_TIME) | (1u << K_COMPUTE) | (1u << K_MICRO_BATCH) | (1u << K_SAMPLES))
@@ -556,6 +568,18 @@ static inline int top_key(const char *p, Py_ssize_t n) {
 #undef IS
 }
 
+/* `top_key` and `field_index` of a key with escapes, by its value; K_REFUSED when it is longer
+ * than MAX_ESCAPED bytes. */
+RARE static int escaped_top_key(const Tok *key) {
+    char buf[MAX_ESCAPED];
+    return key->n > MAX_ESCAPED ? K_REFUSED : top_key(buf, unescape(key, buf));
+}
+
+RARE static int escaped_field_index(const Ctx *c, const Tok *key) {
+    char buf[MAX_ESCAPED];
+    return key->n > MAX_ESCAPED ? K_REFUSED : field_index(c, buf, unescape(key, buf));
+}
+
 /* The metrics object at p into row (NaN where missing); NULL when refused. */
 static const char *parse_metrics(Ctx *c, const char *p, const char *end, double *row) {
     uint64_t seen = 0;
@@ -573,9 +597,7 @@ static const char *parse_metrics(Ctx *c, const char *p, const char *end, double 
         } else {
             if ((p = parse_string(p, end, &key)) == NULL) return NULL;
             if (key.esc) { /* looked up by its value, not remembered */
-                char buf[MAX_ESCAPED];
-                if (key.n > MAX_ESCAPED) return NULL;
-                k = field_index(c, buf, unescape(&key, buf));
+                if ((k = escaped_field_index(c, &key)) == K_REFUSED) return NULL;
             } else {
                 k = field_index(c, key.p, key.n);
                 if (e) *e = (ExpectedKey){key.p, key.n, k};
@@ -589,7 +611,7 @@ static const char *parse_metrics(Ctx *c, const char *p, const char *end, double 
             if (seen & (1ull << k)) return NULL;
             seen |= 1ull << k;
             if (value.type == T_NULL) row[k] = NAN;
-            else if (value.type == T_STR ? !numeric_string(&value, &row[k]) : !finite_number(&value, &row[k]))
+            else if (!finite_number(&value, &row[k]) && (value.type != T_STR || !numeric_string(&value, &row[k])))
                 return NULL;
         }
         p = skip_ws(p, end);
@@ -732,14 +754,8 @@ static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double
             p = skip_ws(p, end);
             if (p >= end || *p != ':') return -2;
             p = skip_ws(p + 1, end);
-            int k;
-            if (key.esc) {
-                char buf[MAX_ESCAPED];
-                if (key.n > MAX_ESCAPED) return -2;
-                k = top_key(buf, unescape(&key, buf));
-            } else {
-                k = top_key(key.p, key.n);
-            }
+            int k = key.esc ? escaped_top_key(&key) : top_key(key.p, key.n);
+            if (k == K_REFUSED) return -2;
             if (k != K_OTHER && (seen & (1u << k))) return -2;
             if (k == K_METRICS) {
                 if (p >= end || *p != '{' || (p = parse_metrics(c, p, end, row)) == NULL) return -2;
