@@ -17,6 +17,17 @@ machine can be read as a ratio (the issue's target, 30 days of 512 GPUs in 4 min
 ~92,000 GPU samples/s):
 
     .venv/bin/python bench/replay.py --trace e2e30.jsonl.gz
+
+``--write-trace FILE --shape sim|foreign`` writes a trace of ``--gpus``/``--hours``/``--interval``
+/``--seed`` and exits: the simulator's lines, or the same records as other writers write them
+(``foreign_lines``: other key orders, RFC 3339 times, escapes, nested extra keys, metrics as
+strings, ...; ``--samples-only`` leaves out the step lines). ``--trace FILE --misses`` also counts
+the lines the C splitter refuses, each tried alone (docs/benchmarks.md, "Replay on unfamiliar
+line shapes"):
+
+    .venv/bin/python bench/replay.py --write-trace f.jsonl.gz --shape foreign --gpus 512 --hours 48 \
+        --interval 300
+    .venv/bin/python bench/replay.py --trace f.jsonl.gz --misses
 """
 
 from __future__ import annotations
