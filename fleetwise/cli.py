@@ -784,7 +784,7 @@ def replay(
                                       "held a command back, expiries, approvals) as JSON lines."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the packaged model's policy says: the rules alone)."),
+                                             "as the model's policy says; the packaged model: both)."),
 ) -> None:
     """Run the whole control plane, embedded, over recorded telemetry; write its decisions."""
     from fleetwise.streams.embedded import replay as run_replay
@@ -1343,9 +1343,10 @@ app.add_typer(predictor_app, name="predictor")
 TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32;a100-sxm-80gb:96,h200:32"
 # Defaults of `fleetwise predictor train`: they reproduce the packaged model (its metadata has
 # the exact command); the alert policy is the one tuned for it (bench/failure_eval.py --tune).
-TRAIN_FAMILY: str | None = None
-TRAIN_SEEDS = "101,102,103,104,105,106"
-TRAIN_DAYS = 10.0
+TRAIN_FAMILY: str | None = "train"
+TRAIN_SEEDS = "0,1,2,3,4,5,6,7,8,9,10,11"
+TRAIN_DAYS = 5.0
+TRAIN_INTERVALS = "60,120,300"  # of the randomised family's traces (the plain simulator: 60,120,300,120)
 TRAIN_POLICY: dict[str, Any] = {}
 
 
@@ -1452,7 +1453,8 @@ def predictor_train(
     failure_rate: float = typer.Option(40.0, help="Failures per 1,000 GPU-days in training traces."),
     intervals: str | None = typer.Option(None, "--interval", "--intervals",
                                          help="Sample interval(s) of training traces, s; comma-separated, "
-                                         "round-robin (default: the family's own)."),
+                                         "round-robin (default: 60,120,300 for a family, 0 = the family's "
+                                         "own; 60,120,300,120 for the plain simulator)."),
     family: str | None = typer.Option(TRAIN_FAMILY, "--family",
                                       help="Configuration family of fleetwise.sim.randomize ('train'), or "
                                       "'none' for the plain simulator."),
@@ -1462,10 +1464,11 @@ def predictor_train(
                                       "(docs/predictors.md: labels file)."),
     policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory' to store "
                                       "with the model (choose it with `fleetwise backtest --policy`)."),
-    model_alerts: bool = typer.Option(False, "--model-alerts/--rules-only", help="Store a policy in "
-                                      "which the model raises alerts beside the rules (default: the rules "
-                                      "alone; turn the model on once a backtest on your fleet shows "
-                                      "it pays)."),
+    model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Store a policy "
+                                             "in which the model raises alerts beside the rules, or the "
+                                             "rules alone (default: both for simulator training or a "
+                                             "--policy chosen by backtest; the rules alone for --trace "
+                                             "without --policy, until a backtest shows the model pays)."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
@@ -1502,8 +1505,8 @@ def predictor_train(
             fail(f"--family {family!r}: unknown; known: {', '.join(sorted(FAMILIES))}")
     mix_list = [m.strip() for m in (mixes or ("" if family else TRAIN_MIXES)).split(";") if m.strip()] or [""]
     try:
-        interval_list = [float(v) for v in (intervals or ("0" if family else "60,120,300,120")).split(",")
-                         if v.strip()]
+        intervals = intervals or (TRAIN_INTERVALS if family else "60,120,300,120")
+        interval_list = [float(v) for v in intervals.split(",") if v.strip()]
     except ValueError:
         fail(f"--interval must be comma-separated numbers of seconds, got {intervals!r}")
     if not interval_list or min(interval_list) < 0 or (not family and min(interval_list) <= 0):
@@ -1567,10 +1570,11 @@ def predictor_train(
                               np.concatenate(groups), seed=fit_seed, metadata=meta)
     model.policy = chosen or (AlertPolicy(**TRAIN_POLICY) if not trace and family == TRAIN_FAMILY
                               else model.policy)
-    if model_alerts:
-        model.policy = replace(model.policy, model_alerts=True)
-        command += " --model-alerts"
+    if model_alerts is not None:
+        command += " --model-alerts" if model_alerts else " --rules-only"
         model.metadata["training_command"] = command
+    model.policy = replace(model.policy, model_alerts=model_alerts if model_alerts is not None
+                           else bool(chosen) or not trace)
     model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys)),
                                                  "policy_source": policy or "default"})
     size_kb = model_path.stat().st_size / 1024
@@ -1675,7 +1679,7 @@ def worker(
                                        help="Operator policy file (YAML)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "the packaged model's policy: the rules alone)."),
+                                             "as the model's policy says; the packaged model: both)."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka.
 

@@ -246,8 +246,10 @@ def metrics_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("recall, any precursor, lead >= 30 min", rec(f["recall_with_precursor_30min"]), ">= 0.75"),
         ("recall, abrupt (ceiling), lead >= 30 min", rec(f["recall_abrupt_30min"]), "report"),
         ("recall, all failures, lead >= 30 min", rec(f["recall_all_30min"]), ""),
-        ("precision (alert episodes)", f"{_fmt(f['precision'])} ({f['true_alerts']}/{f['alert_episodes']})",
-         ">= 0.9"),
+        ("precision (alert episodes)", f"{_fmt(f['precision'])} ({f['true_alerts']}/"
+         f"{f['true_alerts'] + f['false_alerts']}" + (
+             f"; {neither} in repair windows)" if (neither := f["alert_episodes"] - f["true_alerts"]
+                                                   - f["false_alerts"]) else ")"), ">= 0.9"),
         ("false alarms / 1,000 GPU-days", _fmt(f["false_alarms_per_1000_gpu_days"]), "<= 0.05"),
         ("hot-but-healthy GPUs flagged", f"{_fmt(f['hot_healthy_flagged_share'])} of {f['hot_healthy_gpus']}",
          "<= 0.01"),
