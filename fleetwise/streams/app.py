@@ -1139,7 +1139,10 @@ def make_app(
             await processor.process_messages(unprefix[kafka_topic], records)
             for tp, rs in batches:
                 held.setdefault(tp, []).extend([r.offset for r in rs])
-            if time.monotonic() - last_step[0] >= step_s[0]:
+            # One write in flight at most: while the broker is slower than the steps come due,
+            # a step waits (its partition's inputs stay held) rather than queue one encoded
+            # snapshot per step behind the last (a worker behind the broker grew ~14 MB/min).
+            if time.monotonic() - last_step[0] >= step_s[0] and (not writing or writing[-1].done()):
                 checkpoint_step()
         _update_lag(app, {tp: rs[-1].offset for tp, rs in batches})
 
