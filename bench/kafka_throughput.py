@@ -37,6 +37,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,6 +81,27 @@ else:
 """
 
 TS_MARK = b"1111111111.5"  # placeholder replaced by each message's event time
+
+
+class _MemoryTable:
+    """Stand-in for the worker's faust table (a plain dict)."""
+
+    def __init__(self) -> None:
+        self.data: dict = {}
+
+
+async def _sent(topic: str, key: bytes, value: bytes, headers: list) -> asyncio.Future:
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
+
+def in_memory_processor(control: Any) -> Any:
+    """The worker's StreamProcessor over `control` with an in-memory table and a producer and
+    changelog that complete at once: the worker's own CPU, without the broker's share."""
+    from fleetwise.streams.app import StreamProcessor
+
+    return StreamProcessor(control, _MemoryTable(), _sent, changelog=lambda partition, key, value: None)
 
 
 def make_payloads(nodes: int, ticks: int, seed: int) -> list[list[tuple[bytes, bytes]]]:
@@ -355,7 +377,6 @@ async def run_stages(args, producer, prefix: str, payloads) -> None:
 
     from aiokafka import AIOKafkaConsumer
 
-    from fleetwise.streams.app import StreamProcessor
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     topic = topic_name(T.TELEMETRY_GPU, prefix)
@@ -395,20 +416,8 @@ async def run_stages(args, producer, prefix: str, payloads) -> None:
     messages = [SimpleNamespace(topic=r.topic, partition=r.partition, offset=r.offset, value=r.value,
                                 headers=r.headers, timestamp=r.timestamp) for r in records]
 
-    class Table:
-        def __init__(self) -> None:
-            self.data: dict = {}
-
-    async def send(topic: str, key: bytes, value: bytes, headers: list) -> asyncio.Future:
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
-
-    def changelog(partition: int, key: str, value: bytes) -> None:
-        return None  # nothing to wait for (the broker's share is in the worker's figure)
-
     control = ControlPlane(ControlPlaneConfig(failure_predictor=not args.no_failure_predictor))
-    processor = StreamProcessor(control, Table(), send, changelog=changelog)
+    processor = in_memory_processor(control)
     per_checkpoint = max(1, int(args.rate / GPUS_PER_NODE * args.checkpoint_interval))
     cpu0 = time.process_time()
     checkpoint_cpu = 0.0

@@ -474,20 +474,10 @@ async def in_process(args, payloads) -> None:
 
     from aiokafka.partitioner import murmur2
 
-    from fleetwise.streams.app import StreamProcessor
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
-    class Table:
-        def __init__(self) -> None:
-            self.data: dict = {}
-
-    async def send(topic: str, key: bytes, value: bytes, headers: list) -> asyncio.Future:
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
-
     control = ControlPlane(ControlPlaneConfig())
-    proc = StreamProcessor(control, Table(), send, changelog=lambda p, k, v: None)
+    proc = kt.in_memory_processor(control)
     parts = T.TELEMETRY_GPU.partitions
     offsets: dict[tuple[str, int], int] = {}
 
