@@ -1339,7 +1339,7 @@ def gpu_return(
 predictor_app = typer.Typer(help="Failure predictor: reproducible training.", no_args_is_help=True)
 app.add_typer(predictor_app, name="predictor")
 
-# The packaged model's training set (defaults reproduce it; docs/predictors.md).
+# Fleet mixes of plain-simulator training (`--family none`; the previous packaged model's).
 TRAIN_MIXES = "h100-sxm:64,a100-sxm-80gb:64;h200:64,a100-sxm-80gb:32,h100-sxm:32;a100-sxm-80gb:96,h200:32"
 # Defaults of `fleetwise predictor train`: they reproduce the packaged model (its metadata has
 # the exact command); the alert policy is the one tuned for it (bench/failure_eval.py --tune).
@@ -1347,7 +1347,6 @@ TRAIN_FAMILY: str | None = "train"
 TRAIN_SEEDS = "0,1,2,3,4,5,6,7,8,9,10,11"
 TRAIN_DAYS = 5.0
 TRAIN_INTERVALS = "60,120,300"  # of the randomised family's traces (the plain simulator: 60,120,300,120)
-TRAIN_POLICY: dict[str, Any] = {}
 
 
 def _iter_jsonl(path: Path):  # noqa: ANN202 - Iterator[dict]
@@ -1549,7 +1548,7 @@ def predictor_train(
              "trace (docs/predictors.md: how much data)")
     import sklearn
 
-    from fleetwise.predictors.failure import MODEL_FEATURES, AlertPolicy, feature_schema_hash
+    from fleetwise.predictors.failure import MODEL_FEATURES, feature_schema_hash
 
     if trace:
         command = ("fleetwise predictor train --out-dir {} {}".format(out_dir, " ".join(
@@ -1568,8 +1567,7 @@ def predictor_train(
             "fit_seed": fit_seed, "failures_in_training": n_fail, "sklearn": sklearn.__version__}
     model = fit_failure_model(np.vstack(xs), y_all, np.concatenate(hours),
                               np.concatenate(groups), seed=fit_seed, metadata=meta)
-    model.policy = chosen or (AlertPolicy(**TRAIN_POLICY) if not trace and family == TRAIN_FAMILY
-                              else model.policy)
+    model.policy = chosen or model.policy  # the fit's: AlertPolicy(), the packaged model's tuned policy
     if model_alerts is not None:
         command += " --model-alerts" if model_alerts else " --rules-only"
         model.metadata["training_command"] = command
