@@ -316,9 +316,9 @@ def replay_policy(
     if len(scores.watch):
         wx = scores.watch_x[:, predictor.model.cols].astype(np.float64)
         memory[scores.watch] = predictor.model.memory_share(wx) >= 0.5
-    # GPUs that never reach hi and hit no rule never alert: skip them (same result, less time).
+    # GPUs that never reach hi (or hi_memory) and hit no rule never alert: skip them (same result, less time).
     can = np.zeros(len(scores.keys), dtype=bool)
-    can[scores.slots[(scores.prob >= policy.hi) | (scores.rules > 0)]] = True
+    can[scores.slots[(scores.prob >= min(policy.hi, policy.hi_memory)) | (scores.rules > 0)]] = True
     rows = np.flatnonzero(can[scores.slots])
     rows = rows[np.lexsort((scores.ts[rows], scores.slots[rows]))]
     keys = [scores.keys[s] for s in scores.slots[rows].tolist()]
@@ -509,8 +509,22 @@ def explain(spec: TraceSpec, metrics: dict, table: FeatureTable | None, preds: l
         print(f"  FALSE {spec.name} {fa['node']}/{fa['gpu']} at {fa['raised_ts']:.0f} p={prob}: {sig}")
 
 
-POLICY_GRID = [(hi, k, km) for hi in (0.6, 0.7, 0.75, 0.8, 0.85, 0.9) for k in (2, 3, 4)
-               for km in (6, 9, 12, 18)]
+# (hi, k, k_memory, hi_memory): the general rule, and the memory tier (off where it equals it).
+POLICY_GRID = [(hi, k, km, him) for hi in (0.9, 0.95, 0.97) for k in (3, 4, 6)
+               for km, him in [(k, hi)] + [(km, him) for him in (0.5, 0.6, 0.7, 0.8)
+                                           for km in (12, 18, 24, 36)]]
+
+
+def parse_policy(text: str) -> tuple[float, int, int, float]:
+    """'hi,k,k_memory[,hi_memory]' (hi_memory defaults to hi) -> (hi, k, k_memory, hi_memory)."""
+    v = [float(x) for x in text.split(",")]
+    if len(v) not in (3, 4):
+        raise SystemExit(f"a policy is 'hi,k,k_memory[,hi_memory]', got {text!r}")
+    return v[0], int(v[1]), int(v[2]), v[3] if len(v) == 4 else v[0]
+
+
+def policy_of(base: Any, hi: float, k: int, km: int, him: float) -> Any:
+    return replace(base, hi=hi, lo=hi / 2, k_raise=k, k_raise_memory=km, hi_memory=him, **WITH_MODEL)
 
 
 def tune(sets: list[str], predictor: FailurePredictor, cache: Path, grid: list[tuple] | None = None) -> None:
@@ -518,13 +532,13 @@ def tune(sets: list[str], predictor: FailurePredictor, cache: Path, grid: list[t
     failure rate; fa-val: false alarms at the published rate); print the trade-offs."""
 
     data = {name: [score_hops(spec, predictor, cache) for spec in SETS[name]] for name in sets}
-    cols = ["hi", "k", "k memory"]
+    cols = ["hi", "k", "k memory", "hi memory"]
     for name in sets:
         cols += [f"{name} long@12h", f"{name} precursor@30m", f"{name} precision", f"{name} FA/1k GPU-d"]
     print(" | ".join(cols))
-    for hi, k, km in grid or POLICY_GRID:
-        pol = replace(predictor.policy, hi=hi, lo=hi / 2, k_raise=k, k_raise_memory=km, **WITH_MODEL)
-        cells = [f"{hi:g}", str(k), str(km)]
+    for hi, k, km, him in grid or POLICY_GRID:
+        pol = policy_of(predictor.policy, hi, k, km, him)
+        cells = [f"{hi:g}", str(k), str(km), f"{him:g}"]
         for name in sets:
             tot = np.zeros(6)
             gd = 0.0
@@ -545,7 +559,8 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-eval"))
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--explain", action="store_true", help="list every miss and false alarm")
-    ap.add_argument("--policy", default=None, help="override the alert policy: 'hi,k,k_memory' (lo = hi/2)")
+    ap.add_argument("--policy", default=None,
+                    help="override the alert policy: 'hi,k,k_memory[,hi_memory]' (lo = hi/2)")
     ap.add_argument("--only", default=None, help="comma-separated trace names (e.g. fa-401)")
     ap.add_argument("--stagger-hops", action="store_true",
                     help="evaluate on staggered hops (fleetwise worker/replay --stagger-hops)")
@@ -556,7 +571,7 @@ def main() -> None:
                     help="pooled issue-16 targets with 95%% CIs per set (e.g. test,shifted), model and "
                     "rules-only, from stored hop scores")
     ap.add_argument("--grid", default=None,
-                    help="policies to sweep: 'hi,k,k_memory;...' (default POLICY_GRID)")
+                    help="policies to sweep: 'hi,k,k_memory[,hi_memory];...' (default POLICY_GRID)")
     args = ap.parse_args()
     global STAGGER_HOPS
     STAGGER_HOPS = args.stagger_hops
@@ -565,9 +580,7 @@ def main() -> None:
     # policy says (`--targets` reports the rules alone too).
     predictor = FailurePredictor(predictor.model, replace(predictor.policy, **WITH_MODEL))
     if args.policy:
-        hi, k, km = (float(v) for v in args.policy.split(","))
-        policy = replace(predictor.policy, hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km),
-                         **WITH_MODEL)
+        policy = policy_of(predictor.policy, *parse_policy(args.policy))
         predictor = FailurePredictor(predictor.model, policy)
     if args.targets:
         print(TARGETS_HEADER)
@@ -580,7 +593,7 @@ def main() -> None:
     if args.tune:
         grid = None
         if args.grid:
-            grid = [(float(a), int(b), int(c)) for a, b, c in (g.split(",") for g in args.grid.split(";"))]
+            grid = [parse_policy(g) for g in args.grid.split(";")]
         tune(args.tune_sets.split(","), predictor, args.cache, grid)
         return
     meta = predictor.model.metadata

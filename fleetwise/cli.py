@@ -1426,18 +1426,23 @@ def _operator_labels(path: Path) -> list[dict]:
 
 
 def _parse_policy(text: str | None):  # noqa: ANN202 - AlertPolicy | None
-    """'hi,k,k_memory' -> an AlertPolicy (lo = hi / 2), None when not given."""
+    """'hi,k,k_memory[,hi_memory]' -> an AlertPolicy (lo = hi / 2; hi_memory defaults to hi, which
+    leaves the memory tier as the general rule with k_memory hops), None when not given."""
     from fleetwise.predictors.failure import AlertPolicy
 
     if not text:
         return None
     try:
-        hi, k, km = (float(v) for v in text.split(","))
+        values = [float(v) for v in text.split(",")]
     except ValueError:
-        fail(f"--policy must be 'hi,k,k_memory' (e.g. 0.8,3,12), got {text!r}")
-    if not 0 < hi <= 1 or k < 1 or km < 1:
-        fail(f"--policy: hi must be in (0, 1], k and k_memory >= 1, got {text!r}")
-    return AlertPolicy(hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km))
+        values = []
+    if len(values) not in (3, 4):
+        fail(f"--policy must be 'hi,k,k_memory[,hi_memory]' (e.g. 0.97,6,18,0.7), got {text!r}")
+    hi, k, km = values[:3]
+    hi_memory = values[3] if len(values) == 4 else hi
+    if not 0 < hi <= 1 or not 0 < hi_memory <= 1 or k < 1 or km < 1:
+        fail(f"--policy: hi and hi_memory must be in (0, 1], k and k_memory >= 1, got {text!r}")
+    return AlertPolicy(hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km), hi_memory=hi_memory)
 
 
 @predictor_app.command("train")
@@ -1461,8 +1466,9 @@ def predictor_train(
                                      "repeat for several. Replaces the simulator."),
     labels: list[Path] = typer.Option([], "--labels", help="Failure records for each --trace, in order "
                                       "(docs/predictors.md: labels file)."),
-    policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory' to store "
-                                      "with the model (choose it with `fleetwise backtest --policy`)."),
+    policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory[,hi_memory]' "
+                                      "to store with the model (choose it with `fleetwise backtest "
+                                      "--policy`)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Store a policy "
                                              "in which the model raises alerts beside the rules, or the "
                                              "rules alone (default: both for simulator training or a "
@@ -1588,8 +1594,9 @@ def backtest_cmd(
     report: Path | None = typer.Option(None, "--report", help="Write an HTML report with plots."),
     model_dir: Path | None = typer.Option(None, "--model-dir", help="A model other than the packaged one."),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
-    policy: str | None = typer.Option(None, "--policy", help="Score another alert policy 'hi,k,k_memory' "
-                                      "(choosing the threshold for a false-alarm budget)."),
+    policy: str | None = typer.Option(None, "--policy", help="Score another alert policy "
+                                      "'hi,k,k_memory[,hi_memory]' (choosing the threshold for a "
+                                      "false-alarm budget)."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
     from fleetwise.predictors.backtest import backtest_trace, metrics_rows
@@ -1608,6 +1615,7 @@ def backtest_cmd(
         predictor = FailurePredictor(predictor.model, replace(predictor.policy, hi=chosen.hi, lo=chosen.lo,
                                                               k_raise=chosen.k_raise,
                                                               k_raise_memory=chosen.k_raise_memory,
+                                                              hi_memory=chosen.hi_memory,
                                                               model_alerts=True))
     label_list = _operator_labels(labels)
     steps: list[dict] = []

@@ -153,22 +153,43 @@ def test_predictions_carry_the_gpus_job_and_rank() -> None:
     assert recs and all((p.job, p.rank) == ("job-9", 1) for p in recs)
 
 
-def test_memory_driven_risk_needs_longer_persistence() -> None:
+def test_memory_driven_risk_raises_on_a_lower_probability_that_persists() -> None:
     from fleetwise.predictors.failure import MEMORY_PREFIXES
 
-    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, k_raise_memory=4, m_clear=3, model_alerts=True)
+    pol = AlertPolicy(hi=0.8, lo=0.3, k_raise=2, hi_memory=0.5, k_raise_memory=4, m_clear=3,
+                      model_alerts=True)
     model = stub_model(pol)
     mem_col = MODEL_FEATURES.index("sbe_vol_1h")
     assert MODEL_FEATURES[mem_col].startswith(MEMORY_PREFIXES)
     link_col = MODEL_FEATURES.index("nvl_crc_flit_1h")
     model.importance = np.zeros(len(MODEL_FEATURES))
     model.importance[[mem_col, link_col]] = 0.5
-    probs = [0.9] * 5
-    # the same probabilities, once driven by single-bit errors, once by NVLink CRC errors
-    mem = alert_series(run(FailurePredictor(model), probs, {"sbe_vol_1h": [50.0] * 5}), 5)
-    link = alert_series(run(FailurePredictor(model), probs, {"nvl_crc_flit_1h": [50.0] * 5}), 5)
-    assert link == [False, True, True, True, True]
-    assert mem == [False, False, False, True, True]
+
+    def alerts(probs: list[float], driver: str) -> list[bool]:
+        return alert_series(run(FailurePredictor(model), probs, {driver: [50.0] * len(probs)}), len(probs))
+
+    # Moderate risk (between hi_memory and hi) raises after k_raise_memory hops when single-bit
+    # errors drive it, never when NVLink CRC errors do.
+    moderate = [0.6] * 6
+    assert alerts(moderate, "sbe_vol_1h") == [False, False, False, True, True, True]
+    assert alerts(moderate, "nvl_crc_flit_1h") == [False] * 6
+    # The streak must be unbroken: a hop below hi_memory starts it over.
+    assert alerts([0.6, 0.6, 0.6, 0.4, 0.6, 0.6, 0.6, 0.6], "sbe_vol_1h") == [False] * 7 + [True]
+    # High risk raises after k_raise hops whatever drives it.
+    high = [0.9] * 4
+    assert alerts(high, "sbe_vol_1h") == alerts(high, "nvl_crc_flit_1h") == [False, True, True, True]
+
+
+def test_a_model_stored_before_the_memory_threshold_keeps_its_meaning(tmp_path) -> None:
+    """k_raise_memory in older metadata meant hops at hi: loading it sets hi_memory = hi."""
+    model = stub_model(AlertPolicy(hi=0.9, k_raise=3, k_raise_memory=12))
+    model.classifier = model.calibrator = model.lead_regressor = None  # joblib-able
+    model.save(tmp_path)
+    meta = json.loads((tmp_path / "failure_model.json").read_text())
+    del meta["policy"]["hi_memory"]
+    (tmp_path / "failure_model.json").write_text(json.dumps(meta))
+    loaded = FailureModel.load(tmp_path).policy
+    assert (loaded.hi_memory, loaded.k_raise_memory, loaded.hi) == (0.9, 12, 0.9)
 
 
 def test_packaged_policy_is_the_code_default() -> None:

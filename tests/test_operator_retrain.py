@@ -80,10 +80,11 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     model_dir = tmp_path / "model"
     runner = CliRunner()
     res = runner.invoke(app, ["predictor", "train", "--trace", str(trace), "--labels", str(labels),
-                              "--out-dir", str(model_dir), "--policy", "0.8,2,6"])
+                              "--out-dir", str(model_dir), "--policy", "0.8,2,12,0.6"])
     assert res.exit_code == 0, res.output
     meta = json.loads((model_dir / "failure_model.json").read_text())
     assert meta["traces"] == [str(trace)] and meta["policy"]["hi"] == 0.8
+    assert (meta["policy"]["k_raise_memory"], meta["policy"]["hi_memory"]) == (12, 0.6)
     assert "--trace" in meta["training_command"]
     res = runner.invoke(app, ["backtest", "--trace", str(trace), "--labels", str(labels),
                               "--model-dir", str(model_dir), "--json"])
