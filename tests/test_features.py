@@ -194,6 +194,28 @@ def test_late_and_out_of_order_samples_count_the_same_in_one_call_or_one_by_one(
     assert len(hop1) == 2 and all(v["samples"] == 5 and v["sbe_vol_hop"] == 6 for v in hop1)
 
 
+def test_a_redelivered_sample_is_a_duplicate_however_the_samples_were_batched() -> None:
+    # A resend of a reading 40 samples back inside the open hop (an agent's buffer replayed
+    # after a broker fault): dropped as a duplicate whatever the calls' sizes. Found by the
+    # worker fuzz test: a Kafka fetch of ~30 messages, then small ones, lost ring entries
+    # that a replay kept, so the worker counted the resend and the replay did not.
+    arrivals = [sample(i, dt=10.0, **{SBE: float(i)}) for i in range(45)]
+    arrivals.append(sample(5, dt=10.0, **{SBE: 5.0}))  # the resend
+    arrivals += [sample(i, dt=10.0, **{SBE: float(i)}) for i in range(45, 70)]
+    n = len(arrivals)
+    splits = {"one by one": [1] * n, "a fetch of 30, then one by one": [30] + [1] * (n - 30),
+              "in sevens": [7] * (n // 7 + 1), "whole": [n]}
+    results = {}
+    for name, sizes in splits.items():
+        fw = windows()
+        out, k = [], 0
+        for size in sizes:
+            out += fw.process_dicts(arrivals[k:k + size])
+            k += size
+        results[name] = ([o.values["samples"] for o in out], fw.dropped_duplicate)
+    assert all(r == ([60], 1) for r in results.values()), results
+
+
 def test_state_round_trip_resumes_identically() -> None:
     rows = [sample(i, gpu=g, **{SBE: float(i // 5), F_XID: 13 if i == 50 else 0})
             for i in range(200) for g in range(2)]

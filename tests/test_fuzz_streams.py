@@ -257,6 +257,35 @@ def test_fuzzed_records_through_replay_both_paths_agree_and_bad_ones_are_dead_le
     assert features["fast"] == features["slow"] and features["fast"], "the replay paths disagree on features"
 
 
+def test_fuzzed_records_in_fetch_sized_chunks_give_the_replays_features() -> None:
+    """A worker reads each partition in fetches of any size, interleaved across partitions;
+    the features must be the replay's (one message at a time). Deterministic stand-in for the
+    worker test below, which found a redelivered sample counted only in some fetch patterns."""
+    from fleetwise.streams.limits import node_partition
+    from tests.test_streams_kafka import canonical_text, differences, embedded_outputs
+
+    fleet = fleet_records(seed=20261201, kinds=sorted(KINDS))
+    accepted = [(raw, key) for (raw, key), kind in zip(fleet.messages, fleet.kinds, strict=True)
+                if KINDS.get(kind, ("good",))[0] != "worker"]
+    expected = embedded_outputs([raw for raw, _ in accepted])[T.FEATURES.name]
+    queues: dict[int, list[tuple[int, bytes]]] = {}
+    for i, (raw, key) in enumerate(accepted):
+        queues.setdefault(node_partition(key), []).append((i, raw))
+    rng = random.Random(3)
+    runtime = EmbeddedRuntime()
+    while queues:
+        p = rng.choice(sorted(queues))
+        take = rng.randint(1, 60)
+        fetch, queues[p] = queues[p][:take], queues[p][take:]
+        if not queues[p]:
+            del queues[p]
+        decoded = runtime.control.decode_messages(
+            T.TELEMETRY_GPU.name, [raw for _, raw in fetch], [f"msg:{i}" for i, _ in fetch])
+        runtime.feed(T.TELEMETRY_GPU.name, [item for items in decoded for item in items])
+    got = {canonical_text(r.to_json()) for _k, r in runtime.bus.logs[T.FEATURES.name]}
+    assert not differences(got, expected), differences(got, expected)
+
+
 # --------------------------------------------------------------------------- dcgm-exporter parser
 def exposition(samples: list[dict], rng: random.Random) -> str:
     """A dcgm-exporter page for the samples, with the fuzz's corruptions of values and labels."""

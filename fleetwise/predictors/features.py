@@ -602,7 +602,8 @@ class GpuFeatureWindows:
         acc[us, A_LEVEL:A_LEVEL + N_LEVEL] = np.fmax(
             acc[us, A_LEVEL:A_LEVEL + N_LEVEL], np.fmax.reduceat(lv, starts, axis=0)
         )
-        acc[us, A_NSAMPLE] += np.diff(np.r_[starts, n])
+        counts = np.diff(np.r_[starts, n])
+        acc[us, A_NSAMPLE] += counts
 
         # Counters and XID: sequential per GPU, over in-order rows only.
         if in_order.any():
@@ -615,8 +616,12 @@ class GpuFeatureWindows:
         # Timestamps: last accepted and a ring of recent ones (redelivery check).
         last_idx = np.r_[starts[1:], n] - 1
         self.last_ts[us] = np.fmax(self.last_ts[us], t[last_idx])
-        rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-        pos = (acc[s, A_NSAMPLE].astype(np.int64) + rank) % DEDUP_RING
+        # Ring positions follow the hop's sample count before this call, so the ring holds the
+        # GPU's last DEDUP_RING accepted timestamps however the samples were split into calls
+        # (counting from the count after the call skipped positions and overwrote recent ones
+        # early: a redelivery then passed as new in a Kafka fetch but not in a replay).
+        rank = np.arange(n) - np.repeat(starts, counts)
+        pos = (acc[s, A_NSAMPLE].astype(np.int64) - np.repeat(counts, counts) + rank) % DEDUP_RING
         self.ts_ring[s, pos] = t
 
     def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
