@@ -197,7 +197,9 @@ class FailureModel:
         bundle = joblib.load(model_path)
         policy = dict(meta.get("policy", {}))
         if "k_raise_memory" in policy and "hi_memory" not in policy:
-            # Stored before the memory tier had its own threshold: k_raise_memory meant hops at hi.
+            # Stored before the memory tier had its own threshold: its k_raise_memory counted hops
+            # at hi. Loaded as a tier at hi; where it was longer than k_raise it used to hold
+            # memory-driven risk back and no longer does (the general rule raises first).
             policy["hi_memory"] = policy.get("hi", AlertPolicy.hi)
         return cls(feature_names=list(names), horizon_h=float(meta["horizon_h"]),
                    policy=AlertPolicy(**policy), metadata=meta, **bundle)
