@@ -168,17 +168,20 @@ def histogram_quantile(metrics: dict[str, float], name: str, q: float, before: d
     return float("inf")
 
 
-# Reads the features topic in a process of its own (parsing thousands of records at a hop
+# Reads decision topics (features; the soak adds predictions) in a process of its own, with the
+# client security from the environment (parsing thousands of records at a hop
 # close inside the producer's event loop would hold back the producer's own sends, whose
 # send-time headers are already stamped, and inflate the very latency it measures). Writes
 # "input_sent output_created" per record, seconds, one line each.
 COLLECTOR_SCRIPT = """
 import asyncio, sys
 from aiokafka import AIOKafkaConsumer
-boot, topic, header, path = sys.argv[1:5]
+from fleetwise.streams.kafka_io import client_security_from_env
+boot, header, path, *topics = sys.argv[1:]
 async def main():
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=boot, group_id=None,
-                                auto_offset_reset="latest", enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(*topics, bootstrap_servers=boot, group_id=None,
+                                auto_offset_reset="latest", enable_auto_commit=False,
+                                **client_security_from_env())
     await consumer.start()
     with open(path, "w") as out:
         while True:
@@ -319,8 +322,8 @@ async def main_async(args) -> None:
     rows = []
     outputs_path = Path(args.worker_log).with_suffix(".outputs")
     collector = subprocess.Popen(
-        [sys.executable, "-c", COLLECTOR_SCRIPT, args.bootstrap, topic_name(T.FEATURES, prefix),
-         INPUT_PRODUCED_AT_HEADER, str(outputs_path)], cwd=REPO)
+        [sys.executable, "-c", COLLECTOR_SCRIPT, args.bootstrap, INPUT_PRODUCED_AT_HEADER,
+         str(outputs_path), topic_name(T.FEATURES, prefix)], cwd=REPO)
     try:
         for _ in range(300):
             try:

@@ -61,28 +61,6 @@ KAFKA_SH = REPO / "deploy" / "kafka" / "kafka.sh"
 GPUS = kt.GPUS_PER_NODE
 IN_KEY = f'fleetwise_messages_in_total{{component="worker",topic="{T.TELEMETRY_GPU.name}"}}'
 
-# Reads decision records (features, predictions) in a process of its own; one line per record:
-# "earliest input send time, create time" (seconds).
-READER_SCRIPT = """
-import asyncio, sys
-from aiokafka import AIOKafkaConsumer
-from fleetwise.streams.kafka_io import client_security_from_env
-boot, header, path, *topics = sys.argv[1:]
-async def main():
-    consumer = AIOKafkaConsumer(*topics, bootstrap_servers=boot, group_id=None,
-                                auto_offset_reset="latest", enable_auto_commit=False,
-                                **client_security_from_env())
-    await consumer.start()
-    with open(path, "w") as out:
-        while True:
-            for batch in (await consumer.getmany(timeout_ms=500)).values():
-                for r in batch:
-                    sent = dict(r.headers).get(header)
-                    if sent is not None:
-                        out.write(f"{float(sent)!r} {r.timestamp / 1000.0!r}\\n")
-            out.flush()
-asyncio.run(main())
-"""
 
 
 @dataclass
@@ -155,8 +133,8 @@ async def run_config(args, n_workers: int, payloads, broker_pid: int | None, wor
         ports.append(port)
     outputs_path = workdir / f"outputs{n_workers}.txt"
     reader = subprocess.Popen(
-        [sys.executable, "-c", READER_SCRIPT, args.bootstrap, INPUT_PRODUCED_AT_HEADER, str(outputs_path),
-         topic_name(T.FEATURES, prefix), topic_name(T.PREDICTIONS, prefix)], cwd=REPO)
+        [sys.executable, "-c", kt.COLLECTOR_SCRIPT, args.bootstrap, INPUT_PRODUCED_AT_HEADER,
+         str(outputs_path), topic_name(T.FEATURES, prefix), topic_name(T.PREDICTIONS, prefix)], cwd=REPO)
     producer = await start_producer(args.bootstrap, idempotent=True, linger_ms=10)
     security = client_security_from_env()
     admin = AIOKafkaAdminClient(bootstrap_servers=args.bootstrap, **security)
