@@ -180,6 +180,35 @@ def test_memory_driven_risk_raises_on_a_lower_probability_that_persists() -> Non
     assert alerts(high, "sbe_vol_1h") == alerts(high, "nvl_crc_flit_1h") == [False, True, True, True]
 
 
+def test_policy_replay_with_memory_driven_rows_matches_the_stream() -> None:
+    """The memory tier in a replay of stored probabilities (memory flags from
+    `FailureModel.memory_share`, as bench/failure_eval.py computes them) raises where
+    process_arrays does."""
+    rng = np.random.default_rng(11)
+    n = 600
+    pol = AlertPolicy(hi=0.9, lo=0.3, k_raise=2, hi_memory=0.5, k_raise_memory=4, m_clear=3,
+                      model_alerts=True)
+    model = stub_model(pol)
+    model.importance = np.zeros(len(MODEL_FEATURES))
+    model.importance[[MODEL_FEATURES.index("sbe_vol_1h"), MODEL_FEATURES.index("nvl_crc_flit_1h")]] = 0.5
+    keys = [("n1", i % 3) for i in range(n)]
+    ts = 1764547200.0 + 600.0 * (np.arange(n) // 3 + 1)
+    f = np.zeros((n, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(RISK)] = np.clip(np.cumsum(rng.normal(0, 0.12, n)) % 1.1, 0, 1)
+    # memory-driven stretches and link-driven stretches
+    driver = np.where((np.arange(n) // 45) % 2 == 0, "sbe_vol_1h", "nvl_crc_flit_1h")
+    for i, name in enumerate(driver):
+        f[i, FEATURE_NAMES.index(name)] = 50.0
+    stream, prob = FailurePredictor(model).process_arrays(keys, ts, f)
+    memory = model.memory_share(f[:, model.cols]) >= 0.5
+    rows, states = FailurePredictor(model).advance_policy(keys, ts, prob, memory, [[] for _ in range(n)])
+    replayed = [(keys[i], ts[i], alert) for i, (alert, _, _) in zip(rows, states, strict=True)]
+    assert [((p.node, p.gpu), p.ts, p.alert) for p in stream] == replayed
+    # the tier did something: some raise came at a probability below hi
+    raises = [i for i, (alert, _, was) in zip(rows, states, strict=True) if alert and not was]
+    assert raises and any(prob[i] < pol.hi for i in raises)
+
+
 def test_a_model_stored_before_the_memory_threshold_keeps_its_meaning(tmp_path) -> None:
     """k_raise_memory in older metadata meant hops at hi: loading it sets hi_memory = hi."""
     model = stub_model(AlertPolicy(hi=0.9, k_raise=3, k_raise_memory=12))
