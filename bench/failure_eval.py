@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from fleetwise.predictors.backtest import LEAD_12H, LEAD_30MIN_H, score_failures
-from fleetwise.predictors.failure import FailurePredictor
+from fleetwise.predictors.failure import FailurePredictor, policy_from_spec
 from fleetwise.predictors.training import (
     FeatureTable,
     RawSamples,
@@ -509,25 +509,14 @@ def explain(spec: TraceSpec, metrics: dict, table: FeatureTable | None, preds: l
         print(f"  FALSE {spec.name} {fa['node']}/{fa['gpu']} at {fa['raised_ts']:.0f} p={prob}: {sig}")
 
 
-# (hi, k, k_memory, hi_memory): the general rule, and the memory tier (off where it equals it).
-POLICY_GRID = [(hi, k, km, him) for hi in (0.9, 0.95, 0.97) for k in (3, 4, 6)
+# Policies as `--policy` specs 'hi,k,k_memory,hi_memory': the general rule, and the memory tier
+# (off where it equals the general rule).
+POLICY_GRID = [f"{hi},{k},{km},{him}" for hi in (0.9, 0.95, 0.97) for k in (3, 4, 6)
                for km, him in [(k, hi)] + [(km, him) for him in (0.5, 0.6, 0.7, 0.8)
                                            for km in (12, 18, 24, 36)]]
 
 
-def parse_policy(text: str) -> tuple[float, int, int, float]:
-    """'hi,k,k_memory[,hi_memory]' (hi_memory defaults to hi) -> (hi, k, k_memory, hi_memory)."""
-    v = [float(x) for x in text.split(",")]
-    if len(v) not in (3, 4):
-        raise SystemExit(f"a policy is 'hi,k,k_memory[,hi_memory]', got {text!r}")
-    return v[0], int(v[1]), int(v[2]), v[3] if len(v) == 4 else v[0]
-
-
-def policy_of(base: Any, hi: float, k: int, km: int, him: float) -> Any:
-    return replace(base, hi=hi, lo=hi / 2, k_raise=k, k_raise_memory=km, hi_memory=him, **WITH_MODEL)
-
-
-def tune(sets: list[str], predictor: FailurePredictor, cache: Path, grid: list[tuple] | None = None) -> None:
+def tune(sets: list[str], predictor: FailurePredictor, cache: Path, grid: list[str] | None = None) -> None:
     """Sweep the alert policy on the tuning sets (val: recall and precision at a raised
     failure rate; fa-val: false alarms at the published rate); print the trade-offs."""
 
@@ -536,9 +525,9 @@ def tune(sets: list[str], predictor: FailurePredictor, cache: Path, grid: list[t
     for name in sets:
         cols += [f"{name} long@12h", f"{name} precursor@30m", f"{name} precision", f"{name} FA/1k GPU-d"]
     print(" | ".join(cols))
-    for hi, k, km, him in grid or POLICY_GRID:
-        pol = policy_of(predictor.policy, hi, k, km, him)
-        cells = [f"{hi:g}", str(k), str(km), f"{him:g}"]
+    for spec in grid or POLICY_GRID:
+        pol = policy_from_spec(spec, predictor.policy)
+        cells = [f"{pol.hi:g}", str(pol.k_raise), str(pol.k_raise_memory), f"{pol.hi_memory:g}"]
         for name in sets:
             tot = np.zeros(6)
             gd = 0.0
@@ -580,8 +569,7 @@ def main() -> None:
     # policy says (`--targets` reports the rules alone too).
     predictor = FailurePredictor(predictor.model, replace(predictor.policy, **WITH_MODEL))
     if args.policy:
-        policy = policy_of(predictor.policy, *parse_policy(args.policy))
-        predictor = FailurePredictor(predictor.model, policy)
+        predictor = FailurePredictor(predictor.model, policy_from_spec(args.policy, predictor.policy))
     if args.targets:
         print(TARGETS_HEADER)
         for set_name in args.targets.split(","):
@@ -593,7 +581,7 @@ def main() -> None:
     if args.tune:
         grid = None
         if args.grid:
-            grid = [parse_policy(g) for g in args.grid.split(";")]
+            grid = args.grid.split(";")
         tune(args.tune_sets.split(","), predictor, args.cache, grid)
         return
     meta = predictor.model.metadata

@@ -1425,24 +1425,16 @@ def _operator_labels(path: Path) -> list[dict]:
         fail(str(exc))
 
 
-def _parse_policy(text: str | None):  # noqa: ANN202 - AlertPolicy | None
-    """'hi,k,k_memory[,hi_memory]' -> an AlertPolicy (lo = hi / 2; hi_memory defaults to hi, which
-    leaves the memory tier as the general rule with k_memory hops), None when not given."""
-    from fleetwise.predictors.failure import AlertPolicy
+def _parse_policy(text: str | None, base=None):  # noqa: ANN001,ANN202 - AlertPolicy | None
+    """`--policy` -> an AlertPolicy (`policy_from_spec` over `base`), None when not given."""
+    from fleetwise.predictors.failure import policy_from_spec
 
     if not text:
         return None
     try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) not in (3, 4):
-        fail(f"--policy must be 'hi,k,k_memory[,hi_memory]' (e.g. 0.97,6,18,0.7), got {text!r}")
-    hi, k, km = values[:3]
-    hi_memory = values[3] if len(values) == 4 else hi
-    if not 0 < hi <= 1 or not 0 < hi_memory <= 1 or k < 1 or km < 1:
-        fail(f"--policy: hi and hi_memory must be in (0, 1], k and k_memory >= 1, got {text!r}")
-    return AlertPolicy(hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km), hi_memory=hi_memory)
+        return policy_from_spec(text, base)
+    except ValueError as exc:
+        fail(f"--policy: {exc}")
 
 
 @predictor_app.command("train")
@@ -1607,16 +1599,9 @@ def backtest_cmd(
         predictor = FailurePredictor.load(model_dir)
     except (FileNotFoundError, FeatureSchemaError) as exc:
         fail(str(exc))
-    chosen = _parse_policy(policy)
+    chosen = _parse_policy(policy, predictor.policy)
     if chosen is not None:
-        from dataclasses import replace
-
-        # A threshold is the model's: backtesting one turns the model's alerts on.
-        predictor = FailurePredictor(predictor.model, replace(predictor.policy, hi=chosen.hi, lo=chosen.lo,
-                                                              k_raise=chosen.k_raise,
-                                                              k_raise_memory=chosen.k_raise_memory,
-                                                              hi_memory=chosen.hi_memory,
-                                                              model_alerts=True))
+        predictor = FailurePredictor(predictor.model, chosen)
     label_list = _operator_labels(labels)
     steps: list[dict] = []
 

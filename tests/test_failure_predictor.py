@@ -268,3 +268,16 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
     # Rules are never held back.
     out = run(FailurePredictor(stub_model(pol)), first + [0.1], {"xid_bus_hop": [0] * 6 + [1]})
     assert alert_series(out, 7)[-1] is True
+
+
+def test_policy_spec_sets_the_thresholds_over_a_base_and_names_a_bad_one() -> None:
+    from fleetwise.predictors.failure import policy_from_spec
+
+    base = AlertPolicy(m_clear=9, model_alerts=False)
+    pol = policy_from_spec("0.9,3,12,0.6", base)
+    assert (pol.hi, pol.lo, pol.k_raise, pol.k_raise_memory, pol.hi_memory) == (0.9, 0.45, 3, 12, 0.6)
+    assert pol.m_clear == 9 and pol.model_alerts  # the rest from the base; a threshold is the model's
+    assert policy_from_spec("0.8,2,6").hi_memory == 0.8
+    for bad in ("0.9,3", "0.9,x,12", "1.5,3,12", "0.9,0,12", "0.9,3,12,0"):
+        with pytest.raises(ValueError, match="policy"):
+            policy_from_spec(bad)

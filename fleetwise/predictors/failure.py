@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,25 @@ class AlertPolicy:
     # (`--rules-only` on replay / worker / predictor train).
     model_alerts: bool = True
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
+
+
+def policy_from_spec(text: str, base: AlertPolicy | None = None) -> AlertPolicy:
+    """`base` (default `AlertPolicy()`) with the thresholds of 'hi,k,k_memory[,hi_memory]'
+    (lo = hi / 2; hi_memory defaults to hi, which leaves the memory tier as the general rule
+    held k_memory hops) and the model's alerts on: a threshold is the model's. The one reader of
+    the `--policy` spec (CLI and benches). Raises ValueError saying what is wrong."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (3, 4):
+        raise ValueError(f"a policy is 'hi,k,k_memory[,hi_memory]' (e.g. 0.97,6,18,0.7), got {text!r}")
+    hi, k, km = values[:3]
+    hi_memory = values[3] if len(values) == 4 else hi
+    if not 0 < hi <= 1 or not 0 < hi_memory <= 1 or k < 1 or km < 1:
+        raise ValueError(f"in a policy, hi and hi_memory are in (0, 1], k and k_memory >= 1; got {text!r}")
+    return replace(base or AlertPolicy(), hi=hi, lo=hi / 2, k_raise=int(k), k_raise_memory=int(km),
+                   hi_memory=hi_memory, model_alerts=True)
 
 
 @dataclass
