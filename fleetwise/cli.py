@@ -628,14 +628,10 @@ def kube_consumer_cmd(
     import signal
     import threading
 
-    from fleetwise.actuators import KeyringError, keyring_from_env
     from fleetwise.kube.consumer import ClientApi, DryRunApi, KubeConsumer
     from fleetwise.training.transport import KafkaTransport
 
-    try:
-        keyring = keyring_from_env()
-    except KeyringError as exc:
-        fail(str(exc))
+    keyring = _keyring()
     if kubeconfig is not None and not kubeconfig.is_file():
         fail(f"--kubeconfig: {str(kubeconfig)!r} does not exist")
     try:
@@ -1228,7 +1224,8 @@ def _load_policy(path: Path | None):  # -> PolicyConfig
 
 
 def _keyring():  # -> Keyring
-    from fleetwise.actuators import KeyringError, keyring_from_env
+    from fleetwise.actuators import KeyringError
+    from fleetwise.streams.keys import keyring_from_env
 
     try:
         return keyring_from_env()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fleetwise.actuators import Keyring, KeyringError, keyring_from_env, sign, verify_command
+from fleetwise.actuators import Keyring, KeyringError, sign, verify_command
 from fleetwise.schemas import Ack, Command, topic
+from fleetwise.streams.keys import keyring_from_env
 
 OLD = Keyring.parse("k1=first-secret-0123456789")
 ROTATED = Keyring.parse("k2=second-secret-0123456789,k1=first-secret-0123456789")

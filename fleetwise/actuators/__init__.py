@@ -8,7 +8,6 @@ from fleetwise.actuators.signing import (
     Keyring,
     KeyringError,
     Verdict,
-    keyring_from_env,
     sign,
     verify,
     verify_command,
@@ -16,6 +15,6 @@ from fleetwise.actuators.signing import (
 
 __all__ = [
     "ActionPolicy", "FleetState", "Keyring", "KeyringError", "PendingCommand", "PolicyConfig",
-    "PolicyFileError", "Verdict", "command_id", "keyring_from_env", "parse_policy", "policy_yaml",
+    "PolicyFileError", "Verdict", "command_id", "parse_policy", "policy_yaml",
     "sign", "verify", "verify_command",
 ]

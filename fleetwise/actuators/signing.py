@@ -10,15 +10,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fleetwise.schemas import Command
 
 # A development key so replays and demos are signed and verifiable; deployments set their own
-# (FLEETWISE_SIGNING_KEYS or FLEETWISE_SIGNING_KEYS_FILE, see `keyring_from_env`).
+# (FLEETWISE_SIGNING_KEYS or FLEETWISE_SIGNING_KEYS_FILE, read by
+# `fleetwise.streams.keys.keyring_from_env`: reading the environment is the adapters' job).
 DEV_SIGNING_KEY = b"fleetwise-dev-key-not-for-production"
 DEV_KEY_ID = "dev"
 
@@ -75,24 +74,6 @@ class Keyring:
         if not keys:
             raise KeyringError("no signing keys in the specification")
         return cls(keys=keys, active=order[0])
-
-
-def keyring_from_env(environ: Mapping[str, str] | None = None) -> Keyring:
-    """The deployment's keys: FLEETWISE_SIGNING_KEYS (`id=secret,...`), else the file named by
-    FLEETWISE_SIGNING_KEYS_FILE (a mounted secret, one `id=secret` per line), else the dev key.
-
-    The one place keys are read, shared by the worker, the training plugin and the kube consumer.
-    """
-    env = os.environ if environ is None else environ
-    if env.get(ENV_KEYS):
-        return Keyring.parse(env[ENV_KEYS])
-    if env.get(ENV_KEYS_FILE):
-        path = Path(env[ENV_KEYS_FILE])
-        try:
-            return Keyring.parse(path.read_text())
-        except OSError as exc:
-            raise KeyringError(f"{ENV_KEYS_FILE}={path}: {exc.strerror}") from exc
-    return Keyring()
 
 
 def canonical_bytes(command: Command) -> bytes:

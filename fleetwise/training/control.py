@@ -35,10 +35,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from fleetwise.actuators.signing import Keyring, keyring_from_env, verify_command
+from fleetwise.actuators.signing import Keyring, verify_command
 from fleetwise.planner.shares import proportional_shares
 from fleetwise.schemas import Ack, Command
 from fleetwise.schemas import topics as T
+from fleetwise.streams.keys import keyring_from_env
 from fleetwise.training import elastic
 from fleetwise.training.telemetry import ComputeTimer, Outbox, StepReporter, gpu_model
 
