@@ -117,3 +117,35 @@ async def test_drain_waits_for_the_checkpoint_ack_and_resize_for_the_drain_ack(
                                 until=lambda ms: len(ms) >= 3)
     assert [json.loads(m.value)["type"] for m in on(T.AUDIT, prefix, audit)][:3] == [
         "checkpoint", "drain", "resize"]
+
+
+@pytest.mark.kafka
+async def test_a_plan_tombstone_ends_the_job_on_the_worker(kafka_bootstrap: str, namespace):  # noqa: F811
+    """The job's owner withdraws its plan (a null value under the job's key on the compacted
+    plans topic): the worker audits the end with its reason and drops the job's state."""
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+    from fleetwise.streams.kafka_io import start_producer
+
+    prefix, new_worker = namespace
+    worker = new_worker().start()
+    plan = plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job="llm",
+                                strategy=(1, 1, 4)), parse_gpu_spec("h100-sxm:4"))
+    producer = await start_producer(kafka_bootstrap)
+    try:
+        await producer.send_and_wait(topic_name(T.PLANS, prefix), plan.to_json_bytes(), key=b"llm")
+        await producer.send_and_wait(topic_name(T.PLANS, prefix), None, key=b"llm")
+    finally:
+        await producer.stop()
+    try:
+        got = await consume_until(kafka_bootstrap, [topic_name(T.AUDIT, prefix)], timeout_s=60,
+                                  until=lambda ms: worker.check_alive() and any(
+                                      json.loads(m.value).get("event") == "job_ended" for m in ms))
+    except TimeoutError as exc:
+        pytest.fail(f"no job_ended audit event: {exc}\n{worker.log_tail()}")
+    ended = [json.loads(m.value) for m in got if json.loads(m.value).get("event") == "job_ended"]
+    assert len(ended) == 1 and ended[0]["job"] == "llm"
+    assert ended[0]["reason"] == "job llm ended (plan withdrawn): its state is dropped"
+    deadline = time.monotonic() + 30  # the gauge follows at the next checkpoint
+    while worker.metric("fleetwise_policy_jobs_ended") != 1.0:
+        assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
+        time.sleep(0.5)

@@ -22,6 +22,7 @@ from fleetwise.schemas import (
     AuditEvent,
     Command,
     GpuInventory,
+    JobEnd,
     NodeInventory,
     OperatorAction,
     Prediction,
@@ -385,3 +386,52 @@ def test_a_job_that_lost_a_gpu_grows_back_onto_a_joining_gpu_of_the_same_model()
     assert [c.type for c in grow] == ["resize"]  # one GPU was lost: the job grows by one, not two
     assert grow[0].params["join"] == [["n8", 0]] and grow[0].params["replaces"] == [["n1", 3]]
     assert grow[0].params["world_size"] == 8
+
+
+def _planned(job: str = "llm"):
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+
+    return plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job=job,
+                                strategy=(1, 1, 4)), parse_gpu_spec("h100-sxm:4"))
+
+
+def test_an_ended_job_is_forgotten_and_the_same_name_planned_again_is_a_new_run():
+    policy = ActionPolicy()
+    policy.process([_planned("llm"), _planned("other")])
+    rebalance = commands(policy.process([straggler(0, 0.5, T0)]))
+    assert [c.type for c in rebalance] == ["rebalance"]
+    policy.process([ack(rebalance[0], "done", ts=T0 + 5)])
+    ended = audits(policy.process([JobEnd(job="llm", ts=T0 + 60)]))
+    assert [a.event for a in ended] == ["job_ended"] and ended[0].job == "llm"
+    assert ended[0].reason == "job llm ended (plan withdrawn): its state is dropped"
+    assert ended[0].evidence == []
+    assert "llm" not in policy.keys() and "other" in policy.keys() and policy.ended_jobs == 1
+    assert policy.process([JobEnd(job="llm", ts=T0 + 61)]) == []  # a second end: nothing new
+    # The same name planned again is a new run: it gets commands.
+    policy.process([_planned("llm")])
+    assert [c.type for c in commands(policy.process([straggler(0, 0.5, T0 + 120)]))] == ["rebalance"]
+
+
+def test_an_ended_job_with_commands_in_flight_gets_no_more_and_is_dropped_once_they_are_answered():
+    from fleetwise.actuators.policy import RETIRE_SWEEP_MARGIN_S
+
+    policy = ActionPolicy()
+    policy.process([_planned("llm")])
+    checkpoint = commands(policy.process([failure("h100-sxm-n000", 3, rank=3)]))[0]
+    assert checkpoint.type == "checkpoint"
+    ended = audits(policy.process([JobEnd(job="llm", ts=T0 + 10)]))
+    assert ended[0].evidence == [checkpoint.id]
+    assert "once 1 command(s) in flight are answered" in ended[0].reason
+    # Ended: a late straggler prediction naming it rebalances nothing; a failure alert on one of
+    # its GPUs is a GPU in no job (a drain with no checkpoint: no job left to save).
+    assert commands(policy.process([straggler(1, 0.5, T0 + 20)])) == []
+    drain = commands(policy.process([failure("h100-sxm-n000", 2, ts=T0 + 30, rank=2)]))
+    assert [(c.type, c.job) for c in drain] == [("drain", None)]
+    # Its state survives a restart while it waits (the end comes back with it).
+    restored = ActionPolicy()
+    restored.restore("llm", policy.state("llm"))
+    assert restored.jobs["llm"].ended_ts == T0 + 10
+    # The checkpoint answered: the next sweep drops the job.
+    policy.process([ack(checkpoint, "done", ts=T0 + 40)])
+    policy.process([ack(drain[0], "done", ts=T0 + 2 * RETIRE_SWEEP_MARGIN_S)])
+    assert "llm" not in policy.jobs and policy.ended_jobs == 1

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from fleetwise.actuators import ActionPolicy
 from fleetwise.actuators.policy import RETIRE_JOB_S, RETIRE_SWEEP_MARGIN_S
-from fleetwise.schemas import Prediction
+from fleetwise.schemas import AuditEvent, Prediction
 from fleetwise.schemas import topics as T
 from fleetwise.streams.app import StreamProcessor, decode_entry, state_partition
 from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
@@ -143,3 +143,53 @@ def test_policy_keeps_jobs_it_sent_commands_for() -> None:
     for day in range(1, 6):
         policy.process([_prediction(f"other-{day}", 0, T0 + day * RETIRE_JOB_S * 1.2)])
     assert "job-cmd" in policy.jobs and policy.jobs["job-cmd"].seq >= 1
+
+
+def test_planned_jobs_are_forgotten_after_their_plan_tombstone() -> None:
+    """Planned jobs pin their state (a plan says the job exists) until the plan is withdrawn:
+    a tombstone under the job's key on the compacted plans topic, as a job's owner writes it
+    when the job ends. 60 planned jobs back to back, 2 hours each: with the tombstones nothing
+    of them is left (no command was in flight); without them the worker keeps every one."""
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+
+    def run(tombstones: bool) -> tuple[ControlPlane, StreamProcessor]:
+        control = ControlPlane(ControlPlaneConfig(failure_predictor=False))
+        proc = StreamProcessor(control, _Table(), _send, changelog=lambda p, k, v: None)
+        offsets: dict[int, int] = {}
+
+        async def go() -> None:
+            for i in range(60):
+                job, start = f"job-{i:03d}", T0 + i * 2 * HOUR
+                plan = plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job=job,
+                                            strategy=(1, 1, 4)), parse_gpu_spec("h100-sxm:4"))
+                control.handle(T.PLANS.name, control.decode(T.PLANS.name, plan.to_json_bytes(),
+                                                            source=f"plans:{i}", key=job.encode()))
+                for k in range(12):
+                    msgs = _step_messages(job, f"node-{i % 5}", start + k * 600.0, k, offsets)
+                    await proc.process_messages(T.TELEMETRY_STEPS.name, msgs)
+                if tombstones:
+                    tombstone = control.decode(T.PLANS.name, None, source=f"plans:end:{i}", key=job.encode())
+                    routed = control.handle(T.PLANS.name, tombstone)
+                    # Audited with its reason (the detector's closing feature windows route beside it).
+                    assert [r.event for _t, _k, r in routed if isinstance(r, AuditEvent)] == ["job_ended"]
+                await proc.checkpoint()
+
+        asyncio.run(go())
+        return control, proc
+
+    kept, _ = run(tombstones=False)
+    assert len(kept.policy.jobs) == 60 and len(kept.plans) == 60  # the leak the tombstone closes
+    control, proc = run(tombstones=True)
+    assert control.policy.jobs == {} and control.policy.ended_jobs == 60
+    assert control.plans == {}  # withdrawn plans are gone at once
+    assert control.stragglers.keys() == []  # the detector retires an ended job at its tombstone
+    saved = {full for value in proc.table.data.values() for full in decode_entry(value)[0]["other"]}
+    assert saved <= set(control.keys())
+
+
+def test_a_job_end_line_in_a_replay_file_is_read_as_the_tombstone() -> None:
+    control = ControlPlane(ControlPlaneConfig(failure_predictor=False))
+    items = control.decode_obj(None, {"kind": "job_end", "job": "llm", "ts": T0}, source="line 1")
+    assert [type(i).__name__ for i in items] == ["JobEnd"] and items[0].ts == T0
+    bad = control.decode(T.PLANS.name, None, source="plans:0:7")  # a null value with no key
+    assert bad[0].reason == "empty message (no value)"

@@ -35,6 +35,7 @@ from fleetwise.schemas import (
     Ack,
     AuditEvent,
     Command,
+    JobEnd,
     NodeInventory,
     OperatorAction,
     Plan,
@@ -70,6 +71,7 @@ class JobState:
     disruptive_ts: list[float] = field(default_factory=list)
     left: list[GpuKey] = field(default_factory=list)  # GPUs drained out of the job (for resize up)
     last_ts: float | None = None  # newest prediction naming the job (event time)
+    ended_ts: float | None = None  # when its plan was withdrawn (JobEnd): no more commands
 
     def ranks_only(self) -> bool:
         """Whether all it holds is where ranks ran (learned from predictions): nothing that a
@@ -83,7 +85,7 @@ class JobState:
             "plan": self.plan, "shares": {str(d): s for d, s in sorted(self.shares.items())},
             "slow": {str(d): f for d, f in sorted(self.slow.items())}, "seq": self.seq,
             "last_rebalance_ts": self.last_rebalance_ts, "disruptive_ts": list(self.disruptive_ts),
-            "left": [list(k) for k in self.left], "last_ts": self.last_ts,
+            "left": [list(k) for k in self.left], "last_ts": self.last_ts, "ended_ts": self.ended_ts,
         }
 
     @classmethod
@@ -96,6 +98,7 @@ class JobState:
             disruptive_ts=[float(t) for t in d.get("disruptive_ts", [])],
             left=[(k[0], int(k[1])) for k in d.get("left", [])],
             last_ts=None if d.get("last_ts") is None else float(d["last_ts"]),
+            ended_ts=None if d.get("ended_ts") is None else float(d["ended_ts"]),
         )
 
     def dp_of(self, rank: int) -> int:
@@ -127,6 +130,7 @@ class ActionPolicy:
         self.suppressed: dict[str, int] = {}  # rail or reason -> count (metrics)
         self.expired = 0
         self.retired_jobs = 0  # silent jobs dropped by `_retire_silent_jobs` (metrics)
+        self.ended_jobs = 0  # jobs dropped after their JobEnd (metrics)
         cons = self.config.consolidate
         self.utilisation = UtilisationWindow(cons.sustained_s) if cons.mode != "off" else None
         self._next_check: dict[str, float] = {}
@@ -153,6 +157,8 @@ class ActionPolicy:
                 out.extend(self._on_inventory(record))
             elif isinstance(record, Plan):
                 self._on_plan(record)
+            elif isinstance(record, JobEnd):
+                out.extend(self._on_job_end(record))
             elif isinstance(record, OperatorAction):
                 out.extend(self._on_operator(record))
         if self.jobs and math.isfinite(self.newest_ts) and self.newest_ts >= self._next_retire:
@@ -281,6 +287,11 @@ class ActionPolicy:
                      and j.ranks_only() and n not in with_commands]:
             del self.jobs[name]
             self.retired_jobs += 1
+        # Ended jobs whose last commands have been answered (acked, expired or denied).
+        in_flight = {p.command.get("job") for p in self.fleet.open_commands()}
+        for name in [n for n, j in self.jobs.items() if j.ended_ts is not None and n not in in_flight]:
+            del self.jobs[name]
+            self.ended_jobs += 1
 
     def _stale(self, p: Prediction) -> bool:
         return self.newest_by_type.get(p.type, p.ts) - p.ts > self.config.rails.stale_after_s
@@ -288,6 +299,11 @@ class ActionPolicy:
     # -- failure alerts: checkpoint, then drain, then resize ----------------------------------
     def _on_prediction(self, p: Prediction) -> list[Record]:
         job_name = p.job
+        ended = self.jobs.get(job_name) if job_name is not None else None
+        if ended is not None and ended.ended_ts is not None:
+            # Its ranks are gone: a GPU it named is acted on as a GPU in no job.
+            p = p.model_copy(update={"job": None, "rank": None})
+            job_name = None
         if job_name is not None:
             known = self.jobs.get(job_name)
             if (known is not None and known.last_ts is not None and known.ranks_only()
@@ -608,7 +624,7 @@ class ActionPolicy:
         out: list[Record] = []
         pol = self.config.migrate
         gone = self.fleet.out_of_service()
-        for name, job in sorted(self.jobs.items()):
+        for name, job in self._live_jobs():
             if not job.plan or self.fleet.open_commands("migrate") and any(
                     p.command.get("job") == name for p in self.fleet.open_commands("migrate")):
                 continue
@@ -661,7 +677,7 @@ class ActionPolicy:
         """A GPU joined the fleet: the first job (by name) that lost a GPU of the same model to a
         drain grows back onto it. A job's intent, as far as the stream knows it, is the size it
         was planned at, so a job only grows back to that size, never beyond."""
-        for name, job in sorted(self.jobs.items()):
+        for name, job in self._live_jobs():
             lost = next((k for k in job.left if models.get(k) == model), None)
             if lost is None:
                 continue
@@ -677,8 +693,34 @@ class ActionPolicy:
             return self._send(cmd, self.config.resize.mode)
         return []
 
+    def _live_jobs(self) -> list[tuple[str, JobState]]:
+        """The jobs that may still get commands (not ended), in name order."""
+        return [(name, job) for name, job in sorted(self.jobs.items()) if job.ended_ts is None]
+
+    def _on_job_end(self, end: JobEnd) -> list[Record]:
+        """The job is over: its state is dropped now, or, while commands for it are in flight,
+        once they are answered (the retire sweep); until then it gets no more commands and a GPU
+        a late prediction names is acted on as a GPU in no job. A second end changes nothing."""
+        job = self.jobs.get(end.job)
+        if job is None or job.ended_ts is not None:
+            return []
+        # A tombstone carries no event time: the newest the policy has seen stands in for it.
+        ts = end.ts if end.ts is not None else (self.newest_ts if math.isfinite(self.newest_ts) else 0.0)
+        in_flight = sorted(p.id for p in self.fleet.open_commands() if p.command.get("job") == end.job)
+        if in_flight:
+            job.ended_ts = ts
+            job.plan, job.shares, job.slow = None, {}, {}
+            why = (f"job {end.job} ended (plan withdrawn): no more commands for it; its state is dropped "
+                   f"once {len(in_flight)} command(s) in flight are answered")
+        else:
+            del self.jobs[end.job]
+            self.ended_jobs += 1
+            why = f"job {end.job} ended (plan withdrawn): its state is dropped"
+        return self._audit("job_ended", why, ts, target=end.job, job=end.job, evidence=in_flight, once=False)
+
     def _on_plan(self, plan: Plan) -> None:
         job = self._job(plan.job)
+        job.ended_ts = None  # a plan under an ended job's name: the job runs (again)
         job.plan = plan.model_dump(mode="json", exclude_none=True)
         job.ranks = {r.rank: (r.node, r.gpu) for r in plan.ranks}
         job.shares = {}
@@ -708,7 +750,7 @@ class ActionPolicy:
         self.fleet.set_status(key, "in_service", ts, why)
         out = self._audit("gpu_returned", f"{key[0]}/gpu{key[1]} back in service: {why}", ts,
                           target=f"{key[0]}/{key[1]}", node=key[0], gpu=key[1], once=False)
-        for name, job in sorted(self.jobs.items()):
+        for name, job in self._live_jobs():
             if key in job.left:
                 job.left.remove(key)
                 cmd = Command(

@@ -358,6 +358,11 @@ class StragglerDetector:
         self._jobs.pop(name, None)
         return out
 
+    def end_job(self, name: str) -> list[Record]:
+        """The job is over (its plan withdrawn): retire it now, as a silent job is retired."""
+        job = self._jobs.get(name)
+        return [] if job is None else self._retire(name, job)
+
     def _sweep(self, now: float, out: list[Record]) -> None:
         """Retire the jobs silent for more than ``retire_s`` before ``now`` (the newest record's
         event time), in name order; look again a tenth of ``retire_s`` later. A job that

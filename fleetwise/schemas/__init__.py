@@ -13,13 +13,13 @@ from fleetwise.schemas.decisions import (
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import GpuInventory, Nic, NodeInventory
 from fleetwise.schemas.jobs import JobConstraints, JobIntent, ModelShape
-from fleetwise.schemas.plans import Plan, RankPlan
+from fleetwise.schemas.plans import JobEnd, Plan, RankPlan
 from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas.topics import TOPICS, Topic, topic
 
 __all__ = [
     "Ack", "AuditEvent", "Command", "DeadLetter", "FeatureVector", "GpuInventory", "GpuSample",
-    "JobConstraints", "JobIntent", "ModelShape", "Nic", "NodeBatch", "NodeInventory",
+    "JobConstraints", "JobEnd", "JobIntent", "ModelShape", "Nic", "NodeBatch", "NodeInventory",
     "OperatorAction", "Plan", "Prediction", "RankPlan", "Record", "Signal", "TOPICS", "Timestamp",
     "Topic", "TrainingStep", "describe_error", "is_dcgm_blank", "topic",
 ]

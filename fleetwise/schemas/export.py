@@ -11,7 +11,7 @@ from fleetwise.schemas.decisions import Ack, AuditEvent, Command, DeadLetter, Op
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import NodeInventory
 from fleetwise.schemas.jobs import JobIntent, ModelShape
-from fleetwise.schemas.plans import Plan
+from fleetwise.schemas.plans import JobEnd, Plan
 from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
 
 RECORD_TYPES: dict[str, type[BaseModel]] = {
@@ -23,6 +23,7 @@ RECORD_TYPES: dict[str, type[BaseModel]] = {
     "job_intent": JobIntent,
     "feature_vector": FeatureVector,
     "plan": Plan,
+    "job_end": JobEnd,
     "prediction": Prediction,
     "ack": Ack,
     "audit": AuditEvent,

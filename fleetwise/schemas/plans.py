@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
-from fleetwise.schemas._base import Record
+from fleetwise.schemas._base import Record, Timestamp
 
 
 class RankPlan(Record):
@@ -62,3 +64,15 @@ class Plan(Record):
     @property
     def speedup(self) -> float | None:
         return self.uniform_step_s / self.predicted_step_s if self.uniform_step_s else None
+
+
+class JobEnd(Record):
+    """A job is over: its plan is withdrawn and the control plane forgets the job.
+
+    On Kafka it is the tombstone of the job's key on the compacted plans topic (a null value,
+    which also lets compaction delete the plan); in a replay file, and as a value on the plans
+    topic, this record. ``ts`` is None for a tombstone (it carries no event time)."""
+
+    kind: Literal["job_end"] = "job_end"
+    job: str = Field(min_length=1)
+    ts: Timestamp | None = None

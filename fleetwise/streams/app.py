@@ -630,8 +630,7 @@ class StreamProcessor:
                 entries.append((partition, key, value))
         M.WINDOW_STATE_KEYS.set(len(self._place))
         M.WINDOW_STATE_BYTES.set(self._state_bytes)
-        M.POLICY_JOBS.set(len(self.control.policy.jobs))
-        M.POLICY_JOBS_RETIRED.set(self.control.policy.retired_jobs)
+        set_policy_job_gauges(self.control)
         return Snapshot(outputs, entries, dict(self._saved))
 
     async def write(self, snapshot: Snapshot) -> int:
@@ -1188,7 +1187,7 @@ def make_app(
                     name = unprefix.get(tp.topic, tp.topic)
                     for m in messages:
                         source = f"{tp.topic}:{tp.partition}:{m.offset}"
-                        records = control.decode(name, m.value, source=source)
+                        records = control.decode(name, m.value, source=source, key=m.key)
                         async with lock:  # state changes never interleave with a checkpoint
                             routed = control.handle(name, records)
                         for out_topic, key, record in routed:
@@ -1205,11 +1204,21 @@ def make_app(
 
 
 def count_policy_events(routed: Sequence[Routed], control: ControlPlane) -> None:
-    """Audit events by name, and whether the drain circuit breaker is open (alerting rules)."""
+    """Audit events by name, whether the drain circuit breaker is open (alerting rules), and the
+    jobs the policy holds, retired and ended (after every call: a job ends on the context task,
+    which leaves no partition to checkpoint)."""
     for _topic, _key, record in routed:
         if isinstance(record, AuditEvent):
             M.AUDIT_EVENTS.labels(record.event).inc()
     M.BREAKER_OPEN.set(0 if control.policy.breaker_open_since is None else 1)
+    set_policy_job_gauges(control)
+
+
+def set_policy_job_gauges(control: ControlPlane) -> None:
+    policy = control.policy
+    M.POLICY_JOBS.set(len(policy.jobs))
+    M.POLICY_JOBS_RETIRED.set(policy.retired_jobs)
+    M.POLICY_JOBS_ENDED.set(policy.ended_jobs)
 
 
 def _log_failed_checkpoint(task: asyncio.Task) -> None:

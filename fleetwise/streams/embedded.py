@@ -377,6 +377,7 @@ def _topic_of(record: Record) -> str:
         "TrainingStep": T.TELEMETRY_STEPS.name,
         "NodeInventory": T.INVENTORY.name,
         "Plan": T.PLANS.name,
+        "JobEnd": T.PLANS.name,
         "Ack": T.ACKS.name,
         "OperatorAction": T.OPERATOR.name,
     }[name]

@@ -90,6 +90,10 @@ POLICY_JOBS_RETIRED = Gauge(
     "fleetwise_policy_jobs_retired",
     "jobs the action policy dropped as silent since this worker started",
 )
+POLICY_JOBS_ENDED = Gauge(
+    "fleetwise_policy_jobs_ended",
+    "ended jobs (plan tombstone or job_end record) the action policy dropped since this worker started",
+)
 STATE_EVICTED = Counter(
     "fleetwise_state_evicted_keys_total",
     "GPUs whose window state was evicted (idle longest in event time) to keep the worker under its bound",

@@ -29,6 +29,7 @@ from fleetwise.schemas import (
     DeadLetter,
     FeatureVector,
     GpuSample,
+    JobEnd,
     NodeInventory,
     OperatorAction,
     Plan,
@@ -97,13 +98,14 @@ def classify_line(obj: dict[str, Any]) -> str:
         return T.TELEMETRY_GPU.name
     if "gpus" in obj:
         return T.INVENTORY.name
-    if "ranks" in obj and "dp" in obj:
+    if ("ranks" in obj and "dp" in obj) or obj.get("kind") == "job_end":
         return T.PLANS.name
     if "command_id" in obj and "status" in obj:
         return T.ACKS.name
     if obj.get("kind") == "operator":
         return T.OPERATOR.name
-    raise ValueError("not a GPU sample, node batch, training step, inventory, plan, ack or operator record")
+    raise ValueError("not a GPU sample, node batch, training step, inventory, plan, job end, ack or operator "
+                     "record")
 
 
 class ControlPlane:
@@ -158,8 +160,16 @@ class ControlPlane:
             return self.dead_letter(source, reason, json.dumps(raw, default=str), sample.ts)
         return sample
 
-    def decode(self, topic: str, raw: bytes | None, *, source: str) -> list[Item]:
-        """Parse one message or replay line. Bad input becomes a DeadLetter, never an exception."""
+    def decode(self, topic: str, raw: bytes | None, *, source: str, key: bytes | None = None) -> list[Item]:
+        """Parse one message or replay line. Bad input becomes a DeadLetter, never an exception.
+
+        `key`: the Kafka message key; a null value under a job's key on the compacted plans
+        topic is that job's tombstone (a `JobEnd`)."""
+        if raw is None and topic == T.PLANS.name and key:
+            try:
+                return [JobEnd(job=key.decode("utf-8"))]
+            except (UnicodeDecodeError, ValidationError) as exc:
+                return [self.dead_letter(source, f"plan tombstone with an unusable key: {exc}", key)]
         return self.decode_messages(topic, [raw], [source])[0]
 
     def decode_messages(
@@ -256,7 +266,7 @@ class ControlPlane:
             model: type[BaseModel] = {
                 T.TELEMETRY_STEPS.name: TrainingStep,
                 T.INVENTORY.name: NodeInventory,
-                T.PLANS.name: Plan,
+                T.PLANS.name: JobEnd if obj.get("kind") == "job_end" else Plan,
                 T.ACKS.name: Ack,
                 T.OPERATOR.name: OperatorAction,
                 T.PREDICTIONS.name: Prediction,
@@ -331,7 +341,13 @@ class ControlPlane:
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         elif topic == T.PLANS.name:
             for r in good:
-                self.plans[r.job] = r  # type: ignore[attr-defined]
+                if isinstance(r, JobEnd):
+                    # The job is over: nothing of it is kept (a later plan starts it afresh).
+                    self.plans.pop(r.job, None)
+                    if self.stragglers is not None:
+                        out.extend(self._route_outputs(self.stragglers.end_job(r.job)))
+                else:
+                    self.plans[r.job] = r  # type: ignore[attr-defined]
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         elif topic == T.PREDICTIONS.name:
             # Predictions made elsewhere (a file, another system): routed and acted on as ours.
