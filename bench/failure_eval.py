@@ -364,7 +364,7 @@ def _rule_cols() -> list[int]:
     return [FEATURE_NAMES.index(f) for f in RULES]
 
 
-RULES_ONLY = {"model_alerts": False}  # the rules layer alone (the shipped default)
+RULES_ONLY = {"model_alerts": False}  # the rules layer alone (`--rules-only`)
 WITH_MODEL = {"model_alerts": True}  # the model's alerts beside the rules
 
 
