@@ -309,3 +309,43 @@ async def _group_is_stable(broker: SecureBroker, group: str) -> bool:
         await admin.close()
     # DescribeGroups: groups[i] = (error_code, group_id, state, protocol_type, protocol, members, ...)
     return bool(described and described[0].groups and described[0].groups[0][2] == "Stable")
+
+
+@pytest.mark.kafka
+async def test_the_kube_consumer_runs_under_its_own_acls(secure_broker, as_user) -> None:
+    """The real `fleetwise kube consumer` loop (dry run: no cluster) as the kube-consumer user:
+    it reads commands, acks (a command's `requires`), operator actions and plan tombstones (job
+    ends) and writes its acks. Before its ACLs covered all four it failed at its first poll."""
+    from fleetwise.actuators import sign
+
+    await _ensure_registry_topics(secure_broker, as_user)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETWISE_KAFKA_")}
+    env.update(secure_broker.env("kube-consumer"))
+    consumer = subprocess.Popen(
+        [sys.executable, "-m", "fleetwise.cli", "kube", "consumer", "--bootstrap", secure_broker.bootstrap,
+         "--dry-run", "--max-seconds", "120"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        as_user("admin")
+        drain = sign(Command(id=f"drain-kube-acl-{os.getpid()}", type="drain", ts=time.time(),
+                             node="node-000", gpu=0, reason="the kube consumer's ACLs"))
+        await produce_records(secure_broker.bootstrap, T.COMMANDS_KUBE.name, [drain],
+                              key=lambda _r: "node-000")
+        producer = await start_producer(secure_broker.bootstrap)
+        try:
+            await producer.send_and_wait(T.PLANS.name, None, key=b"llm")  # a job's end
+        finally:
+            await producer.stop()
+
+        def acked(ms) -> bool:
+            assert consumer.poll() is None, consumer.communicate()[1][-4000:]
+            return any(json.loads(m.value).get("command_id") == drain.id for m in ms)
+
+        got = await consume_until(secure_broker.bootstrap, [T.ACKS.name], timeout_s=90, until=acked)
+        ack = next(json.loads(m.value) for m in got if json.loads(m.value).get("command_id") == drain.id)
+        assert ack["by"] == "kube-consumer" and ack["status"] in ("applied", "done"), ack
+        assert consumer.poll() is None  # still polling all its topics
+    finally:
+        consumer.terminate()
+        _out, err = consumer.communicate(timeout=30)
+    assert "AuthorizationFailed" not in err, err[-4000:]

@@ -26,7 +26,8 @@ from fleetwise.kube.consumer import (
     required_rbac,
 )
 from fleetwise.kube.render import render_plan
-from fleetwise.schemas import Ack, Command, OperatorAction, Plan, RankPlan
+from fleetwise.schemas import Ack, Command, JobEnd, OperatorAction, Plan, RankPlan
+from fleetwise.schemas import topics as T
 
 KEYS = Keyring.parse("k1=test-secret-one-0123456789")
 NOW = 1_800_000_000.0
@@ -86,6 +87,35 @@ def test_dry_run_prints_calls_and_plays_them_once():
                                                   status="done"))] == ["done"]
     assert sum("PATCH /api/v1/nodes/n1" in line and "unschedulable" in line for line in lines) == 1
     assert sum("/eviction" in line for line in lines) == 1
+
+
+def test_a_job_end_resets_the_job_command_sequence():
+    """The control plane forgets an ended job, so a later run under the same name numbers its
+    commands from 1 again: the consumer forgets the sequence at the job's end too."""
+    consumer = KubeConsumer(DryRunApi(out=lambda _line: None), KEYS, clock=lambda: NOW)
+    assert [a.status for a in consumer.on_command(
+        sign(_cmd(type="drain", job="llm", node="n1", gpu=0, seq=5), KEYS))] == ["done"]
+    replayed = sign(_cmd(type="drain", job="llm", node="n2", gpu=0, seq=1), KEYS)
+    (ack,) = consumer.on_command(replayed)
+    assert ack.status == "rejected" and "out of sequence" in ack.detail
+    consumer.on_job_end(JobEnd(job="other"))  # another job's end changes nothing here
+    assert consumer.on_command(sign(_cmd(type="drain", job="llm", node="n2", gpu=0, seq=2), KEYS))[0].status \
+        == "rejected"
+    consumer.on_job_end(JobEnd(job="llm"))
+    new_run = sign(_cmd(type="drain", job="llm", node="n2", gpu=0, seq=1), KEYS)
+    assert [a.status for a in consumer.on_command(new_run)] == ["done"]
+
+
+def test_the_consumer_loop_reads_job_ends_and_skips_what_is_not_a_record(tmp_path):
+    from fleetwise.training.transport import LocalTransport
+
+    bus = LocalTransport(tmp_path)
+    consumer = KubeConsumer(DryRunApi(out=lambda _line: None), KEYS, clock=lambda: NOW)
+    consumer.last_seq["llm"] = 7
+    with bus.path(T.PLANS.name).open("w") as fh:  # a tombstone, then a value that is no plan
+        fh.write('{"key": "llm", "value": null}\n{"key": "x", "value": {"job": "x"}}\n')
+    consumer.run(bus, max_s=0.3, poll_s=0.05)
+    assert "llm" not in consumer.last_seq
 
 
 # ---- against the API server ------------------------------------------------------------------
@@ -414,7 +444,7 @@ async def test_consumer_over_kafka_acks_on_the_acks_topic(cluster, kafka_bootstr
     from tests.kafka_broker import create_topic, delete_topics
 
     prefix = f"t{uuid.uuid4().hex[:8]}."
-    names = [prefix + t.name for t in (T.COMMANDS_KUBE, T.ACKS, T.OPERATOR)]
+    names = [prefix + t.name for t in (T.COMMANDS_KUBE, T.ACKS, T.OPERATOR, T.PLANS)]
     for name in names:
         await create_topic(kafka_bootstrap, name, partitions=1)
     (node,) = cluster.add_nodes(["h100-sxm"])

@@ -317,7 +317,9 @@ plugin         topic literal   fleetwise.acks               Read,Write,Describe
 plugin         topic literal   fleetwise.telemetry.steps    Write,Describe
 plugin         group prefixed  fleetwise-plugin             Read,Describe
 kube-consumer  topic literal   fleetwise.commands.kube      Read,Describe
-kube-consumer  topic literal   fleetwise.acks               Write,Describe
+kube-consumer  topic literal   fleetwise.acks               Read,Write,Describe
+kube-consumer  topic literal   fleetwise.operator           Read,Describe
+kube-consumer  topic literal   fleetwise.plans              Read,Describe
 kube-consumer  group prefixed  fleetwise-kube               Read,Describe
 EOF
 }

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 from fleetwise.actuators.signing import Keyring, verify_command
 from fleetwise.kube.render import ANN_SUBGROUPS, JOB_LABEL, envelope_configmap_name, pod_group_name
-from fleetwise.schemas import Ack, Command, OperatorAction
+from fleetwise.schemas import Ack, Command, JobEnd, OperatorAction
 
 __all__ = [
     "ANN_COMMANDS",
@@ -850,6 +850,13 @@ class KubeConsumer:
                 out += self._advance(cid)
         return out
 
+    def on_job_end(self, end: JobEnd) -> None:
+        """A job ended (its plan withdrawn): forget its command sequence. The control plane
+        forgets the job too, so a later run under the same name numbers its commands from 1
+        again, and this consumer must not refuse them as replays of the old run's."""
+        if self.last_seq.pop(end.job, None) is not None:
+            self.log.append(f"job {end.job} ended: its command sequence is reset")
+
     def on_operator(self, op: OperatorAction) -> list[Ack]:
         """An operator's GPU return: untaint / uncordon when nothing of the node is drained."""
         if op.action != "return_gpu" or op.node is None:
@@ -938,7 +945,8 @@ class KubeConsumer:
     # -- the loop ----------------------------------------------------------------------------
     def run(self, transport: Any, stop: threading.Event | None = None, poll_s: float = 0.2,
             max_s: float | None = None) -> None:
-        """Poll the command, ack and operator topics and publish acks until `stop` is set."""
+        """Poll the command, ack, operator and plans topics (job ends) and publish acks until
+        `stop` is set."""
         from fleetwise.schemas import topics as T
 
         stop = stop or threading.Event()
@@ -951,6 +959,9 @@ class KubeConsumer:
                 out += self.on_command(cmd)
             for op in transport.poll(T.OPERATOR.name):
                 out += self.on_operator(op)
+            for end in transport.poll(T.PLANS.name):
+                if isinstance(end, JobEnd):
+                    self.on_job_end(end)
             out += self.tick()
             for ack in out:
                 transport.publish(T.ACKS.name, ack.job or ack.node or "-", ack)

@@ -13,7 +13,7 @@ from fleetwise.schemas.decisions import (
 from fleetwise.schemas.features import FeatureVector
 from fleetwise.schemas.inventory import GpuInventory, Nic, NodeInventory
 from fleetwise.schemas.jobs import JobConstraints, JobIntent, ModelShape
-from fleetwise.schemas.plans import JobEnd, Plan, RankPlan
+from fleetwise.schemas.plans import JobEnd, Plan, RankPlan, plans_message
 from fleetwise.schemas.telemetry import GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas.topics import TOPICS, Topic, topic
 
@@ -21,5 +21,5 @@ __all__ = [
     "Ack", "AuditEvent", "Command", "DeadLetter", "FeatureVector", "GpuInventory", "GpuSample",
     "JobConstraints", "JobEnd", "JobIntent", "ModelShape", "Nic", "NodeBatch", "NodeInventory",
     "OperatorAction", "Plan", "Prediction", "RankPlan", "Record", "Signal", "TOPICS", "Timestamp",
-    "Topic", "TrainingStep", "describe_error", "is_dcgm_blank", "topic",
+    "Topic", "TrainingStep", "describe_error", "is_dcgm_blank", "plans_message", "topic",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -76,3 +78,18 @@ class JobEnd(Record):
     kind: Literal["job_end"] = "job_end"
     job: str = Field(min_length=1)
     ts: Timestamp | None = None
+
+
+def plans_message(value: bytes | str | Mapping[str, Any] | None,
+                  key: bytes | str | None = None) -> Plan | JobEnd:
+    """A message of the plans topic: a `Plan`, a `JobEnd` record, or a tombstone (a null value:
+    the end of the job named by `key`). Raises ValidationError / ValueError on anything else."""
+    if value is None:
+        job = key.decode("utf-8") if isinstance(key, bytes) else key
+        if not job:
+            raise ValueError("a plan tombstone (null value) needs the job as its key")
+        return JobEnd(job=job)
+    obj = value if isinstance(value, Mapping) else json.loads(value)
+    if isinstance(obj, Mapping) and obj.get("kind") == "job_end":
+        return JobEnd.model_validate(obj)
+    return Plan.model_validate(obj)

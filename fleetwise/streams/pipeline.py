@@ -37,6 +37,7 @@ from fleetwise.schemas import (
     Record,
     TrainingStep,
     describe_error,
+    plans_message,
 )
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import (
@@ -167,7 +168,7 @@ class ControlPlane:
         topic is that job's tombstone (a `JobEnd`)."""
         if raw is None and topic == T.PLANS.name and key:
             try:
-                return [JobEnd(job=key.decode("utf-8"))]
+                return [plans_message(None, key)]
             except (UnicodeDecodeError, ValidationError) as exc:
                 return [self.dead_letter(source, f"plan tombstone with an unusable key: {exc}", key)]
         return self.decode_messages(topic, [raw], [source])[0]
@@ -263,10 +264,11 @@ class ControlPlane:
                     return self._decode_batch(obj, source, raw_text)
                 sample = GpuSample.model_validate(obj)
                 return [self._check_sample(sample, source, obj)]
+            if kind == T.PLANS.name:
+                return [plans_message(obj)]
             model: type[BaseModel] = {
                 T.TELEMETRY_STEPS.name: TrainingStep,
                 T.INVENTORY.name: NodeInventory,
-                T.PLANS.name: JobEnd if obj.get("kind") == "job_end" else Plan,
                 T.ACKS.name: Ack,
                 T.OPERATOR.name: OperatorAction,
                 T.PREDICTIONS.name: Prediction,

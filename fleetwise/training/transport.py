@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from fleetwise.schemas import Record
+from fleetwise.schemas import Record, plans_message
 from fleetwise.schemas import topics as T
 
 __all__ = ["BusTransport", "KafkaTransport", "LocalTransport", "Transport", "decode_record"]
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -52,12 +55,28 @@ class Transport(Protocol):
         """Release connections and files."""
 
 
-def decode_record(topic: str, value: bytes | str | Mapping[str, Any]) -> Record:
-    """A message value as its topic's record type (the topic registry's `value_type`)."""
+def decode_record(topic: str, value: bytes | str | Mapping[str, Any] | None,
+                  key: bytes | str | None = None) -> Record:
+    """A message value as its topic's record type (the topic registry's `value_type`); on the
+    plans topic also a job's end (a `job_end` record, or a tombstone: a null value under `key`)."""
+    if topic == T.PLANS.name:
+        return plans_message(value, key)
     kind = T.topic(topic).value_type
     if isinstance(value, Mapping):
         return kind.model_validate(value)  # type: ignore[return-value]
     return kind.model_validate_json(value)  # type: ignore[return-value]
+
+
+def _decoded(topic: str, value: Any, key: Any, where: str) -> Record | None:
+    """`decode_record`, or None (logged) for a message that is not its topic's record: one bad
+    message on a shared topic must not stop a consumer (the worker dead-letters it)."""
+    from pydantic import ValidationError
+
+    try:
+        return decode_record(topic, value, key)
+    except (ValidationError, ValueError) as exc:
+        log.warning("skipped %s: not a %s record: %s", where, topic, str(exc).splitlines()[0])
+        return None
 
 
 class LocalTransport:
@@ -104,7 +123,9 @@ class LocalTransport:
                 continue
             obj = json.loads(line)
             if key is None or obj.get("key") == key:
-                out.append(decode_record(topic, obj["value"]))
+                record = _decoded(topic, obj["value"], obj.get("key"), f"{path.name} line")
+                if record is not None:
+                    out.append(record)
         return out
 
     def position(self, topic: str) -> dict[str, int]:
@@ -230,7 +251,9 @@ class KafkaTransport:
                     self._positions.setdefault(topic, {})[str(tp.partition)] = m.offset + 1
                     if key is not None and (m.key or b"").decode("utf-8", "replace") != key:
                         continue
-                    out.append(decode_record(topic, m.value))
+                    record = _decoded(topic, m.value, m.key, f"{tp.topic}:{tp.partition}:{m.offset}")
+                    if record is not None:
+                        out.append(record)
             return out
 
         return self._run(fetch(), 30.0)
