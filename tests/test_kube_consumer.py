@@ -106,6 +106,29 @@ def test_a_job_end_resets_the_job_command_sequence():
     assert [a.status for a in consumer.on_command(new_run)] == ["done"]
 
 
+def test_the_consumer_forgets_old_command_ids_and_keeps_a_bounded_log():
+    """A consumer runs for months: the ids it finished and the `done` acks it saw are kept for
+    RETAIN_IDS_S, its log for LOG_LINES lines. A duplicate older than that is caught by the
+    phase recorded on the cluster (here the dry run's), not acted on again."""
+    from fleetwise.kube.consumer import LOG_LINES, RETAIN_IDS_S
+
+    now = [NOW]
+    consumer = KubeConsumer(DryRunApi(out=lambda _line: None), KEYS, clock=lambda: now[0])
+    old = sign(_cmd(type="drain", node="n0", gpu=0, expires_ts=NOW + 1800), KEYS)
+    assert [a.status for a in consumer.on_command(old)] == ["done"]
+    for i in range(LOG_LINES):  # plenty of API calls
+        now[0] += 1.0
+        consumer.on_command(sign(_cmd(type="drain", node=f"n{i % 50}", gpu=1, ts=now[0]), KEYS))
+    assert len(consumer.log) == LOG_LINES
+    assert old.id in consumer.finished and len(consumer.finished) == LOG_LINES + 1
+    now[0] = NOW + RETAIN_IDS_S + 2 * LOG_LINES
+    consumer.tick()
+    assert len(consumer.finished) == 0 and len(consumer.done_acks) == 0
+    before = list(consumer.log)
+    (ack,) = consumer.on_command(old)
+    assert (ack.status, ack.detail) == ("done", "duplicate") and list(consumer.log) == before
+
+
 def test_the_consumer_loop_reads_job_ends_and_skips_what_is_not_a_record(tmp_path):
     from fleetwise.training.transport import LocalTransport
 

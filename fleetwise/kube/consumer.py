@@ -44,7 +44,8 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -774,6 +775,37 @@ class _Pending:
     acked: set[str] = field(default_factory=set)  # statuses already acked
 
 
+# How long the consumer remembers a command id it finished or saw acked `done`. Commands expire
+# within minutes (`expires_ts`); an older duplicate is still caught by the phase recorded on the
+# cluster. Without a bound, a consumer that runs for months held every id ever seen.
+RETAIN_IDS_S = 86400.0
+LOG_LINES = 1000  # the API calls' log kept in memory (for tests and debugging)
+
+
+class RecentIds:
+    """Command ids, each with when it was first seen (the consumer's clock); `prune` drops those
+    older than a horizon."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def add(self, cid: str, now: float) -> None:
+        self._at.setdefault(cid, now)
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self._at
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def prune(self, before: float) -> None:
+        for cid in [c for c, t in self._at.items() if t < before]:
+            del self._at[cid]
+
+
 class KubeConsumer:
     """Lifecycle and bookkeeping around `decide` (see the module docstring).
 
@@ -789,11 +821,11 @@ class KubeConsumer:
         self.keyring = keyring or Keyring()
         self.namespace = namespace
         self.clock = clock
-        self.done_acks: set[str] = set()  # ids with a `done` ack seen (anyone's)
-        self.finished: set[str] = set()  # ids this consumer completed (fast duplicate path)
+        self.done_acks = RecentIds()  # ids with a `done` ack seen (anyone's)
+        self.finished = RecentIds()  # ids this consumer completed (fast duplicate path)
         self.pending: dict[str, _Pending] = {}
         self.last_seq: dict[str, int] = {}
-        self.log: list[str] = []
+        self.log: deque[str] = deque(maxlen=LOG_LINES)
 
     # -- acks ------------------------------------------------------------------------------
     def _ack(self, command: Command, status: str, detail: str = "",
@@ -820,7 +852,7 @@ class KubeConsumer:
         except Exception as exc:  # noqa: BLE001 - the cluster did not answer: the command failed
             return [self._ack(command, "failed", f"cannot read the cluster: {exc}")]
         if command_phase(self._target_annotations(command, view), command.id) == "done":
-            self.finished.add(command.id)
+            self.finished.add(command.id, self.clock())
             return [self._ack(command, "done", "duplicate")]
         scope = command.job
         verdict = verify_command(command, self.keyring, now=self.clock(),
@@ -830,7 +862,7 @@ class KubeConsumer:
         if command.type not in KUBE_TYPES:
             return [self._ack(command, "rejected", f"type {command.type!r} is not for the kube consumer")]
         if command.dry_run:
-            decision = decide(command, view, done_ids=self.done_acks | set(command.requires),
+            decision = decide(command, view, done_ids=set(self.done_acks) | set(command.requires),
                               now=self.clock())
             return [self._ack(command, "rejected", "dry run: not applied",
                               {"actions": [a.describe() for a in decision.actions + decision.finish]})]
@@ -843,7 +875,7 @@ class KubeConsumer:
         """An ack on `fleetwise.acks`: a `done` may release commands waiting on `requires`."""
         if ack.status != "done" or ack.command_id in self.done_acks:
             return []
-        self.done_acks.add(ack.command_id)
+        self.done_acks.add(ack.command_id, self.clock())
         out: list[Ack] = []
         for cid, p in list(self.pending.items()):
             if ack.command_id in p.command.requires:
@@ -876,12 +908,16 @@ class KubeConsumer:
         failed = self._execute(decision.actions + decision.finish)
         if failed:
             return [self._ack(ref, "failed", failed)]
-        self.finished.add(cid)
+        self.finished.add(cid, self.clock())
         calls = [a.describe() for a in decision.actions + decision.finish]
         return [self._ack(ref, "done", decision.detail, {"actions": calls})]
 
     def tick(self) -> list[Ack]:
-        """Retry what waits on the cluster (an eviction a PodDisruptionBudget refused)."""
+        """Retry what waits on the cluster (an eviction a PodDisruptionBudget refused); forget
+        ids older than `RETAIN_IDS_S`."""
+        horizon = self.clock() - RETAIN_IDS_S
+        self.finished.prune(horizon)
+        self.done_acks.prune(horizon)
         out: list[Ack] = []
         for cid, p in list(self.pending.items()):
             if not [r for r in p.command.requires if r not in self.done_acks]:
@@ -908,7 +944,7 @@ class KubeConsumer:
             view = view or self.api.view(cmd, self.namespace)
         except Exception as exc:  # noqa: BLE001
             return [self._ack(cmd, "failed", f"cannot read the cluster: {exc}")]
-        decision = decide(cmd, view, done_ids=self.done_acks, now=self.clock())
+        decision = decide(cmd, view, done_ids=set(self.done_acks), now=self.clock())
         if decision.error:
             del self.pending[cid]
             return [self._ack(cmd, "failed", decision.error)]
@@ -929,8 +965,8 @@ class KubeConsumer:
             return out
         if decision.done:
             del self.pending[cid]
-            self.finished.add(cid)
-            self.done_acks.add(cid)  # a later command may require this one
+            self.finished.add(cid, self.clock())
+            self.done_acks.add(cid, self.clock())  # a later command may require this one
             out.append(self._ack(cmd, "done", decision.detail, actions))
         elif "applied" not in p.acked and (
                 decision.actions or command_phase(self._target_annotations(cmd, view), cid) == "applied"):
@@ -966,5 +1002,5 @@ class KubeConsumer:
             for ack in out:
                 transport.publish(T.ACKS.name, ack.job or ack.node or "-", ack)
                 if ack.status == "done":
-                    self.done_acks.add(ack.command_id)
+                    self.done_acks.add(ack.command_id, self.clock())
             stop.wait(poll_s)
