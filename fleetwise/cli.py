@@ -1332,6 +1332,45 @@ def gpu_return(
                                   by=by, reason=reason), bootstrap)
 
 
+job_app = typer.Typer(help="The jobs the control plane knows.", no_args_is_help=True)
+app.add_typer(job_app, name="job")
+
+
+@job_app.command("end")
+def job_end(
+    job: str = typer.Argument(..., help="The job's name (the key of its plan on fleetwise.plans)."),
+    bootstrap: str | None = typer.Option(None, "--bootstrap", envvar="FLEETWISE_BOOTSTRAP",
+                                         help="Kafka bootstrap; without it the job_end record is printed "
+                                         "(append it to a replay trace)."),
+    ts: str | None = typer.Option(None, "--ts", help="Event time of the printed record (Unix s or RFC 3339; "
+                                  "default now). A tombstone carries none."),
+) -> None:
+    """End a job: withdraw its plan (a tombstone under its key on fleetwise.plans). The control
+    plane then forgets the job, and the kube consumer its command sequence."""
+    from fleetwise.schemas import JobEnd
+    from fleetwise.schemas import topics as T
+
+    if not job.strip():
+        fail("JOB must not be empty")
+    if bootstrap is None:
+        print(JobEnd(job=job, ts=_operator_ts(ts)).to_json())
+        return
+    from fleetwise.streams.kafka_io import run, start_producer
+
+    async def tombstone() -> None:
+        producer = await start_producer(bootstrap)
+        try:
+            await producer.send_and_wait(T.PLANS.name, None, key=job.encode())
+        finally:
+            await producer.stop()
+
+    try:
+        run(tombstone())
+    except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
+        fail(f"could not publish to {bootstrap}: {exc}")
+    console.print(f"ended job {job}: tombstone on {T.PLANS.name} on {bootstrap}", highlight=False)
+
+
 # ---- predictor -------------------------------------------------------------------------------
 predictor_app = typer.Typer(help="Failure predictor: reproducible training.", no_args_is_help=True)
 app.add_typer(predictor_app, name="predictor")

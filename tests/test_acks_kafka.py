@@ -149,3 +149,32 @@ async def test_a_plan_tombstone_ends_the_job_on_the_worker(kafka_bootstrap: str,
     while worker.metric("fleetwise_policy_jobs_ended") != 1.0:
         assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
         time.sleep(0.5)
+
+
+@pytest.mark.kafka
+async def test_the_job_end_verb_writes_the_tombstone(kafka_bootstrap: str):
+    """`fleetwise job end JOB --bootstrap` writes what the worker reads as the job's end (a null
+    value under the job's key on fleetwise.plans); without --bootstrap it prints the replay line."""
+    import asyncio
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+    from fleetwise.streams.pipeline import ControlPlane
+
+    job = f"job-end-{uuid.uuid4().hex[:8]}"
+    printed = CliRunner().invoke(app, ["job", "end", job, "--ts", "2025-12-01T00:00:00Z"])
+    assert printed.exit_code == 0, printed.output
+    (line,) = printed.output.strip().splitlines()
+    (end,) = ControlPlane().decode_obj(None, json.loads(line), source="line 1")
+    assert (type(end).__name__, end.job, end.ts) == ("JobEnd", job, 1764547200.0)
+
+    # The verb runs its own event loop: off this test's.
+    sent = await asyncio.to_thread(CliRunner().invoke, app,
+                                   ["job", "end", job, "--bootstrap", kafka_bootstrap])
+    assert sent.exit_code == 0, sent.output
+    got = await consume_until(kafka_bootstrap, [T.PLANS.name], timeout_s=60,
+                              until=lambda ms: any(m.key == job for m in ms))
+    (tomb,) = [m for m in got if m.key == job]
+    assert tomb.value is None

@@ -334,7 +334,7 @@ class Consumed:
     partition: int
     offset: int
     key: str | None
-    value: bytes
+    value: bytes | None  # None: a tombstone (a compacted topic's deletion of the key)
     timestamp_ms: int
     headers: tuple[tuple[str, bytes], ...] = field(default_factory=tuple)
 
@@ -415,7 +415,7 @@ async def consume_until(
                             partition=tp.partition,
                             offset=m.offset,
                             key=m.key.decode("utf-8", "replace") if m.key is not None else None,
-                            value=m.value if m.value is not None else b"",
+                            value=m.value,
                             timestamp_ms=m.timestamp,
                             headers=tuple((k, v) for k, v in (m.headers or ())),
                         )
