@@ -1355,17 +1355,10 @@ def job_end(
     if bootstrap is None:
         print(JobEnd(job=job, ts=_operator_ts(ts)).to_json())
         return
-    from fleetwise.streams.kafka_io import run, start_producer
-
-    async def tombstone() -> None:
-        producer = await start_producer(bootstrap)
-        try:
-            await producer.send_and_wait(T.PLANS.name, None, key=job.encode())
-        finally:
-            await producer.stop()
+    from fleetwise.streams.kafka_io import produce_records, run
 
     try:
-        run(tombstone())
+        run(produce_records(bootstrap, T.PLANS.name, [None], key=job))
     except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
         fail(f"could not publish to {bootstrap}: {exc}")
     console.print(f"ended job {job}: tombstone on {T.PLANS.name} on {bootstrap}", highlight=False)

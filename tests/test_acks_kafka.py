@@ -124,18 +124,13 @@ async def test_a_plan_tombstone_ends_the_job_on_the_worker(kafka_bootstrap: str,
     """The job's owner withdraws its plan (a null value under the job's key on the compacted
     plans topic): the worker audits the end with its reason and drops the job's state."""
     from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
-    from fleetwise.streams.kafka_io import start_producer
 
     prefix, new_worker = namespace
     worker = new_worker().start()
     plan = plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job="llm",
                                 strategy=(1, 1, 4)), parse_gpu_spec("h100-sxm:4"))
-    producer = await start_producer(kafka_bootstrap)
-    try:
-        await producer.send_and_wait(topic_name(T.PLANS, prefix), plan.to_json_bytes(), key=b"llm")
-        await producer.send_and_wait(topic_name(T.PLANS, prefix), None, key=b"llm")
-    finally:
-        await producer.stop()
+    # The plan, then its tombstone (a null value under the job's key).
+    await produce_records(kafka_bootstrap, topic_name(T.PLANS, prefix), [plan, None], key="llm")
     try:
         got = await consume_until(kafka_bootstrap, [topic_name(T.AUDIT, prefix)], timeout_s=60,
                                   until=lambda ms: worker.check_alive() and any(

@@ -331,11 +331,7 @@ async def test_the_kube_consumer_runs_under_its_own_acls(secure_broker, as_user)
                              node="node-000", gpu=0, reason="the kube consumer's ACLs"))
         await produce_records(secure_broker.bootstrap, T.COMMANDS_KUBE.name, [drain],
                               key=lambda _r: "node-000")
-        producer = await start_producer(secure_broker.bootstrap)
-        try:
-            await producer.send_and_wait(T.PLANS.name, None, key=b"llm")  # a job's end
-        finally:
-            await producer.stop()
+        await produce_records(secure_broker.bootstrap, T.PLANS.name, [None], key="llm")  # a job's end
 
         def acked(ms) -> bool:
             assert consumer.poll() is None, consumer.communicate()[1][-4000:]

@@ -182,9 +182,10 @@ def record_key(record: BaseModel) -> str:
     raise TypeError(f"no registry key rule for {type(record).__name__}")
 
 
-def encode_record(record: BaseModel | bytes | str | Mapping[str, Any]) -> bytes:
-    """JSON bytes for a record; bytes pass through untouched (to send deliberately bad input)."""
-    if isinstance(record, bytes):
+def encode_record(record: BaseModel | bytes | str | Mapping[str, Any] | None) -> bytes | None:
+    """JSON bytes for a record; bytes pass through untouched (to send deliberately bad input);
+    None stays None (a tombstone: the deletion of its key on a compacted topic)."""
+    if record is None or isinstance(record, bytes):
         return record
     if isinstance(record, str):
         return record.encode("utf-8")
@@ -274,13 +275,13 @@ async def start_producer(bootstrap: str, *, idempotent: bool = True, linger_ms: 
 async def send_records(
     producer: Any,
     topic: str,
-    records: Iterable[BaseModel | bytes | str | Mapping[str, Any]],
+    records: Iterable[BaseModel | bytes | str | Mapping[str, Any] | None],
     *,
     key: str | Callable[[Any], str] | None = None,
     stamp_produced_at: bool = True,
     wait: bool = True,
 ) -> int:
-    """Send records as JSON to `topic`; returns how many were sent.
+    """Send records as JSON to `topic` (None: a tombstone under `key`); returns how many were sent.
 
     `key`: a fixed key, a function of the record, or None for the registry rule
     (`record_key`; raw bytes/str then go without a key). With `wait`, returns after the
@@ -312,7 +313,7 @@ async def send_records(
 async def produce_records(
     bootstrap: str,
     topic: str,
-    records: Iterable[BaseModel | bytes | str | Mapping[str, Any]],
+    records: Iterable[BaseModel | bytes | str | Mapping[str, Any] | None],
     *,
     key: str | Callable[[Any], str] | None = None,
     idempotent: bool = True,
