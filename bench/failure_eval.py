@@ -112,6 +112,13 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("val-dr-102", "", 7, 102, 40, 300, "train"),
         TraceSpec("fa-val-dr-110", "h100-sxm:192,a100-sxm-80gb:128,h200:192", 14, 110, 3, 300, "train"),
     ],
+    # More false-alarm exposure from the training family (members neither trained on nor in
+    # val-dr/test-dr), at a realistic failure rate: 21,500 GPU-days, twice val-dr's, so that
+    # choices no longer hinge on one false alarm (docs/benchmarks.md, "fit seeds").
+    "fa-val-dr-wide": [
+        TraceSpec("fa-val-dr-111", "h100-sxm:192,a100-sxm-80gb:192,h200:128", 21, 111, 3, 300, "train"),
+        TraceSpec("fa-val-dr-112", "h200:256,a100-sxm-80gb:128,h100-sxm:128", 21, 112, 3, 300, "train"),
+    ],
     # In-distribution held-out set of the randomised family: members neither trained on
     # (0-11) nor tuned on (100-110), so the shifted family's figures have a baseline beside them.
     "test-dr": [
