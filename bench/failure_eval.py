@@ -11,6 +11,7 @@ Sets of traces, none used in training (the packaged model: members 0-11 of the r
   false alarms per 1,000 GPU-days with enough exposure.
 
 The randomised-family sets (issue 16): "val-dr" (tuning: members never trained on),
+"fa-val-dr-wide" (more false-alarm exposure of the same family at a realistic failure rate),
 "test-dr" (held out, same family) and "shifted" (another family, never trained or tuned on:
 the evaluation that can fail):
 
