@@ -641,7 +641,7 @@ def kube_consumer_cmd(
         fail(f"cannot load cluster credentials: {exc}")
     api = DryRunApi(reader=live, out=lambda line: console.print(line, highlight=False, soft_wrap=True)) \
         if dry_run else live
-    consumer = KubeConsumer(api, keyring, namespace=namespace)
+    consumer = KubeConsumer(api, keyring, namespace=namespace, operator_keys=_operator_keys())
     transport = KafkaTransport(bootstrap, prefix=prefix, from_beginning=from_beginning)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -794,7 +794,8 @@ def replay(
     if acks not in ("simulated", "none"):
         fail(f"--acks must be simulated or none, got {acks!r}")
     config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops,
-                                policy=_load_policy(policy), keyring=_keyring(), model_alerts=model_alerts)
+                                policy=_load_policy(policy), keyring=_keyring(),
+                                operator_keys=_operator_keys(), model_alerts=model_alerts)
     control = ControlPlane(config)
     with replay_process():
         runtime = run_replay(traces, out, inventory=inventory, features=features, control=control,
@@ -1233,6 +1234,16 @@ def _keyring():  # -> Keyring
         fail(f"signing keys: {exc}")
 
 
+def _operator_keys():  # -> Keyring
+    from fleetwise.actuators import KeyringError
+    from fleetwise.streams.keys import operator_keyring_from_env
+
+    try:
+        return operator_keyring_from_env()
+    except KeyringError as exc:
+        fail(f"operator keys: {exc}")
+
+
 policy_app = typer.Typer(help="Operator policy files: check one, or print the defaults.",
                          no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
@@ -1263,7 +1274,11 @@ def policy_show() -> None:
 
 
 def _send_operator(action, bootstrap: str | None) -> None:  # action: OperatorAction
-    """Publish an operator action on fleetwise.operator, or print it (a replay input line)."""
+    """Sign an operator action with the operators' active key and publish it on
+    fleetwise.operator, or print it (a replay input line)."""
+    from fleetwise.actuators import sign
+
+    action = sign(action, _operator_keys())
     if bootstrap is None:
         print(action.to_json())
         return
@@ -1732,6 +1747,7 @@ def worker(
                    checkpoint_interval_s=checkpoint_interval,
                    control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops,
                                                            policy=_load_policy(policy), keyring=_keyring(),
+                                                           operator_keys=_operator_keys(),
                                                            model_alerts=model_alerts)))
     except ConnectionError as exc:
         fail(str(exc))

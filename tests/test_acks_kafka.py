@@ -173,3 +173,49 @@ async def test_the_job_end_verb_writes_the_tombstone(kafka_bootstrap: str):
                               until=lambda ms: any(m.key == job for m in ms))
     (tomb,) = [m for m in got if m.key == job]
     assert tomb.value is None
+
+
+@pytest.mark.kafka
+async def test_an_approval_acts_only_when_signed_under_the_operators_key(
+    kafka_bootstrap: str, namespace, tmp_path,  # noqa: F811
+):
+    """With failures held for approval: an approval signed under a key the worker does not hold
+    is refused (an `operator_rejected` audit event with the reason, no command); the same
+    approval under the operators' key releases the held checkpoint."""
+    from fleetwise.actuators import operator_keyring, sign
+    from fleetwise.schemas import OperatorAction
+
+    ops = "ops-1=the-operators-secret-0123456789"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("failure: {mode: approve}\n")
+    prefix, new_worker = namespace
+    worker = new_worker("--policy", str(policy), env={"FLEETWISE_OPERATOR_KEYS": ops})
+    worker.start()
+    await produce(kafka_bootstrap, prefix, xid_batches())
+
+    def audit_events(ms) -> list[dict]:
+        records = [json.loads(m.value) for m in on(T.AUDIT, prefix, ms)]
+        return [r for r in records if r.get("kind") == "audit"]
+
+    async def audit_until(event: str) -> dict:
+        try:
+            got = await consume_until(kafka_bootstrap, [topic_name(T.AUDIT, prefix)], timeout_s=90,
+                                      until=lambda ms: worker.check_alive()
+                                      and any(e["event"] == event for e in audit_events(ms)))
+        except TimeoutError as exc:
+            pytest.fail(f"no {event} audit event: {exc}\n{worker.log_tail()}")
+        return next(e for e in audit_events(got) if e["event"] == event)
+
+    held = await audit_until("awaiting_approval")
+    approve = OperatorAction(ts=START_TS + 3600, action="approve", command_id=held["command_id"], by="ops")
+    wrong = sign(approve, operator_keyring())  # the development operator key: not this fleet's
+    await produce_records(kafka_bootstrap, topic_name(T.OPERATOR, prefix), [wrong], key=record_key)
+    refused = await audit_until("operator_rejected")
+    assert refused["command_id"] == held["command_id"]
+    assert "unknown key id 'dev-operator'" in refused["reason"]
+
+    right = sign(approve, Keyring.parse(ops))
+    await produce_records(kafka_bootstrap, topic_name(T.OPERATOR, prefix), [right], key=record_key)
+    got = await commands_until(kafka_bootstrap, prefix, "checkpoint", worker)
+    assert [c.id for c in got if c.type == "checkpoint"] == [held["command_id"]]
+    assert verify_command(got[0], Keyring(), now=got[0].ts, job="llm")

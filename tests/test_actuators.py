@@ -11,11 +11,13 @@ from fleetwise.actuators import (
     Keyring,
     PolicyConfig,
     PolicyFileError,
+    operator_keyring,
     parse_policy,
     policy_yaml,
     sign,
     verify,
     verify_command,
+    verify_operator,
 )
 from fleetwise.schemas import (
     Ack,
@@ -37,6 +39,11 @@ def failure(node: str, gpu: int, ts: float = T0, job: str | None = "llm", rank: 
     return Prediction(id=f"failure:{node}/{gpu}:{int(ts)}", type="failure", ts=ts, node=node, gpu=gpu,
                       job=job, rank=rank, probability=0.95, horizon_h=horizon_h, alert=alert,
                       signals=[Signal(name="source", value="model"), Signal(name="sbe_rate_6h", value=40.0)])
+
+
+def operator(**fields) -> OperatorAction:
+    """An operator action as `fleetwise approve` / `gpu return` send it: signed (dev operator key)."""
+    return sign(OperatorAction(**fields), operator_keyring())
 
 
 def straggler(rank: int, factor: float, ts: float, alert: bool = True, job: str = "llm") -> Prediction:
@@ -103,7 +110,7 @@ def test_a_gpu_is_never_drained_twice_across_jobs_and_comes_back_by_inventory_or
     assert policy.fleet.status(("n1", 5)) == "in_service"
     again = commands(policy.process([failure("n1", 5, ts=T0 + 6000, job=None)]))
     policy.process([ack(again[0], "done", ts=T0 + 6100)])
-    policy.process([OperatorAction(ts=T0 + 7000, action="return_gpu", node="n1", gpu=5, reason="RMA done")])
+    policy.process([operator(ts=T0 + 7000, action="return_gpu", node="n1", gpu=5, reason="RMA done")])
     assert policy.fleet.status(("n1", 5)) == "in_service"
 
 
@@ -216,13 +223,55 @@ def test_approval_mode_holds_commands_until_an_operator_approves():
     out = policy.process([failure("n1", 3, job=None)])
     held = audits(out)[0]
     assert commands(out) == [] and held.event == "awaiting_approval" and held.command_id in held.reason
-    approve = OperatorAction(ts=T0 + 100, action="approve", command_id=held.command_id)
+    approve = operator(ts=T0 + 100, action="approve", command_id=held.command_id)
     sent = commands(policy.process([approve]))
     assert [c.id for c in sent] == [held.command_id] and sent[0].ts == T0 + 100 and verify(sent[0])
     off = ActionPolicy(PolicyConfig.model_validate({"failure": {"mode": "off"}}))
     assert commands(off.process([failure("n1", 3, job=None)])) == []
-    unknown = policy.process([OperatorAction(ts=T0 + 200, action="approve", command_id="drain-nope")])
+    unknown = policy.process([operator(ts=T0 + 200, action="approve", command_id="drain-nope")])
     assert unknown == [] and policy.suppressed["operator_unknown_command"] == 1
+
+
+def test_operator_actions_act_only_when_signed_under_the_operators_keys():
+    cfg = PolicyConfig.model_validate({"failure": {"mode": "approve"}})
+    policy = ActionPolicy(cfg)
+    held = audits(policy.process([failure("n1", 3, job=None)]))[0]
+    approve = OperatorAction(ts=T0 + 100, action="approve", command_id=held.command_id, by="mallory")
+    forged = operator(ts=T0 + 100, action="approve", command_id="drain-other").model_copy(
+        update={"command_id": held.command_id})
+    refused = [
+        (approve, "unsigned: the operator action carries no signature"),
+        (sign(approve, Keyring()), "unknown key id 'dev'"),  # the command key is not an operator's
+        (forged, "bad signature under key 'dev-operator': forged or altered"),
+    ]
+    for action, reason in refused:
+        out = policy.process([action])
+        assert commands(out) == [], reason
+        [event] = audits(out)
+        assert event.event == "operator_rejected" and reason in event.reason
+        assert event.command_id == held.command_id
+        assert policy.fleet.commands[held.command_id].status == "held"
+    # A worker that does not hold the command stays quiet (another worker reports it).
+    other = ActionPolicy(cfg)
+    assert other.process([approve]) == [] and other.suppressed["operator_rejected"] == 1
+    # Rotation: a keyring holding the old and the new operator key verifies both.
+    ring = Keyring.parse("op-new=new-operator-secret-0123,"
+                         "dev-operator=fleetwise-dev-operator-key-not-for-production")
+    assert verify_operator(operator(ts=T0, action="deny", command_id="x"), ring)
+    rotated = ActionPolicy(cfg, operator_keys=ring)
+    held2 = audits(rotated.process([failure("n2", 1, job=None)]))[0]
+    sent = commands(rotated.process([sign(OperatorAction(ts=T0 + 50, action="approve",
+                                                         command_id=held2.command_id), ring)]))
+    assert [c.id for c in sent] == [held2.command_id]
+    # An unsigned return of a drained GPU leaves it out of service.
+    drained = ActionPolicy()
+    drain = commands(drained.process([failure("n1", 5, job=None)]))[0]
+    drained.process([ack(drain, "done", ts=T0 + 10)])
+    [event] = audits(drained.process([OperatorAction(ts=T0 + 20, action="return_gpu", node="n1", gpu=5)]))
+    assert event.event == "operator_rejected" and (event.node, event.gpu) == ("n1", 5)
+    assert drained.fleet.status(("n1", 5)) == "drained"
+    drained.process([operator(ts=T0 + 30, action="return_gpu", node="n1", gpu=5)])
+    assert drained.fleet.status(("n1", 5)) == "in_service"
 
 
 def test_dry_run_signing_keys_and_state_round_trip():
@@ -318,7 +367,7 @@ def _run(events: list, policy: ActionPolicy, fleet_cap: int = 3) -> list:
         elif kind == "slow":
             recs = [straggler(a, b, ts, alert=c)]
         else:
-            recs = [OperatorAction(ts=ts, action="return_gpu", node=a[0], gpu=a[1])]
+            recs = [operator(ts=ts, action="return_gpu", node=a[0], gpu=a[1])]
             drain_of.pop(a, None)  # back in service: it may be drained again
         produced = policy.process(recs)
         if kind == "fail" and c:  # a consumer that answers at once: ack each command done, in turn
@@ -435,3 +484,22 @@ def test_an_ended_job_with_commands_in_flight_gets_no_more_and_is_dropped_once_t
     policy.process([ack(checkpoint, "done", ts=T0 + 40)])
     policy.process([ack(drain[0], "done", ts=T0 + 2 * RETIRE_SWEEP_MARGIN_S)])
     assert "llm" not in policy.jobs and policy.ended_jobs == 1
+
+
+def test_operator_verbs_sign_with_the_operators_key_from_the_environment():
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    env = {"FLEETWISE_OPERATOR_KEYS": "ops-2026=an-operator-secret-0123456789"}
+    out = CliRunner().invoke(app, ["gpu", "return", "node-3/5", "--ts", "2025-12-01T00:00:00Z",
+                                   "--reason", "RMA-7"], env=env)
+    assert out.exit_code == 0, out.output
+    action = OperatorAction.model_validate_json(out.output.strip())
+    assert (action.node, action.gpu, action.key_id) == ("node-3", 5, "ops-2026")
+    assert verify_operator(action, Keyring.parse(env["FLEETWISE_OPERATOR_KEYS"]))
+    assert not verify_operator(action, operator_keyring())  # a consumer without that key refuses it
+    approve = CliRunner().invoke(app, ["approve", "drain-n1-3", "--ts", "2025-12-01T00:00:00Z"])
+    assert verify_operator(OperatorAction.model_validate_json(approve.output.strip()), operator_keyring())
+    bad = CliRunner().invoke(app, ["approve", "drain-n1-3"], env={"FLEETWISE_OPERATOR_KEYS": "short=abc"})
+    assert bad.exit_code != 0 and "operator keys: key 'short'" in bad.output

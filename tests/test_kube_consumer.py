@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from fleetwise.actuators import Keyring, sign
+from fleetwise.actuators import Keyring, operator_keyring, sign
 from fleetwise.kube.consumer import (
     ANN_COMMANDS,
     DRAIN_TAINT,
@@ -284,8 +284,12 @@ def test_drain_waits_for_the_checkpoint_then_evicts_and_is_idempotent(cluster):
     assert len(_events(cluster, target)) == 1
     assert cluster.pod_group("llm")["spec"]["minMember"] == 2
 
-    # A return of the GPU: untainted and uncordoned.
-    acks = consumer.on_operator(OperatorAction(ts=NOW + 60, action="return_gpu", node=target, gpu=3))
+    # An unsigned return is refused and changes nothing; a signed one untaints and uncordons.
+    unsigned = OperatorAction(ts=NOW + 60, action="return_gpu", node=target, gpu=3)
+    assert _statuses(consumer.on_operator(unsigned)) == [
+        ("rejected", "unsigned: the operator action carries no signature")]
+    assert cluster.node(target).spec.unschedulable and DRAIN_TAINT in _taints(cluster.node(target))
+    acks = consumer.on_operator(sign(unsigned, operator_keyring()))
     assert [a.status for a in acks] == ["done"]
     node = cluster.node(target)
     assert not node.spec.unschedulable and DRAIN_TAINT not in _taints(node)

@@ -25,7 +25,7 @@ import time
 import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -133,19 +133,21 @@ def sim_messages(seed: int) -> list[tuple[str, bytes]]:
 class Worker:
     """`python -m fleetwise.cli worker` in a subprocess, with its own metrics port."""
 
-    def __init__(self, bootstrap: str, prefix: str, app_id: str, log: Path) -> None:
+    def __init__(self, bootstrap: str, prefix: str, app_id: str, log: Path,
+                 args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         self.bootstrap, self.prefix, self.app_id, self.log_path = bootstrap, prefix, app_id, log
+        self.args, self.env = list(args), dict(env or {})  # more worker options, environment
         self.metrics_port = _free_port()
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Worker:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetwise.cli", "worker", "--bootstrap", self.bootstrap,
              "--app-id", self.app_id, "--topic-prefix", self.prefix,
              "--metrics-port", str(self.metrics_port), "--checkpoint-interval", "1",
-             "--loglevel", os.environ.get("FLEETWISE_TEST_LOGLEVEL", "info")],
+             "--loglevel", os.environ.get("FLEETWISE_TEST_LOGLEVEL", "info"), *self.args],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         return self
@@ -269,8 +271,9 @@ def namespace(kafka_bootstrap: str, tmp_path: Path):
     asyncio.run(ensure_topics(kafka_bootstrap, prefix=prefix))
     workers: list[Worker] = []
 
-    def new_worker() -> Worker:
-        w = Worker(kafka_bootstrap, prefix, f"fw-test-{tag}", tmp_path / f"worker{len(workers)}.log")
+    def new_worker(*args: str, env: Mapping[str, str] | None = None) -> Worker:
+        w = Worker(kafka_bootstrap, prefix, f"fw-test-{tag}", tmp_path / f"worker{len(workers)}.log",
+                   args, env)
         workers.append(w)
         return w
 

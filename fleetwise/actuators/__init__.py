@@ -8,13 +8,15 @@ from fleetwise.actuators.signing import (
     Keyring,
     KeyringError,
     Verdict,
+    operator_keyring,
     sign,
     verify,
     verify_command,
+    verify_operator,
 )
 
 __all__ = [
     "ActionPolicy", "FleetState", "Keyring", "KeyringError", "PendingCommand", "PolicyConfig",
     "PolicyFileError", "Verdict", "command_id", "parse_policy", "policy_yaml",
-    "sign", "verify", "verify_command",
+    "operator_keyring", "sign", "verify", "verify_command", "verify_operator",
 ]

@@ -28,7 +28,7 @@ from fleetwise.actuators.moves import (
     hibernating_nodes,
     migration_for,
 )
-from fleetwise.actuators.signing import Keyring, sign
+from fleetwise.actuators.signing import Keyring, operator_keyring, sign, verify_operator
 from fleetwise.planner.exports import replica_samples
 from fleetwise.planner.shares import proportional_shares
 from fleetwise.schemas import (
@@ -114,9 +114,11 @@ class ActionPolicy:
     """Processor: predictions, acks, inventories, plans and operator actions in; commands
     and audit events out (processor contract: process / flush / keys / state / restore)."""
 
-    def __init__(self, config: PolicyConfig | None = None, keyring: Keyring | None = None) -> None:
+    def __init__(self, config: PolicyConfig | None = None, keyring: Keyring | None = None,
+                 operator_keys: Keyring | None = None) -> None:
         self.config = config or PolicyConfig()
         self.keyring = keyring or Keyring()
+        self.operator_keys = operator_keys or operator_keyring()  # verifies operator actions
         self.fleet = FleetState()
         self.inventory: dict[str, NodeInventory] = {}
         self.jobs: dict[str, JobState] = {}
@@ -726,6 +728,23 @@ class ActionPolicy:
         job.shares = {}
 
     def _on_operator(self, op: OperatorAction) -> list[Record]:
+        verdict = verify_operator(op, self.operator_keys)
+        if not verdict:
+            # Every worker reads the operator topic: the one the action concerns (it holds the
+            # command, or has the GPU out of service) reports the refusal.
+            if op.action == "return_gpu":
+                concerned = self.fleet.status((op.node, int(op.gpu))) != "in_service"  # type: ignore[arg-type]
+                target = f"{op.node}/{op.gpu}"
+            else:
+                held = self.fleet.commands.get(op.command_id or "")
+                concerned = held is not None and held.status == "held"
+                target = op.command_id or ""
+            if not concerned:
+                self.suppressed["operator_rejected"] = self.suppressed.get("operator_rejected", 0) + 1
+                return []
+            why = f"{op.action} by {op.by} refused: {verdict.reason}"
+            return self._audit("operator_rejected", why, op.ts, target=target, command_id=op.command_id,
+                               node=op.node, gpu=op.gpu, once=False)
         if op.action == "return_gpu":
             return self._return((op.node, int(op.gpu)), op.ts,  # type: ignore[arg-type]
                                 f"returned by {op.by}" + (f": {op.reason}" if op.reason else ""))

@@ -3,6 +3,10 @@
 HMAC-SHA256 over the command's canonical JSON (without the signature), under a key named by
 the command's `key_id`. Keys rotate: a `Keyring` signs with its active key and verifies with
 any key it holds, so two keys are valid at once while consumers pick up the new one.
+
+Operator actions (`fleetwise approve`, `fleetwise gpu return`) are signed the same way under
+the operators' own keyring (`verify_operator`), so a command-signing host cannot approve its
+own held commands, and an operator's machine holds no command key.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from fleetwise.schemas import Command
+from fleetwise.schemas import Command, OperatorAction
 
 # A development key so replays and demos are signed and verifiable; deployments set their own
 # (FLEETWISE_SIGNING_KEYS or FLEETWISE_SIGNING_KEYS_FILE, read by
@@ -23,6 +28,11 @@ DEV_KEY_ID = "dev"
 
 ENV_KEYS = "FLEETWISE_SIGNING_KEYS"
 ENV_KEYS_FILE = "FLEETWISE_SIGNING_KEYS_FILE"
+# The operators' keyring (its own secrets; the development one when unset).
+DEV_OPERATOR_KEY = b"fleetwise-dev-operator-key-not-for-production"
+DEV_OPERATOR_KEY_ID = "dev-operator"
+ENV_OPERATOR_KEYS = "FLEETWISE_OPERATOR_KEYS"
+ENV_OPERATOR_KEYS_FILE = "FLEETWISE_OPERATOR_KEYS_FILE"
 
 
 class KeyringError(ValueError):
@@ -76,31 +86,53 @@ class Keyring:
         return cls(keys=keys, active=order[0])
 
 
-def canonical_bytes(command: Command) -> bytes:
-    data = command.model_dump(mode="json", exclude={"signature"}, exclude_none=True)
+def operator_keyring() -> Keyring:
+    """The development operators' keyring (deployments set FLEETWISE_OPERATOR_KEYS[_FILE])."""
+    return Keyring(keys={DEV_OPERATOR_KEY_ID: DEV_OPERATOR_KEY}, active=DEV_OPERATOR_KEY_ID)
+
+
+Signed = TypeVar("Signed", Command, OperatorAction)
+
+
+def canonical_bytes(record: Command | OperatorAction) -> bytes:
+    data = record.model_dump(mode="json", exclude={"signature"}, exclude_none=True)
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _digest(command: Command, key: bytes) -> str:
-    return "hmac-sha256:" + hmac.new(key, canonical_bytes(command), hashlib.sha256).hexdigest()
+def _digest(record: Command | OperatorAction, key: bytes) -> str:
+    return "hmac-sha256:" + hmac.new(key, canonical_bytes(record), hashlib.sha256).hexdigest()
 
 
-def sign(command: Command, key: bytes | Keyring = DEV_SIGNING_KEY) -> Command:
-    """A copy of the command carrying `key_id` and its signature ("hmac-sha256:<hex>").
+def sign(record: Signed, key: bytes | Keyring = DEV_SIGNING_KEY) -> Signed:
+    """A copy of the command (or operator action) carrying `key_id` and its signature
+    ("hmac-sha256:<hex>").
 
-    With raw key bytes the command keeps the key id it has (the dev key's id when none).
+    With raw key bytes the record keeps the key id it has (the dev key's id when none).
     """
     if isinstance(key, Keyring):
         key_id, secret = key.active, key.keys[key.active]
     else:
-        key_id, secret = command.key_id or DEV_KEY_ID, key
-    unsigned = command.model_copy(update={"key_id": key_id, "signature": ""})
+        key_id, secret = record.key_id or DEV_KEY_ID, key
+    unsigned = record.model_copy(update={"key_id": key_id, "signature": ""})
     return unsigned.model_copy(update={"signature": _digest(unsigned, secret)})
 
 
 def verify(command: Command, key: bytes = DEV_SIGNING_KEY) -> bool:
     """True when the signature matches under this key (no lifecycle checks: see verify_command)."""
     return bool(command.signature) and hmac.compare_digest(_digest(command, key), command.signature)
+
+
+def _verify_signature(record: Command | OperatorAction, ring: Mapping[str, bytes], default_id: str,
+                      what: str) -> Verdict:
+    if not record.signature:
+        return Verdict(False, f"unsigned: the {what} carries no signature")
+    key_id = record.key_id or default_id
+    secret = ring.get(key_id)
+    if secret is None:
+        return Verdict(False, f"unknown key id {key_id!r} (this consumer holds {sorted(ring)})")
+    if not hmac.compare_digest(_digest(record, secret), record.signature):
+        return Verdict(False, f"bad signature under key {key_id!r}: forged or altered")
+    return Verdict(True)
 
 
 @dataclass(frozen=True)
@@ -130,14 +162,9 @@ def verify_command(
     id before calling this (they are acked `done`/"duplicate", not rejected).
     """
     ring = keys.keys if isinstance(keys, Keyring) else keys
-    if not command.signature:
-        return Verdict(False, "unsigned: the command carries no signature")
-    key_id = command.key_id or DEV_KEY_ID
-    secret = ring.get(key_id)
-    if secret is None:
-        return Verdict(False, f"unknown key id {key_id!r} (this consumer holds {sorted(ring)})")
-    if not hmac.compare_digest(_digest(command, secret), command.signature):
-        return Verdict(False, f"bad signature under key {key_id!r}: forged or altered")
+    signed = _verify_signature(command, ring, DEV_KEY_ID, "command")
+    if not signed:
+        return signed
     if job is not None and command.job != job:
         return Verdict(False, f"command is for job {command.job!r}, not {job!r}")
     if command.expires_ts is not None and now > command.expires_ts:
@@ -145,3 +172,11 @@ def verify_command(
     if last_seq is not None and (command.seq is None or command.seq <= last_seq):
         return Verdict(False, f"out of sequence: seq {command.seq} is not after the last applied {last_seq}")
     return Verdict(True)
+
+
+def verify_operator(action: OperatorAction, keys: Keyring | Mapping[str, bytes]) -> Verdict:
+    """Whether an operator action may be acted on: signed under a key of the operators'
+    keyring and unaltered (an approval names its command, a return its GPU: replaying one
+    changes nothing that the command's or the GPU's own state has not already settled)."""
+    ring = keys.keys if isinstance(keys, Keyring) else keys
+    return _verify_signature(action, ring, DEV_OPERATOR_KEY_ID, "operator action")

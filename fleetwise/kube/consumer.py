@@ -30,9 +30,9 @@ What each command does:
   `fleetwise.io/hibernate=true` (after the moves in `requires` are done); `action: wake`
   removes the label and uncordons (work returns); `action: move` records the moves on the
   PodGroup;
-- a GPU return (`OperatorAction(action="return_gpu")` on `fleetwise.operator`): the GPU leaves
-  the node's drained set; when none is left the drain taint goes and the node is uncordoned
-  (only if Fleetwise cordoned it).
+- a GPU return (`OperatorAction(action="return_gpu")` on `fleetwise.operator`, signed under the
+  operators' keys: `verify_operator`): the GPU leaves the node's drained set; when none is
+  left the drain taint goes and the node is uncordoned (only if Fleetwise cordoned it).
 
 The consumer's state lives on the cluster: annotation `fleetwise.io/commands` on the node (or
 PodGroup) maps recent command ids to their phase ("applied", "done").
@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fleetwise.actuators.signing import Keyring, verify_command
+from fleetwise.actuators.signing import Keyring, operator_keyring, verify_command, verify_operator
 from fleetwise.kube.render import ANN_SUBGROUPS, JOB_LABEL, envelope_configmap_name, pod_group_name
 from fleetwise.schemas import Ack, Command, JobEnd, OperatorAction
 
@@ -816,9 +816,10 @@ class KubeConsumer:
     """
 
     def __init__(self, api: Api, keyring: Keyring | None = None, *, namespace: str = "default",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, operator_keys: Keyring | None = None) -> None:
         self.api = api
         self.keyring = keyring or Keyring()
+        self.operator_keys = operator_keys or operator_keyring()  # verifies GPU returns
         self.namespace = namespace
         self.clock = clock
         self.done_acks = RecentIds()  # ids with a `done` ack seen (anyone's)
@@ -898,6 +899,10 @@ class KubeConsumer:
                       reason=op.reason or "returned")
         if cid in self.finished:
             return [self._ack(ref, "done", "duplicate")]
+        verdict = verify_operator(op, self.operator_keys)
+        if not verdict:
+            self.log.append(f"{cid}: refused: {verdict.reason}")
+            return [self._ack(ref, "rejected", verdict.reason)]
         try:
             view = self.api.view(None, self.namespace, [op.node])
             decision = decide_return(op.node, op.gpu, view, op.reason or f"returned by {op.by}")

@@ -119,6 +119,10 @@ class OperatorAction(Record):
     gpu: int | None = None
     by: str = "operator"
     reason: str = ""
+    # Signed like a command, under the operators' own keys (`fleetwise.actuators.signing`):
+    # the workers and the kube consumer act only on an action that verifies.
+    key_id: str | None = None
+    signature: str = ""
 
     @model_validator(mode="after")
     def _target(self) -> OperatorAction:

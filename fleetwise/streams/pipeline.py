@@ -66,6 +66,7 @@ class Routed(NamedTuple):
 class ControlPlaneConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     keyring: Keyring | None = None  # signing keys (None: the development key)
+    operator_keys: Keyring | None = None  # verify operator actions (None: the development key)
     # Failure alerts from the model beside the rules (None: as the packaged model's policy says,
     # which is the rules alone: docs/predictors.md, "An evaluation that can fail").
     model_alerts: bool | None = None
@@ -122,7 +123,7 @@ class ControlPlane:
             _one_native_thread()
         self.stragglers = (StragglerDetector(features=self.config.publish_features)
                            if self.config.straggler_detector else None)
-        self.policy = ActionPolicy(self.config.policy, self.config.keyring)
+        self.policy = ActionPolicy(self.config.policy, self.config.keyring, self.config.operator_keys)
         # Plausibility, clock-skew and rate limits before the windows (fleetwise/streams/limits.py)
         self.gate = SampleGate(self.features, self.dead_letter)
         self.inventory: dict[str, NodeInventory] = {}
