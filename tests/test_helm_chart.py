@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "deploy" / "helm" / "fleetwise"
 BUILD_HELM = REPO / "deploy" / "helm" / "build-helm.sh"
 SIGNING = "k2=rotated-secret-number-two\nk1=old-secret-number-one\n"
+OPERATOR_KEYS = "ops1=an-operators-secret-number-one\n"
 SASL_PASSWORD = "sasl-pa55word-xyz"
 POLICY = "failure:\n  mode: approve\nrails:\n  breaker_drains: 4\n"
 
@@ -44,7 +45,8 @@ ALL_ON = [
     "--set", "prometheusRule.enabled=true", "--set", "kafka.security=SASL_SSL",
     "--set", "kafka.sasl.username=fleetwise", "--set", f"kafka.sasl.password={SASL_PASSWORD}",
     "--set", "kafka.tls.caSecret=fleetwise-cluster-ca-cert",
-    "--set-string", f"signing.keys={SIGNING}", "--set-string", f"worker.policy={POLICY}",
+    "--set-string", f"signing.keys={SIGNING}", "--set-string", f"signing.operatorKeys={OPERATOR_KEYS}",
+    "--set-string", f"worker.policy={POLICY}",
     "--set", "agent.labels.team=ml",
 ]
 
@@ -288,7 +290,8 @@ def _volume_for_path(spec: dict, container: dict, path: str) -> dict:
 def test_secrets_are_mounted_not_inlined(helm: str) -> None:
     out = run_helm(helm, "template", "fw", str(CHART), "--namespace", "fleetwise", *ALL_ON).stdout
     # The secret values are in the Secrets' data (base64) and nowhere else.
-    for secret in ("rotated-secret-number-two", "old-secret-number-one", SASL_PASSWORD):
+    for secret in ("rotated-secret-number-two", "old-secret-number-one", "an-operators-secret",
+                   SASL_PASSWORD):
         assert secret not in out
     objs = [d for d in yaml.safe_load_all(out) if d]
     secrets = {o["metadata"]["name"]: o for o in by_kind(objs, "Secret")}
@@ -297,6 +300,8 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
     from fleetwise.actuators.signing import Keyring
 
     assert Keyring.parse(keys).active == "k2"  # the file the workers and the consumer read
+    operator_keys = base64.b64decode(secrets["fw-fleetwise-signing"]["data"]["operator-keys"]).decode()
+    assert Keyring.parse(operator_keys).active == "ops1"
     sasl = secrets["fw-fleetwise-kafka-sasl"]["data"]
     assert base64.b64decode(sasl["password"]).decode() == SASL_PASSWORD
     assert base64.b64decode(sasl["username"]).decode() == "fleetwise"
@@ -321,8 +326,12 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
             path = env["FLEETWISE_SIGNING_KEYS_FILE"]["value"]
             vol = _volume_for_path(spec, c, path)
             assert vol["secret"]["secretName"] == "fw-fleetwise-signing"
-            assert vol["secret"]["items"] == [{"key": "keys", "path": Path(path).name}]
+            assert vol["secret"]["items"] == [{"key": "keys", "path": Path(path).name},
+                                              {"key": "operator-keys", "path": "operator-keys"}]
             assert all(m.get("readOnly") for m in c["volumeMounts"] if m["name"] == vol["name"])
+            # Both the workers (approvals) and the consumer (GPU returns) verify operator actions.
+            assert _volume_for_path(spec, c, env["FLEETWISE_OPERATOR_KEYS_FILE"]["value"]) == vol
+        assert ("FLEETWISE_OPERATOR_KEYS" in env) is False
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
         assert spec["securityContext"]["runAsNonRoot"]
@@ -342,6 +351,13 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
     assert not by_kind(objs, "Secret")
     worker = pod_spec(one(objs, "Deployment", "-worker"))
     assert any(v.get("secret", {}).get("secretName") == "my-keys" for v in worker["volumes"])
+    # ... without operator keys unless told the user's Secret has them.
+    assert "FLEETWISE_OPERATOR_KEYS_FILE" not in {e["name"] for e in worker["containers"][0]["env"]}
+    worker = pod_spec(one(render(helm, "--set", "signing.secretName=my-keys",
+                                 "--set", "signing.operatorKeysInSecret=true"), "Deployment", "-worker"))
+    env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
+    vol = _volume_for_path(worker, worker["containers"][0], env["FLEETWISE_OPERATOR_KEYS_FILE"])
+    assert vol["secret"]["secretName"] == "my-keys"
 
 
 # --------------------------------------------------------------------------- observability

@@ -128,9 +128,19 @@ app.kubernetes.io/part-of: fleetwise
 {{- end }}
 {{- end -}}
 
+{{- /* The operators' keys are in the signing Secret (item operator-keys) when given inline or
+declared to be in the user's Secret; otherwise the development operator key verifies. */ -}}
+{{- define "fleetwise.operatorKeys" -}}
+{{- if or .Values.signing.operatorKeys .Values.signing.operatorKeysInSecret -}}true{{- end -}}
+{{- end -}}
+
 {{- define "fleetwise.signingEnv" -}}
 - name: FLEETWISE_SIGNING_KEYS_FILE
   value: /etc/fleetwise/signing/keys
+{{- if include "fleetwise.operatorKeys" . }}
+- name: FLEETWISE_OPERATOR_KEYS_FILE
+  value: /etc/fleetwise/signing/operator-keys
+{{- end }}
 {{- end -}}
 
 {{- define "fleetwise.signingMount" -}}
@@ -146,6 +156,9 @@ app.kubernetes.io/part-of: fleetwise
     defaultMode: 0440
     items:
       - {key: keys, path: keys}
+      {{- if include "fleetwise.operatorKeys" . }}
+      - {key: operator-keys, path: operator-keys}
+      {{- end }}
 {{- end -}}
 
 {{/* The topic prefix argument, when set. */}}
