@@ -1244,6 +1244,27 @@ def _operator_keys():  # -> Keyring
         fail(f"operator keys: {exc}")
 
 
+keys_app = typer.Typer(help="Signing keys (commands and operator actions).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(
+    key_id: str = typer.Argument(..., help="The new key's id (e.g. k2026-12: rotation keeps several)."),
+) -> None:
+    """Print a new Ed25519 key pair as keyring entries: the first line (private) goes only to the
+    signers (workers: FLEETWISE_SIGNING_KEYS[_FILE]; operators: FLEETWISE_OPERATOR_KEYS[_FILE]),
+    the second (public) to the verifiers (training plugin, kube consumer; workers for operator
+    keys), which then hold no secret that can sign."""
+    from fleetwise.actuators import generate_ed25519_entries
+
+    if not key_id.strip() or any(c in key_id for c in "=,\n#"):
+        fail(f"key id must be non-empty and without '=', ',', '#' or newlines; got {key_id!r}")
+    private, public = generate_ed25519_entries(key_id.strip())
+    print(private)
+    print(public)
+
+
 policy_app = typer.Typer(help="Operator policy files: check one, or print the defaults.",
                          no_args_is_help=True)
 app.add_typer(policy_app, name="policy")

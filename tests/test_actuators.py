@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from fleetwise.actuators import (
     ActionPolicy,
     Keyring,
+    KeyringError,
     PolicyConfig,
     PolicyFileError,
+    generate_ed25519_entries,
     operator_keyring,
     parse_policy,
     policy_yaml,
@@ -293,6 +295,57 @@ def test_signature_detects_tampering():
     assert verify(cmd)
     assert not verify(cmd.model_copy(update={"params": {"x": 2}}))
     assert not verify(cmd, key=b"another key that is long")
+
+
+def test_ed25519_keys_let_verifiers_hold_no_secret_that_signs():
+    private, public = generate_ed25519_entries("e1", seed=bytes(range(32)))
+    signer = Keyring.parse(private)
+    verifier = Keyring.parse(public)  # what the training plugin and the kube consumer hold
+    assert signer.active == "e1" and verifier.active == "" and verifier.public == signer.public
+    cmd = sign(Command(id="drain-1", type="drain", ts=T0, job="llm", seq=1, reason="r"), signer)
+    assert cmd.key_id == "e1" and cmd.signature.startswith("ed25519:")
+    assert verify_command(cmd, verifier, now=T0, job="llm")
+    assert verify_command(cmd, signer, now=T0)
+    with pytest.raises(KeyringError, match="only verifies"):
+        sign(cmd, verifier)
+    altered = cmd.model_copy(update={"node": "n9"})
+    assert verify_command(altered, verifier, now=T0).reason == \
+        "bad signature under key 'e1': forged or altered"
+    # An HMAC signature under a key id that names an Ed25519 key is no signature of that key.
+    hmac_named_e1 = sign(cmd.model_copy(update={"signature": ""}), b"a-shared-secret-of-16+b")
+    assert not verify_command(hmac_named_e1, verifier, now=T0)
+    other = Keyring.parse(generate_ed25519_entries("e1")[1])  # same id, another key pair
+    assert not verify_command(cmd, other, now=T0)
+    # Rotation across schemes: a verifier with the new public key and the old HMAC secret.
+    mixed = Keyring.parse(f"{public},k1=first-secret-0123456789")
+    assert mixed.active == "k1"  # the only entry that can sign
+    assert verify_command(cmd, mixed, now=T0)
+    assert verify_command(sign(cmd, Keyring.parse("k1=first-secret-0123456789")), mixed, now=T0)
+    # The policy signs with an Ed25519 key like with a secret.
+    drain = commands(ActionPolicy(keyring=signer).process([failure("n1", 3, job=None)]))[0]
+    assert verify_command(drain, verifier, now=T0)
+    # Operator actions too.
+    ops_private, ops_public = generate_ed25519_entries("ops")
+    action = sign(OperatorAction(ts=T0, action="return_gpu", node="n1", gpu=3), Keyring.parse(ops_private))
+    assert verify_operator(action, Keyring.parse(ops_public))
+    for bad, message in (("e1=ed25519:abc", "not base64"),
+                         ("e1=ed25519-pub:" + "QUJD" * 4, "32 bytes, got 12")):
+        with pytest.raises(KeyringError, match=message):
+            Keyring.parse(bad)
+
+
+def test_keys_generate_prints_a_pair_that_verifies():
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    out = CliRunner().invoke(app, ["keys", "generate", "k2026"])
+    assert out.exit_code == 0, out.output
+    private, public = out.output.strip().splitlines()
+    assert private.startswith("k2026=ed25519:") and public.startswith("k2026=ed25519-pub:")
+    cmd = sign(Command(id="c", type="drain", ts=T0, reason="r"), Keyring.parse(private))
+    assert verify_command(cmd, Keyring.parse(public), now=T0)
+    assert CliRunner().invoke(app, ["keys", "generate", "a=b"]).exit_code != 0
 
 
 def test_rule_alert_reason_names_the_rule_not_the_probability():

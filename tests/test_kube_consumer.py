@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from fleetwise.actuators import Keyring, operator_keyring, sign
+from fleetwise.actuators import Keyring, generate_ed25519_entries, operator_keyring, sign
 from fleetwise.kube.consumer import (
     ANN_COMMANDS,
     DRAIN_TAINT,
@@ -323,6 +323,19 @@ def test_unsigned_and_forged_commands_are_refused_and_change_nothing(cluster):
     node = cluster.node(target)
     assert not node.spec.unschedulable and DRAIN_TAINT not in _taints(node)
     assert not (node.metadata.annotations or {}).get(ANN_COMMANDS)
+
+
+def test_a_consumer_holding_only_a_public_key_applies_what_the_private_key_signed(cluster):
+    (target,) = cluster.add_nodes(["b200"])
+    private, public = generate_ed25519_entries("e1")
+    consumer = KubeConsumer(ClientApi(cluster.kube.api_client()), Keyring.parse(public), namespace=cluster.ns,
+                            clock=lambda: NOW)
+    (ack,) = consumer.on_command(sign(_cmd(type="drain", node=target), KEYS))  # an HMAC key it lacks
+    assert ack.status == "rejected" and "unknown key id 'k1'" in ack.detail
+    assert not cluster.node(target).spec.unschedulable
+    (ack,) = consumer.on_command(sign(_cmd(type="drain", node=target), Keyring.parse(private)))
+    assert ack.status in ("applied", "done"), ack
+    assert cluster.node(target).spec.unschedulable and DRAIN_TAINT in _taints(cluster.node(target))
 
 
 def test_eviction_respects_a_pod_disruption_budget(cluster):

@@ -8,6 +8,7 @@ from fleetwise.actuators.signing import (
     Keyring,
     KeyringError,
     Verdict,
+    generate_ed25519_entries,
     operator_keyring,
     sign,
     verify,
@@ -17,6 +18,6 @@ from fleetwise.actuators.signing import (
 
 __all__ = [
     "ActionPolicy", "FleetState", "Keyring", "KeyringError", "PendingCommand", "PolicyConfig",
-    "PolicyFileError", "Verdict", "command_id", "parse_policy", "policy_yaml",
+    "PolicyFileError", "Verdict", "command_id", "generate_ed25519_entries", "parse_policy", "policy_yaml",
     "operator_keyring", "sign", "verify", "verify_command", "verify_operator",
 ]

@@ -11,6 +11,7 @@ own held commands, and an operator's machine holds no command key.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -39,30 +40,51 @@ class KeyringError(ValueError):
     """A key specification that cannot be used (names the entry that is wrong)."""
 
 
+ED25519 = "ed25519:"  # a private key entry's prefix (base64 of the 32-byte seed), and a signature's
+ED25519_PUBLIC = "ed25519-pub:"  # a public key entry's prefix (base64 of the 32-byte key)
+
+
 @dataclass(frozen=True)
 class Keyring:
-    """Signing keys by id; `active` signs, every key verifies (rotation: two keys at once)."""
+    """Signing keys by id; `active` signs, every key verifies (rotation: two keys at once).
+
+    `keys` are HMAC secrets (a verifier can also sign). `private` / `public` are Ed25519 keys
+    (raw 32 bytes): a holder of only the public key verifies and cannot sign, so consumers need
+    no secret. A keyring with no key that can sign has `active` "" (it only verifies)."""
 
     keys: Mapping[str, bytes] = field(default_factory=lambda: {DEV_KEY_ID: DEV_SIGNING_KEY})
     active: str = DEV_KEY_ID
+    private: Mapping[str, bytes] = field(default_factory=dict)
+    public: Mapping[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.keys:
+        if not (self.keys or self.private or self.public):
             raise KeyringError("a keyring needs at least one key")
-        if self.active not in self.keys:
-            raise KeyringError(f"active key id {self.active!r} is not among {sorted(self.keys)}")
+        if self.active and self.active not in self.keys and self.active not in self.private:
+            raise KeyringError(f"active key id {self.active!r} is not among {sorted(self.ids())}")
         for key_id, secret in self.keys.items():
             if not key_id or len(secret) < 16:
                 raise KeyringError(f"key {key_id!r}: a key id must be non-empty and its secret >= 16 bytes")
+        for key_id, raw in {**self.private, **self.public}.items():
+            if not key_id or len(raw) != 32:
+                raise KeyringError(f"key {key_id!r}: an Ed25519 key is 32 bytes, got {len(raw)}")
+
+    def ids(self) -> list[str]:
+        return sorted({*self.keys, *self.private, *self.public})
 
     @classmethod
     def parse(cls, text: str) -> Keyring:
-        """`id=secret` entries separated by commas or newlines; the first entry is active.
+        """`id=secret` entries separated by commas or newlines; the first entry that can sign is
+        active (none: the keyring only verifies).
 
-        A secret is taken as UTF-8 text, or as hex when prefixed with `hex:`.
+        A secret is taken as UTF-8 text, or as hex when prefixed with `hex:`; `ed25519:<base64>`
+        is an Ed25519 private key (signs and verifies), `ed25519-pub:<base64>` a public one
+        (verifies only); `fleetwise keys generate` prints a pair.
         """
         keys: dict[str, bytes] = {}
-        order: list[str] = []
+        private: dict[str, bytes] = {}
+        public: dict[str, bytes] = {}
+        signers: list[str] = []
         for n, raw in enumerate(text.replace(",", "\n").splitlines(), start=1):
             entry = raw.strip()
             if not entry or entry.startswith("#"):
@@ -71,19 +93,57 @@ class Keyring:
             key_id, secret = key_id.strip(), secret.strip()
             if not sep or not key_id or not secret:
                 raise KeyringError(f"signing key entry {n}: expected 'id=secret', got {entry[:40]!r}")
-            if key_id in keys:
+            if key_id in keys or key_id in private or key_id in public:
                 raise KeyringError(f"signing key entry {n}: key id {key_id!r} appears twice")
-            if secret.startswith("hex:"):
+            if secret.startswith((ED25519, ED25519_PUBLIC)):
+                is_public = secret.startswith(ED25519_PUBLIC)
+                raw_key = _b64_key(key_id, secret[len(ED25519_PUBLIC if is_public else ED25519):])
+                if is_public:
+                    public[key_id] = raw_key
+                    continue
+                private[key_id] = raw_key
+                public[key_id] = ed25519_public_key(raw_key)
+            elif secret.startswith("hex:"):
                 try:
                     keys[key_id] = bytes.fromhex(secret[4:])
                 except ValueError as exc:
                     raise KeyringError(f"signing key {key_id!r}: not hex after 'hex:'") from exc
             else:
                 keys[key_id] = secret.encode()
-            order.append(key_id)
-        if not keys:
+            signers.append(key_id)
+        if not (keys or public):
             raise KeyringError("no signing keys in the specification")
-        return cls(keys=keys, active=order[0])
+        return cls(keys=keys, active=signers[0] if signers else "", private=private, public=public)
+
+
+def _b64_key(key_id: str, text: str) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise KeyringError(f"signing key {key_id!r}: not base64 after the ed25519 prefix") from exc
+    if len(raw) != 32:
+        raise KeyringError(f"signing key {key_id!r}: an Ed25519 key is 32 bytes, got {len(raw)}")
+    return raw
+
+
+def ed25519_public_key(private: bytes) -> bytes:
+    """The raw public key of a raw Ed25519 private key (seed)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    public = Ed25519PrivateKey.from_private_bytes(private).public_key()
+    return public.public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def generate_ed25519_entries(key_id: str, seed: bytes | None = None) -> tuple[str, str]:
+    """A new Ed25519 key as keyring entries: (`id=ed25519:<private>` for the signers,
+    `id=ed25519-pub:<public>` for the verifiers). `seed`: 32 bytes (tests), else random."""
+    import os
+
+    private = seed if seed is not None else os.urandom(32)
+    pub = ed25519_public_key(private)
+    return (f"{key_id}={ED25519}{base64.b64encode(private).decode()}",
+            f"{key_id}={ED25519_PUBLIC}{base64.b64encode(pub).decode()}")
 
 
 def operator_keyring() -> Keyring:
@@ -105,16 +165,25 @@ def _digest(record: Command | OperatorAction, key: bytes) -> str:
 
 def sign(record: Signed, key: bytes | Keyring = DEV_SIGNING_KEY) -> Signed:
     """A copy of the command (or operator action) carrying `key_id` and its signature
-    ("hmac-sha256:<hex>").
+    ("hmac-sha256:<hex>", or "ed25519:<base64>" under an Ed25519 key).
 
-    With raw key bytes the record keeps the key id it has (the dev key's id when none).
+    With raw key bytes (an HMAC secret) the record keeps the key id it has (the dev key's id
+    when none).
     """
     if isinstance(key, Keyring):
-        key_id, secret = key.active, key.keys[key.active]
-    else:
-        key_id, secret = record.key_id or DEV_KEY_ID, key
-    unsigned = record.model_copy(update={"key_id": key_id, "signature": ""})
-    return unsigned.model_copy(update={"signature": _digest(unsigned, secret)})
+        if not key.active:
+            raise KeyringError(f"this keyring only verifies (public keys {sorted(key.public)}): "
+                               "it cannot sign")
+        key_id = key.active
+        unsigned = record.model_copy(update={"key_id": key_id, "signature": ""})
+        if key_id in key.private:
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+            sig = Ed25519PrivateKey.from_private_bytes(key.private[key_id]).sign(canonical_bytes(unsigned))
+            return unsigned.model_copy(update={"signature": ED25519 + base64.b64encode(sig).decode()})
+        return unsigned.model_copy(update={"signature": _digest(unsigned, key.keys[key_id])})
+    unsigned = record.model_copy(update={"key_id": record.key_id or DEV_KEY_ID, "signature": ""})
+    return unsigned.model_copy(update={"signature": _digest(unsigned, key)})
 
 
 def verify(command: Command, key: bytes = DEV_SIGNING_KEY) -> bool:
@@ -122,16 +191,30 @@ def verify(command: Command, key: bytes = DEV_SIGNING_KEY) -> bool:
     return bool(command.signature) and hmac.compare_digest(_digest(command, key), command.signature)
 
 
-def _verify_signature(record: Command | OperatorAction, ring: Mapping[str, bytes], default_id: str,
-                      what: str) -> Verdict:
+def _verify_signature(record: Command | OperatorAction, keys: Keyring | Mapping[str, bytes],
+                      default_id: str, what: str) -> Verdict:
     if not record.signature:
         return Verdict(False, f"unsigned: the {what} carries no signature")
+    ring, public = (keys.keys, keys.public) if isinstance(keys, Keyring) else (keys, {})
     key_id = record.key_id or default_id
-    secret = ring.get(key_id)
-    if secret is None:
-        return Verdict(False, f"unknown key id {key_id!r} (this consumer holds {sorted(ring)})")
-    if not hmac.compare_digest(_digest(record, secret), record.signature):
-        return Verdict(False, f"bad signature under key {key_id!r}: forged or altered")
+    if key_id not in ring and key_id not in public:
+        held = keys.ids() if isinstance(keys, Keyring) else sorted(ring)
+        return Verdict(False, f"unknown key id {key_id!r} (this consumer holds {held})")
+    forged = Verdict(False, f"bad signature under key {key_id!r}: forged or altered")
+    if record.signature.startswith(ED25519):
+        if key_id not in public:
+            return forged
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        try:
+            sig = base64.b64decode(record.signature[len(ED25519):], validate=True)
+            Ed25519PublicKey.from_public_bytes(public[key_id]).verify(sig, canonical_bytes(record))
+        except (InvalidSignature, ValueError):
+            return forged
+        return Verdict(True)
+    if key_id not in ring or not hmac.compare_digest(_digest(record, ring[key_id]), record.signature):
+        return forged
     return Verdict(True)
 
 
@@ -161,8 +244,7 @@ def verify_command(
     command for another job. Duplicates of an applied command are the consumer's to detect by
     id before calling this (they are acked `done`/"duplicate", not rejected).
     """
-    ring = keys.keys if isinstance(keys, Keyring) else keys
-    signed = _verify_signature(command, ring, DEV_KEY_ID, "command")
+    signed = _verify_signature(command, keys, DEV_KEY_ID, "command")
     if not signed:
         return signed
     if job is not None and command.job != job:
@@ -178,5 +260,4 @@ def verify_operator(action: OperatorAction, keys: Keyring | Mapping[str, bytes])
     """Whether an operator action may be acted on: signed under a key of the operators'
     keyring and unaltered (an approval names its command, a return its GPU: replaying one
     changes nothing that the command's or the GPU's own state has not already settled)."""
-    ring = keys.keys if isinstance(keys, Keyring) else keys
-    return _verify_signature(action, ring, DEV_OPERATOR_KEY_ID, "operator action")
+    return _verify_signature(action, keys, DEV_OPERATOR_KEY_ID, "operator action")
