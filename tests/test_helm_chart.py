@@ -351,6 +351,21 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
     assert not by_kind(objs, "Secret")
     worker = pod_spec(one(objs, "Deployment", "-worker"))
     assert any(v.get("secret", {}).get("secretName") == "my-keys" for v in worker["volumes"])
+    # Ed25519: the workers get the private entries, the kube consumer only the public ones.
+    from fleetwise.actuators import generate_ed25519_entries
+
+    private, public = generate_ed25519_entries("e1")
+    objs = render(helm, "--set-string", f"signing.keys={private}",
+                  "--set-string", f"signing.verifyKeys={public}")
+    data = next(o for o in by_kind(objs, "Secret") if o["metadata"]["name"].endswith("-signing"))["data"]
+    assert base64.b64decode(data["keys"]).decode() == private
+    assert base64.b64decode(data["verify-keys"]).decode() == public
+    for name, item in (("-worker", "keys"), ("-consumer", "verify-keys")):
+        spec = pod_spec(one(objs, "Deployment", name))
+        c = spec["containers"][0]
+        path = {e["name"]: e.get("value") for e in c["env"]}["FLEETWISE_SIGNING_KEYS_FILE"]
+        assert _volume_for_path(spec, c, path)["secret"]["items"] == [{"key": item, "path": Path(path).name}]
+
     # ... without operator keys unless told the user's Secret has them.
     assert "FLEETWISE_OPERATOR_KEYS_FILE" not in {e["name"] for e in worker["containers"][0]["env"]}
     worker = pod_spec(one(render(helm, "--set", "signing.secretName=my-keys",

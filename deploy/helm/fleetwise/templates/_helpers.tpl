@@ -149,14 +149,21 @@ declared to be in the user's Secret; otherwise the development operator key veri
   readOnly: true
 {{- end -}}
 
+{{- /* ctx: the root; verifier: the kube consumer, which reads the verify-keys item (public
+Ed25519 keys) in the place of keys when there is one, so it holds no key that signs. */ -}}
 {{- define "fleetwise.signingVolume" -}}
+{{- $v := .ctx.Values.signing -}}
 - name: signing-keys
   secret:
-    secretName: {{ include "fleetwise.signingSecret" . }}
+    secretName: {{ include "fleetwise.signingSecret" .ctx }}
     defaultMode: 0440
     items:
+      {{- if and .verifier (or $v.verifyKeys $v.verifyKeysInSecret) }}
+      - {key: verify-keys, path: keys}
+      {{- else }}
       - {key: keys, path: keys}
-      {{- if include "fleetwise.operatorKeys" . }}
+      {{- end }}
+      {{- if include "fleetwise.operatorKeys" .ctx }}
       - {key: operator-keys, path: operator-keys}
       {{- end }}
 {{- end -}}
