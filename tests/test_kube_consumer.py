@@ -16,6 +16,7 @@ import pytest
 from fleetwise.actuators import Keyring, generate_ed25519_entries, operator_keyring, sign
 from fleetwise.kube.consumer import (
     ANN_COMMANDS,
+    ANN_LAST_SEQ,
     DRAIN_TAINT,
     HIBERNATE_LABEL,
     ClientApi,
@@ -385,10 +386,24 @@ def test_resize_updates_the_gang_and_the_envelope(cluster):
         "world_size": 32, "join": [[gone, g] for g in range(8)]}), KEYS)
     assert [a.status for a in consumer.on_command(grow)] == ["done"]
     assert cluster.pod_group("rs")["spec"]["minMember"] == 4
-    # A replayed older command is out of sequence.
+    # A replayed older command is out of sequence: for this consumer, and for a restarted one,
+    # which reads the job's last applied seq from its PodGroup.
+    assert cluster.pod_group("rs")["metadata"]["annotations"][ANN_LAST_SEQ] == "2"
     older = sign(_cmd(type="resize", job="rs", seq=1, params={"world_size": 8}), KEYS)
-    (ack,) = consumer.on_command(older)
-    assert ack.status == "rejected" and "out of sequence" in ack.detail
+    for c in (consumer, _consumer(cluster)):
+        (ack,) = c.on_command(older)
+        assert ack.status == "rejected"
+        assert "out of sequence: seq 1 is not after the last applied 2" in ack.detail
+    assert cluster.pod_group("rs")["spec"]["minMember"] == 4
+    # The job ends: its record goes, and a new run's first command (seq 1) is applied.
+    restarted = _consumer(cluster)
+    restarted.on_job_end(JobEnd(job="rs", ts=NOW))
+    assert ANN_LAST_SEQ not in (cluster.pod_group("rs")["metadata"].get("annotations") or {})
+    again = sign(_cmd(type="resize", job="rs", seq=1, params={"world_size": 24, "leave": [[gone, 0]]}), KEYS)
+    assert [a.status for a in restarted.on_command(again)] == ["done"]
+    # A job whose PodGroup is gone: the end is logged, memory reset, nothing raised.
+    restarted.on_job_end(JobEnd(job="no-such-job", ts=NOW))
+    assert "job no-such-job ended" in restarted.log[-1]
 
 
 def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):

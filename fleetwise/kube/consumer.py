@@ -35,7 +35,8 @@ What each command does:
   left the drain taint goes and the node is uncordoned (only if Fleetwise cordoned it).
 
 The consumer's state lives on the cluster: annotation `fleetwise.io/commands` on the node (or
-PodGroup) maps recent command ids to their phase ("applied", "done").
+PodGroup) maps recent command ids to their phase ("applied", "done"); `fleetwise.io/last-seq`
+on a job's PodGroup is the last command `seq` applied for it (a restart resumes the sequence).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
     "ANN_COMMANDS",
     "ANN_CORDONED_BY",
     "ANN_DRAINED_GPUS",
+    "ANN_LAST_SEQ",
     "BY",
     "DRAIN_TAINT",
     "HIBERNATE_LABEL",
@@ -83,6 +85,7 @@ ANN_MIGRATION = "fleetwise.io/migration"
 ANN_WORLD_SIZE = "fleetwise.io/world-size"
 ANN_MOVES = "fleetwise.io/consolidation"
 ANN_GANG_LEFT = "fleetwise.io/gang-left"  # JSON list of pods the gang no longer counts
+ANN_LAST_SEQ = "fleetwise.io/last-seq"  # the job's last applied command seq (on its PodGroup)
 KEEP_IDS = 32  # command ids remembered per object
 EVENT_NAMESPACE = "default"  # where `kubectl describe node` looks for a Node's events
 KUBE_TYPES = frozenset({"drain", "resize", "migrate", "consolidate"})
@@ -183,6 +186,13 @@ def _ids(annotations: Mapping[str, str]) -> dict[str, str]:
     except json.JSONDecodeError:
         return {}
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def command_phase(annotations: Mapping[str, str], command_id: str) -> str | None:
@@ -857,7 +867,7 @@ class KubeConsumer:
             return [self._ack(command, "done", "duplicate")]
         scope = command.job
         verdict = verify_command(command, self.keyring, now=self.clock(),
-                                 last_seq=self.last_seq.get(scope) if scope else None)
+                                 last_seq=self._last_seq(scope, view) if scope else None)
         if not verdict:
             return [self._ack(command, "rejected", verdict.reason)]
         if command.type not in KUBE_TYPES:
@@ -869,6 +879,7 @@ class KubeConsumer:
                               {"actions": [a.describe() for a in decision.actions + decision.finish]})]
         if scope and command.seq is not None:
             self.last_seq[scope] = command.seq
+            self._record_seq(scope, command.seq, view)
         self.pending[command.id] = _Pending(command)
         return self._advance(command.id, view)
 
@@ -884,11 +895,37 @@ class KubeConsumer:
         return out
 
     def on_job_end(self, end: JobEnd) -> None:
-        """A job ended (its plan withdrawn): forget its command sequence. The control plane
-        forgets the job too, so a later run under the same name numbers its commands from 1
-        again, and this consumer must not refuse them as replays of the old run's."""
-        if self.last_seq.pop(end.job, None) is not None:
-            self.log.append(f"job {end.job} ended: its command sequence is reset")
+        """A job ended (its plan withdrawn): forget its command sequence, here and on its
+        PodGroup if that is still there. The control plane forgets the job too, so a later run
+        under the same name numbers its commands from 1 again, and this consumer must not
+        refuse them as replays of the old run's."""
+        self.last_seq.pop(end.job, None)
+        forget = {"metadata": {"annotations": {ANN_LAST_SEQ: None}}}
+        try:  # the PodGroup is usually gone with the job (an HTTP 404 here)
+            status = self.api.execute(Action("patch", "PodGroup", pod_group_name(end.job), forget,
+                                             f"job {end.job} ended: its command sequence is reset",
+                                             namespace=self.namespace, patch="merge")).status
+        except Exception as exc:  # noqa: BLE001 - the cluster did not answer: memory is reset anyway
+            status = f"error ({exc})"
+        self.log.append(f"{status}: job {end.job} ended: its command sequence is reset")
+
+    def _last_seq(self, job: str, view: ClusterView) -> int | None:
+        """The job's last applied seq: this consumer's memory, or after a restart the PodGroup's
+        record of it (the higher of the two)."""
+        known = [s for s in (self.last_seq.get(job), _int_or_none(
+            (view.pod_group or {}).get("annotations", {}).get(ANN_LAST_SEQ))) if s is not None]
+        return max(known) if known else None
+
+    def _record_seq(self, job: str, seq: int, view: ClusterView) -> None:
+        """Keep the job's last applied seq on its PodGroup (when it has one), so a restarted
+        consumer still refuses an older command it has not seen applied."""
+        pg = view.pod_group
+        if not pg:
+            return
+        record = {"metadata": {"annotations": {ANN_LAST_SEQ: str(seq)}}}
+        why = f"{job}: last applied command seq {seq}"
+        self._execute([Action("patch", "PodGroup", pg["name"], record, why, namespace=pg.get("namespace"),
+                              patch="merge")])
 
     def on_operator(self, op: OperatorAction) -> list[Ack]:
         """An operator's GPU return: untaint / uncordon when nothing of the node is drained."""
