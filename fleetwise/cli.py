@@ -794,7 +794,7 @@ def replay(
     if acks not in ("simulated", "none"):
         fail(f"--acks must be simulated or none, got {acks!r}")
     config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops,
-                                policy=_load_policy(policy), keyring=_keyring(),
+                                policy=_load_policy(policy), keyring=_keyring(signs=True),
                                 operator_keys=_operator_keys(), model_alerts=model_alerts)
     control = ControlPlane(config)
     with replay_process():
@@ -1224,24 +1224,36 @@ def _load_policy(path: Path | None):  # -> PolicyConfig
         fail(str(exc))
 
 
-def _keyring():  # -> Keyring
+def _keyring(signs: bool = False):  # -> Keyring
+    """The command keys from the environment; `signs`: this verb signs, so a keyring of public
+    keys only is an error now rather than at the first command."""
     from fleetwise.actuators import KeyringError
+    from fleetwise.actuators.signing import ENV_KEYS
     from fleetwise.streams.keys import keyring_from_env
 
     try:
-        return keyring_from_env()
+        ring = keyring_from_env()
     except KeyringError as exc:
         fail(f"signing keys: {exc}")
+    if signs and not ring.active:
+        fail(f"signing keys ({ENV_KEYS}[_FILE]) hold only public keys {ring.ids()}: this verb signs "
+             "commands, give it the private entry (ID=ed25519:...)")
+    return ring
 
 
-def _operator_keys():  # -> Keyring
+def _operator_keys(signs: bool = False):  # -> Keyring
     from fleetwise.actuators import KeyringError
+    from fleetwise.actuators.signing import ENV_OPERATOR_KEYS
     from fleetwise.streams.keys import operator_keyring_from_env
 
     try:
-        return operator_keyring_from_env()
+        ring = operator_keyring_from_env()
     except KeyringError as exc:
         fail(f"operator keys: {exc}")
+    if signs and not ring.active:
+        fail(f"operator keys ({ENV_OPERATOR_KEYS}[_FILE]) hold only public keys {ring.ids()}: "
+             "signing an operator action needs the private entry (ID=ed25519:...)")
+    return ring
 
 
 keys_app = typer.Typer(help="Signing keys (commands and operator actions).", no_args_is_help=True)
@@ -1299,7 +1311,7 @@ def _send_operator(action, bootstrap: str | None) -> None:  # action: OperatorAc
     fleetwise.operator, or print it (a replay input line)."""
     from fleetwise.actuators import sign
 
-    action = sign(action, _operator_keys())
+    action = sign(action, _operator_keys(signs=True))
     if bootstrap is None:
         print(action.to_json())
         return
@@ -1767,7 +1779,8 @@ def worker(
                    topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
                    checkpoint_interval_s=checkpoint_interval,
                    control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops,
-                                                           policy=_load_policy(policy), keyring=_keyring(),
+                                                           policy=_load_policy(policy),
+                                                           keyring=_keyring(signs=True),
                                                            operator_keys=_operator_keys(),
                                                            model_alerts=model_alerts)))
     except ConnectionError as exc:

@@ -334,7 +334,7 @@ def test_ed25519_keys_let_verifiers_hold_no_secret_that_signs():
             Keyring.parse(bad)
 
 
-def test_keys_generate_prints_a_pair_that_verifies():
+def test_keys_generate_prints_a_pair_that_verifies(tmp_path):
     from typer.testing import CliRunner
 
     from fleetwise.cli import app
@@ -346,6 +346,13 @@ def test_keys_generate_prints_a_pair_that_verifies():
     cmd = sign(Command(id="c", type="drain", ts=T0, reason="r"), Keyring.parse(private))
     assert verify_command(cmd, Keyring.parse(public), now=T0)
     assert CliRunner().invoke(app, ["keys", "generate", "a=b"]).exit_code != 0
+    # A signer given only the public entry is told so at once, not at its first command.
+    refused = CliRunner().invoke(app, ["gpu", "return", "n1/3"], env={"FLEETWISE_OPERATOR_KEYS": public})
+    assert refused.exit_code == 2 and "hold only public keys" in refused.output and "k2026" in refused.output
+    (tmp_path / "t.jsonl").write_text("")
+    replay = ["replay", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o.jsonl")]
+    refused = CliRunner().invoke(app, replay, env={"FLEETWISE_SIGNING_KEYS": public})
+    assert refused.exit_code == 2 and "hold only public keys" in refused.output
 
 
 def test_rule_alert_reason_names_the_rule_not_the_probability():
