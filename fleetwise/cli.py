@@ -618,7 +618,8 @@ def kube_consumer_cmd(
         None, "--kubeconfig", help="Cluster credentials (default: in-cluster account, else ~/.kube)."),
     namespace: str = typer.Option("default", "--namespace", "-n", help="Namespace of the jobs' pods."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the API calls, change nothing."),
-    prefix: str = typer.Option("", "--topic-prefix", help="Prefix of every topic name (tests)."),
+    prefix: str = typer.Option("", "--topic-prefix", envvar="FLEETWISE_TOPIC_PREFIX",
+                               help="Prefix of every topic name (Helm: kafka.topicPrefix; tests)."),
     from_beginning: bool = typer.Option(
         True, "--from-beginning/--from-now", help="Read the topics from their start (commands already done "
         "on the cluster are acked as duplicates) or only what arrives from now."),
@@ -1306,7 +1307,7 @@ def policy_show() -> None:
     console.print(policy_yaml(PolicyConfig()), highlight=False, markup=False)
 
 
-def _send_operator(action, bootstrap: str | None) -> None:  # action: OperatorAction
+def _send_operator(action, bootstrap: str | None, prefix: str = "") -> None:  # action: OperatorAction
     """Sign an operator action with the operators' active key and publish it on
     fleetwise.operator, or print it (a replay input line)."""
     from fleetwise.actuators import sign
@@ -1316,18 +1317,22 @@ def _send_operator(action, bootstrap: str | None) -> None:  # action: OperatorAc
         print(action.to_json())
         return
     from fleetwise.schemas import topics as T
-    from fleetwise.streams.kafka_io import produce_records, record_key, run
+    from fleetwise.streams.kafka_io import produce_records, record_key, run, topic_name
 
+    topic = topic_name(T.OPERATOR, prefix)
     try:
-        run(produce_records(bootstrap, T.OPERATOR.name, [action], key=record_key))
+        run(produce_records(bootstrap, topic, [action], key=record_key))
     except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
         fail(f"could not publish to {bootstrap}: {exc}")
-    console.print(f"sent {action.action} to {T.OPERATOR.name} on {bootstrap}", highlight=False)
+    console.print(f"sent {action.action} to {topic} on {bootstrap}", highlight=False)
 
 
 _OPERATOR_BOOTSTRAP = typer.Option(None, "--bootstrap", envvar="FLEETWISE_BOOTSTRAP",
                                    help="Kafka bootstrap; without it the record is printed (append it "
                                    "to a replay trace).")
+# The workers' --topic-prefix (Helm: kafka.topicPrefix): the topics these verbs write are theirs.
+_TOPIC_PREFIX = typer.Option("", "--topic-prefix", envvar="FLEETWISE_TOPIC_PREFIX",
+                             help="Prefix of every topic name, as the workers run with.")
 
 
 def _operator_ts(ts: str | None) -> float:
@@ -1350,12 +1355,13 @@ def approve(
     by: str = typer.Option("operator", "--by", help="Who approves (kept in the audit)."),
     ts: str | None = typer.Option(None, "--ts", help="Event time (Unix s or RFC 3339; default now)."),
     deny: bool = typer.Option(False, "--deny", help="Deny it instead."),
+    topic_prefix: str = _TOPIC_PREFIX,
 ) -> None:
     """Approve (or --deny) a command the policy holds for approval."""
     from fleetwise.schemas import OperatorAction
 
     _send_operator(OperatorAction(ts=_operator_ts(ts), action="deny" if deny else "approve",
-                                  command_id=command_id, by=by), bootstrap)
+                                  command_id=command_id, by=by), bootstrap, topic_prefix)
 
 
 gpu_app = typer.Typer(help="Operator actions on GPUs.", no_args_is_help=True)
@@ -1369,6 +1375,7 @@ def gpu_return(
     by: str = typer.Option("operator", "--by", help="Who returns it (kept in the audit)."),
     reason: str = typer.Option("", "--reason", help="Why (e.g. the RMA ticket)."),
     ts: str | None = typer.Option(None, "--ts", help="Event time (Unix s or RFC 3339; default now)."),
+    topic_prefix: str = _TOPIC_PREFIX,
 ) -> None:
     """Bring a drained GPU back into service (it rejoins later plans)."""
     from fleetwise.schemas import OperatorAction
@@ -1377,7 +1384,7 @@ def gpu_return(
     if not sep or not node or not gpu.isdigit():
         fail(f"target must be NODE/GPU with a GPU index, e.g. node-003/5; got {target!r}")
     _send_operator(OperatorAction(ts=_operator_ts(ts), action="return_gpu", node=node, gpu=int(gpu),
-                                  by=by, reason=reason), bootstrap)
+                                  by=by, reason=reason), bootstrap, topic_prefix)
 
 
 job_app = typer.Typer(help="The jobs the control plane knows.", no_args_is_help=True)
@@ -1392,6 +1399,7 @@ def job_end(
                                          "(append it to a replay trace)."),
     ts: str | None = typer.Option(None, "--ts", help="Event time of the printed record (Unix s or RFC 3339; "
                                   "default now). A tombstone carries none."),
+    topic_prefix: str = _TOPIC_PREFIX,
 ) -> None:
     """End a job: withdraw its plan (a tombstone under its key on fleetwise.plans). The control
     plane then forgets the job, and the kube consumer its command sequence."""
@@ -1403,13 +1411,14 @@ def job_end(
     if bootstrap is None:
         print(JobEnd(job=job, ts=_operator_ts(ts)).to_json())
         return
-    from fleetwise.streams.kafka_io import produce_records, run
+    from fleetwise.streams.kafka_io import produce_records, run, topic_name
 
+    topic = topic_name(T.PLANS, topic_prefix)
     try:
-        run(produce_records(bootstrap, T.PLANS.name, [None], key=job))
+        run(produce_records(bootstrap, topic, [None], key=job))
     except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
         fail(f"could not publish to {bootstrap}: {exc}")
-    console.print(f"ended job {job}: tombstone on {T.PLANS.name} on {bootstrap}", highlight=False)
+    console.print(f"ended job {job}: tombstone on {topic} on {bootstrap}", highlight=False)
 
 
 # ---- predictor -------------------------------------------------------------------------------
@@ -1731,7 +1740,8 @@ def worker(
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
     store: str = typer.Option("memory://", "--store", help="Table store: memory:// or rocksdb://."),
     app_id: str = typer.Option("fleetwise", "--app-id", help="Consumer group / app id."),
-    topic_prefix: str = typer.Option("", "--topic-prefix", help="Prefix for every topic name (tests)."),
+    topic_prefix: str = typer.Option("", "--topic-prefix", envvar="FLEETWISE_TOPIC_PREFIX",
+                                     help="Prefix of every topic name (Helm: kafka.topicPrefix; tests)."),
     web_port: int | None = typer.Option(None, "--web-port", help="faust's web UI port (off by default)."),
     take_max: int = typer.Option(500, "--take-max", help="Max messages per processed batch."),
     checkpoint_interval: float = typer.Option(
@@ -1815,7 +1825,8 @@ def agent(
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here."),
     max_buffer: int = typer.Option(1000, "--max-buffer", help="Batches buffered while the broker is away."),
     count: int | None = typer.Option(None, "--count", help="Stop after N collections (tests)."),
-    topic_prefix: str = typer.Option("", "--topic-prefix", help="Prefix for every topic name (tests)."),
+    topic_prefix: str = typer.Option("", "--topic-prefix", envvar="FLEETWISE_TOPIC_PREFIX",
+                                     help="Prefix of every topic name (Helm: kafka.topicPrefix; tests)."),
     create_topics: bool = typer.Option(True, "--create-topics/--no-create-topics",
                                        help="Create missing topics (needs the admin ACL)."),
     flush_timeout: float = typer.Option(10.0, "--flush-timeout", help="Seconds to flush the buffer at exit."),

@@ -214,8 +214,18 @@ async def test_an_approval_acts_only_when_signed_under_the_operators_key(
     assert refused["command_id"] == held["command_id"]
     assert "unknown key id 'dev-operator'" in refused["reason"]
 
-    right = sign(approve, Keyring.parse(ops))
-    await produce_records(kafka_bootstrap, topic_name(T.OPERATOR, prefix), [right], key=record_key)
+    # The real verb, with this fleet's operator key and topic prefix (off this test's event loop).
+    import asyncio
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    verb = ["approve", held["command_id"], "--bootstrap", kafka_bootstrap, "--by", "ops",
+            "--ts", str(START_TS + 3600)]
+    sent = await asyncio.to_thread(CliRunner().invoke, app, verb,
+                                   env={"FLEETWISE_OPERATOR_KEYS": ops, "FLEETWISE_TOPIC_PREFIX": prefix})
+    assert sent.exit_code == 0 and topic_name(T.OPERATOR, prefix) in sent.output, sent.output
     got = await commands_until(kafka_bootstrap, prefix, "checkpoint", worker)
     assert [c.id for c in got if c.type == "checkpoint"] == [held["command_id"]]
     assert verify_command(got[0], Keyring(), now=got[0].ts, job="llm")
