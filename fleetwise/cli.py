@@ -1225,36 +1225,31 @@ def _load_policy(path: Path | None):  # -> PolicyConfig
         fail(str(exc))
 
 
-def _keyring(signs: bool = False):  # -> Keyring
-    """The command keys from the environment; `signs`: this verb signs, so a keyring of public
-    keys only is an error now rather than at the first command."""
+def _keys(operators: bool, signs: bool):  # -> Keyring
+    """A keyring from the environment: the command keys, or the operators' (`operators`);
+    `signs`: the verb signs, so a keyring of public keys only is an error now rather than at
+    its first record."""
     from fleetwise.actuators import KeyringError
-    from fleetwise.actuators.signing import ENV_KEYS
-    from fleetwise.streams.keys import keyring_from_env
+    from fleetwise.actuators.signing import ENV_KEYS, ENV_OPERATOR_KEYS
+    from fleetwise.streams.keys import keyring_from_env, operator_keyring_from_env
 
+    what, var = ("operator keys", ENV_OPERATOR_KEYS) if operators else ("signing keys", ENV_KEYS)
     try:
-        ring = keyring_from_env()
+        ring = operator_keyring_from_env() if operators else keyring_from_env()
     except KeyringError as exc:
-        fail(f"signing keys: {exc}")
+        fail(f"{what}: {exc}")
     if signs and not ring.active:
-        fail(f"signing keys ({ENV_KEYS}[_FILE]) hold only public keys {ring.ids()}: this verb signs "
-             "commands, give it the private entry (ID=ed25519:...)")
+        fail(f"{what} ({var}[_FILE]) hold only public keys {ring.ids()}: this verb signs, give it "
+             "the private entry (ID=ed25519:...)")
     return ring
+
+
+def _keyring(signs: bool = False):  # -> Keyring
+    return _keys(operators=False, signs=signs)
 
 
 def _operator_keys(signs: bool = False):  # -> Keyring
-    from fleetwise.actuators import KeyringError
-    from fleetwise.actuators.signing import ENV_OPERATOR_KEYS
-    from fleetwise.streams.keys import operator_keyring_from_env
-
-    try:
-        ring = operator_keyring_from_env()
-    except KeyringError as exc:
-        fail(f"operator keys: {exc}")
-    if signs and not ring.active:
-        fail(f"operator keys ({ENV_OPERATOR_KEYS}[_FILE]) hold only public keys {ring.ids()}: "
-             "signing an operator action needs the private entry (ID=ed25519:...)")
-    return ring
+    return _keys(operators=True, signs=signs)
 
 
 keys_app = typer.Typer(help="Signing keys (commands and operator actions).", no_args_is_help=True)
@@ -1317,14 +1312,23 @@ def _send_operator(action, bootstrap: str | None, prefix: str = "") -> None:  # 
         print(action.to_json())
         return
     from fleetwise.schemas import topics as T
-    from fleetwise.streams.kafka_io import produce_records, record_key, run, topic_name
+    from fleetwise.streams.kafka_io import record_key
 
-    topic = topic_name(T.OPERATOR, prefix)
+    topic = _publish(bootstrap, T.OPERATOR, prefix, action, record_key)
+    console.print(f"sent {action.action} to {topic} on {bootstrap}", highlight=False)
+
+
+def _publish(bootstrap: str, topic, prefix: str, record, key) -> str:  # topic: Topic
+    """Write one record (None: a tombstone) to a registry topic under the workers' prefix, or
+    fail with the client's error; returns the topic name written."""
+    from fleetwise.streams.kafka_io import produce_records, run, topic_name
+
+    name = topic_name(topic, prefix)
     try:
-        run(produce_records(bootstrap, topic, [action], key=record_key))
+        run(produce_records(bootstrap, name, [record], key=key))
     except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
         fail(f"could not publish to {bootstrap}: {exc}")
-    console.print(f"sent {action.action} to {topic} on {bootstrap}", highlight=False)
+    return name
 
 
 _OPERATOR_BOOTSTRAP = typer.Option(None, "--bootstrap", envvar="FLEETWISE_BOOTSTRAP",
@@ -1411,13 +1415,7 @@ def job_end(
     if bootstrap is None:
         print(JobEnd(job=job, ts=_operator_ts(ts)).to_json())
         return
-    from fleetwise.streams.kafka_io import produce_records, run, topic_name
-
-    topic = topic_name(T.PLANS, topic_prefix)
-    try:
-        run(produce_records(bootstrap, topic, [None], key=job))
-    except Exception as exc:  # noqa: BLE001 - any client error is reported, not raised
-        fail(f"could not publish to {bootstrap}: {exc}")
+    topic = _publish(bootstrap, T.PLANS, topic_prefix, None, job)
     console.print(f"ended job {job}: tombstone on {topic} on {bootstrap}", highlight=False)
 
 
