@@ -437,3 +437,120 @@ def test_decoded_samples_give_each_hops_job_and_rank_as_dicts_do() -> None:
     assert [(v.ts, v.gpu, v.job, v.rank) for v in got] == [(v.ts, v.gpu, v.job, v.rank) for v in want]
     assert {(v.ts, v.gpu): (v.job, v.rank) for v in got} == latest
     assert len(set(latest.values())) > 3
+
+
+# ---- node-peer context ----------------------------------------------------------------------
+NVL = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
+
+
+def link_trace(seed: int, gaps: bool = True) -> list[dict]:
+    """Two nodes of four GPUs, 60 s samples for 8 h, arriving GPU by GPU each tick: n1/0's
+    link degrades from hour 2 (errors every sample), n1/1 and n1/2 log a few sympathetic
+    errors, n2/3 has a lemon's sporadic errors; with `gaps`, n1/2 and n2/1 go silent for a
+    while and n1/3's samples of some ticks arrive before the others'."""
+    rng = np.random.default_rng(seed)
+    nvl = {(n, g): 0.0 for n in ("n1", "n2") for g in range(4)}
+    out = []
+    for i in range(480):
+        tick = []
+        for node in ("n1", "n2"):
+            for g in range(4):
+                gap = {("n1", 2): (150, 190), ("n2", 1): (300, 330)}.get((node, g), (0, 0))
+                if gaps and gap[0] <= i < gap[1]:
+                    continue
+                if (node, g) == ("n1", 0) and i >= 120:
+                    nvl[node, g] += rng.poisson(3.0) + 1
+                elif node == "n1" and g in (1, 2) and i >= 200 and rng.random() < 0.05:
+                    nvl[node, g] += rng.integers(1, 20)
+                elif (node, g) == ("n2", 3) and rng.random() < 0.02:
+                    nvl[node, g] += 1
+                s = sample(i, gpu=g, **{NVL: nvl[node, g]})
+                s["node"] = node
+                tick.append(s)
+        if gaps and i % 37 == 5:  # n1/3 first in this tick
+            tick.sort(key=lambda s: (s["node"], s["gpu"]) != ("n1", 3))
+        out += tick
+    return out
+
+
+def peer_values(out: list) -> dict:
+    return {(o.node, o.gpu, o.ts): {k: v for k, v in o.values.items() if k.startswith("node_")} for o in out}
+
+
+def test_node_peers_count_a_peers_recent_link_errors_and_streaks_on_its_node_only() -> None:
+    fw = windows()
+    out = fw.process_dicts(link_trace(1, gaps=False)) + fw.flush()
+    got = peer_values(out)
+    end = T0 + 6 * 3600.0  # n1/0 has erred in every hop since hour 2
+    assert got["n1", 0, end]["node_nvl_peers_1h"] <= 2  # only the sympathetic ones, if any
+    for g in (1, 2, 3):
+        assert got["n1", g, end]["node_nvl_peers_1h"] >= 1
+        assert got["n1", g, end]["node_nvl_streak_peers_1h"] == 1  # n1/0's run of erring hops
+    # before the degradation no GPU of n1 streaked; n2's lemon never streaks and stays on n2
+    assert all(v["node_nvl_streak_peers_1h"] == 0
+               for (n, _g, ts), v in got.items() if n == "n1" and ts <= T0 + 7200)
+    assert all(v["node_nvl_streak_peers_1h"] == 0 for (n, _g, _ts), v in got.items() if n == "n2")
+    assert all(v["node_pcie_peers_1h"] == 0 for v in got.values())
+    # When n1/0 goes quiet (here: stops reporting at hour 3), its peers count it for an hour
+    # after its last erring hop, then no more.
+    fw2 = windows()
+    quiet = [s for s in link_trace(1, gaps=False)
+             if not (s["node"] == "n1" and s["gpu"] == 0 and s["ts"] >= T0 + 3 * 3600)]
+    got2 = peer_values(fw2.process_dicts(quiet) + fw2.flush())
+    assert got2["n1", 3, T0 + 3 * 3600 + 600]["node_nvl_streak_peers_1h"] == 1
+    assert got2["n1", 3, T0 + 4 * 3600 + 1200]["node_nvl_streak_peers_1h"] == 0
+
+
+def test_node_peer_context_does_not_depend_on_how_the_samples_were_split() -> None:
+    # A peer with a gap keeps its hop open past its peers' next hops: whether that hop counts
+    # for them depends only on whether the sample that closed it arrived before the one that
+    # closed theirs, so any split of the same arrivals into calls gives the same features.
+    arrivals = link_trace(2)
+    results = []
+    for size in (len(arrivals), 1, 3, 8, 101):
+        fw = windows()
+        out = []
+        for k in range(0, len(arrivals), size):
+            out += fw.process_dicts(arrivals[k:k + size])
+        out += fw.flush()
+        # (records come out per call in (ts, node, gpu) order: a hop held open by a gap comes
+        # out with a later call's, so compare by key)
+        results.append({(o.node, o.gpu, o.ts): o.values for o in out})
+    assert all(r == results[0] for r in results[1:])
+    assert any(v["node_nvl_streak_peers_1h"] for v in results[0].values())
+
+
+def test_node_peer_context_survives_a_state_round_trip() -> None:
+    arrivals = link_trace(3)
+    ref = windows()
+    expected = ref.process_dicts(arrivals) + ref.flush()
+    cut = len(arrivals) // 2 + 5  # mid-degradation, n1/0 streaking
+    fw = windows()
+    got = fw.process_dicts(arrivals[:cut])
+    saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
+    restarted = windows()
+    for k in sorted(saved, reverse=True):  # another slot order than the original's
+        restarted.restore(k, saved[k])
+    got += restarted.process_dicts(arrivals[cut:]) + restarted.flush()
+    assert peer_values(got) == peer_values(expected)
+    assert [o.values for o in got] == [o.values for o in expected]
+
+
+def test_dropping_other_nodes_slots_keeps_a_nodes_peer_context() -> None:
+    # The worker's state bound compacts the slot arrays (`keep_slots`): the kept GPUs' node
+    # peers must still be found under their new slot numbers.
+    arrivals = [s for s in link_trace(4) if s["node"] == "n1" or s["ts"] < T0 + 3 * 3600]
+    only_n1 = [s for s in arrivals if s["node"] == "n1"]
+    ref = windows()
+    expected = ref.process_dicts(only_n1) + ref.flush()
+    fw = windows()
+    for g in range(4):  # n2's GPUs get the lower slots, so n1's are renumbered
+        fw.register("n2", g, "h100")
+    cut = len([s for s in arrivals if s["ts"] < T0 + 3 * 3600])
+    got = fw.process_dicts(arrivals[:cut])
+    keys = fw.slot_keys()
+    fw.keep_slots(np.array([i for i, k in enumerate(keys) if k.startswith("n1/")]))
+    assert fw.slot_keys() == [k for k in keys if k.startswith("n1/")]
+    got = [o for o in got if o.node == "n1"] + fw.process_dicts(arrivals[cut:]) + fw.flush()
+    assert peer_values(got) == peer_values(expected)
+    assert any(v["node_nvl_streak_peers_1h"] for v in peer_values(got).values())

@@ -21,6 +21,8 @@ Semantics (event time only):
   delta is 0, never negative; resets are counted as a feature.
 - DCGM_FI_DEV_XID_ERRORS holds the last XID, so an event is a change to a new non-zero
   value; events are counted by class.
+- node-peer columns (`node_*`) count the other GPUs of the node with recent link errors, as
+  of the hops closed before this one in arrival order (`_peer_context`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,12 @@ ACTIVE_GROUPS = {
 ACTIVE_TAUS = {"1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0, "7d": 7 * 24 * 3600.0}
 SURPRISE_FLOOR_PER_H = 0.01  # baseline error rate assumed for a GPU with none in its week
 SURPRISE_MAX = 30.0
+# Node-peer context: a GPU's link errors against the other GPUs of its node. A failing link
+# errs hop after hop on one GPU (its peers log a sympathetic XID 74 now and then); a node-wide
+# cause (a switch, a riser, a node-level event) makes several GPUs err together.
+PEER_GROUPS = ("nvl", "pcie")
+PEER_WINDOW_S = 3600.0  # a peer counts when its last erring hop ended within this before
+PEER_STREAK_HOPS = 3  # ... and as streaking when that hop ended a run of >= this many
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
 # the same mechanism (HBM/GDDR sparing), so the model sees them merged.
 REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
@@ -233,6 +241,7 @@ def _feature_names() -> list[str]:
     names += [f"{g}_surprise" for g in ACTIVE_GROUPS]
     names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
     names += ["temp_residual_24h", "temp_residual_cool_24h"]
+    names += [f"node_{g}_{kind}_1h" for g in PEER_GROUPS for kind in ("peers", "streak_peers")]
     return names
 
 
@@ -283,6 +292,11 @@ class GpuFeatureWindows:
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
         self._job: list[str | None] = []  # job and rank of the GPU's last sample in its hop
         self._rank: list[int | None] = []
+        # Node-peer context: each slot's node index, each node's slots, and per node the end of
+        # the latest hop of any of its GPUs with new link errors (which closes need a look).
+        self._node_index: dict[str, int] = {}
+        self._node_slots: list[list[int]] = []
+        self._node_err_end = np.full(16, -np.inf)
         self._cap = 0
         self._grow(capacity)
         self.dropped_late = 0
@@ -305,7 +319,19 @@ class GpuFeatureWindows:
             setattr(self, name, grow(getattr(self, name, None), shape, fill))
         self.tdp = grow(getattr(self, "tdp", None), (), np.nan)
         self.phase = grow(getattr(self, "phase", None), (), 0.0)  # hop grid offset, s (from the key)
+        node_of = np.full(capacity, -1, dtype=np.int64)
+        node_of[:old] = getattr(self, "node_of", node_of)[:old]
+        self.node_of = node_of
         self._cap = capacity
+
+    def _join_node(self, slot: int, node: str) -> None:
+        nid = self._node_index.setdefault(node, len(self._node_index))
+        if nid == len(self._node_slots):
+            self._node_slots.append([])
+            if nid >= len(self._node_err_end):
+                self._node_err_end = np.r_[self._node_err_end, np.full(len(self._node_err_end), -np.inf)]
+        self._node_slots[nid].append(slot)
+        self.node_of[slot] = nid
 
     def _slot_of(self, node: str, gpu: int, model: str, rack: str | None, site: str | None) -> int:
         key = f"{node}/{gpu}"
@@ -321,6 +347,7 @@ class GpuFeatureWindows:
             self._rank.append(None)
             self.tdp[slot] = tdp
             self.phase[slot] = self.hop_phase(key)
+            self._join_node(slot, node)
         return slot
 
     def hop_phase(self, key: str) -> float:
@@ -403,6 +430,7 @@ class GpuFeatureWindows:
         self.closed_job_ranks = _JobRanks([], [])
         out = self._close(open_slots)
         self.open_hop[open_slots] = -1.0
+        self._peer_context(*out, np.full(len(open_slots), np.inf))  # closed together: none first
         return out
 
     def keys(self) -> list[str]:
@@ -418,6 +446,7 @@ class GpuFeatureWindows:
         slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
         for name in STATE_ARRAYS:
             getattr(self, name)[slot] = _from_json(state[name])
+        self._note_node_errors([slot])
 
     def forget(self, key: str) -> None:
         """Back to the state of a GPU never seen (its slot, model and TDP stay): for a worker
@@ -448,6 +477,14 @@ class GpuFeatureWindows:
         slots = [self._restore_slot(k, m, j, r) for k, m, (j, r) in zip(keys, metas, job_ranks, strict=True)]
         for name in STATE_ARRAYS:
             getattr(self, name)[slots] = arrays[name]
+        self._note_node_errors(slots)
+
+    def _note_node_errors(self, slots: Sequence[int]) -> None:
+        """Restored slots' latest erring hops into their nodes' (a superset is harmless: it
+        only decides which closes are looked at)."""
+        if len(slots):
+            idx = np.asarray(slots, dtype=np.int64)
+            np.maximum.at(self._node_err_end, self.node_of[idx], self.peer_end[idx].max(axis=1))
 
     def _restore_slot(self, key: str, meta: dict, job: str | None, rank: int | None) -> int:
         slot = self._slot.get(key)
@@ -460,10 +497,33 @@ class GpuFeatureWindows:
             self._job.append(None)
             self._rank.append(None)
             self.phase[slot] = self.hop_phase(key)
+            self._join_node(slot, meta["node"])
         else:
             self._meta[slot] = dict(meta)
         self._job[slot], self._rank[slot] = job, rank
         return slot
+
+    def keep_slots(self, kept: np.ndarray) -> None:
+        """Drop every slot but `kept` (sorted slot indices), renumbering those in their order;
+        the arrays keep their capacity (a worker's state bound, `streams.limits.evict_idle`)."""
+        fills = {**{name: fill for name, (_shape, fill) in _FRESH_STATE.items()}, "tdp": np.nan, "phase": 0.0}
+        for name, fill in fills.items():
+            arr = getattr(self, name)
+            new = np.full_like(arr, fill)
+            new[: len(kept)] = arr[kept]
+            setattr(self, name, new)
+        idx = kept.tolist()
+        self._meta = [self._meta[i] for i in idx]
+        self._job = [self._job[i] for i in idx]
+        self._rank = [self._rank[i] for i in idx]
+        self._slot = {f"{m['node']}/{m['gpu']}": i for i, m in enumerate(self._meta)}
+        self._slot_by_gpu = {(m["node"], m["gpu"]): i for i, m in enumerate(self._meta)}
+        self._node_index, self._node_slots = {}, []
+        self._node_err_end = np.full(16, -np.inf)
+        self.node_of[:] = -1
+        for slot, m in enumerate(self._meta):
+            self._join_node(slot, m["node"])
+        self._note_node_errors(range(len(self._meta)))
 
     def slot_meta(self, slot: int) -> dict[str, Any]:
         return self._meta[slot]
@@ -511,9 +571,10 @@ class GpuFeatureWindows:
         order = np.lexsort((t, s))
         s, t, x, hop = s[order], t[order], x[order], hop[order]
         open_h, seen_ts = open_h[order], seen_ts[order]
-        # Each row's index into job_ranks, carried through the sorting and filtering: only the
-        # last row of each GPU's hop is ever read (`_note_jobs`).
-        pos = order if job_ranks is not None else None
+        # Each row's arrival index (into job_ranks), carried through the sorting and filtering:
+        # the last row of each GPU's hop gives its job (`_note_jobs`); the first row after a hop
+        # is the one that closed it, which orders the closes for node-peer context.
+        pos = order
 
         # Exact duplicates inside the batch, and against the last accepted sample.
         dup = np.zeros(n, dtype=bool)
@@ -531,9 +592,7 @@ class GpuFeatureWindows:
         keep = ~(dup | late)
         in_order = t > seen_ts  # newer than every earlier arrival: may update counters and XID state
         if not keep.all():
-            s, t, x, hop, in_order = s[keep], t[keep], x[keep], hop[keep], in_order[keep]
-            if pos is not None:
-                pos = pos[keep]
+            s, t, x, hop, in_order, pos = s[keep], t[keep], x[keep], hop[keep], in_order[keep], pos[keep]
         if len(s) == 0:
             return empty
 
@@ -544,30 +603,33 @@ class GpuFeatureWindows:
             # rows are sorted by ts inside a slot: assign in reverse so the earliest wins
             self.open_hop[s[first[::-1]]] = hop[first[::-1]]
 
-        out_slots, out_ts, out_feat = [], [], []
+        out_slots, out_ts, out_feat, out_by = [], [], [], []
         while len(s):
             cur = hop == self.open_hop[s]
             if cur.any():
                 self._accumulate(s[cur], t[cur], x[cur], in_order[cur])
-                if pos is not None:
-                    self._note_jobs(s[cur], pos[cur], job_ranks)  # type: ignore[arg-type]
+                if job_ranks is not None:
+                    self._note_jobs(s[cur], pos[cur], job_ranks)
             rest = ~cur
             if not rest.any():
                 break
-            s, t, x, hop, in_order = s[rest], t[rest], x[rest], hop[rest], in_order[rest]
-            if pos is not None:
-                pos = pos[rest]
-            closing = np.unique(s)
+            s, t, x, hop, in_order, pos = s[rest], t[rest], x[rest], hop[rest], in_order[rest], pos[rest]
+            starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+            closing = s[starts]
             cs, cts, cf = self._close(closing)
             out_slots.append(cs)
             out_ts.append(cts)
             out_feat.append(cf)
+            # Kept rows of a GPU arrive in non-decreasing hops, so its earliest arrival among the
+            # remaining rows is the sample that closed the hop.
+            out_by.append(np.minimum.reduceat(pos, starts).astype(np.float64))
             # next open hop per closing slot: its earliest remaining row (rows sorted by slot, ts)
-            starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
-            self.open_hop[s[starts]] = hop[starts]
+            self.open_hop[closing] = hop[starts]
         if not out_slots:
             return empty
-        return np.concatenate(out_slots), np.concatenate(out_ts), np.vstack(out_feat)
+        out = np.concatenate(out_slots), np.concatenate(out_ts), np.vstack(out_feat)
+        self._peer_context(*out, np.concatenate(out_by))
+        return out
 
     def _accumulate(self, s: np.ndarray, t: np.ndarray, x: np.ndarray, in_order: np.ndarray) -> None:
         """Add rows (sorted by slot, ts; all in their slot's open hop) to the hop accumulators."""
@@ -623,6 +685,59 @@ class GpuFeatureWindows:
         rank = np.arange(n) - np.repeat(starts, counts)
         pos = (acc[s, A_NSAMPLE].astype(np.int64) - np.repeat(counts, counts) + rank) % DEDUP_RING
         self.ts_ring[s, pos] = t
+
+    def _peer_context(
+        self, slots: np.ndarray, ends: np.ndarray, f: np.ndarray, closed_by: np.ndarray
+    ) -> None:
+        """Fill the node-peer columns of closed hops (`slots`, hop `ends`, features `f`, each
+        closed by the sample of arrival index `closed_by`; inf: at a flush) and note each
+        hop's link errors for its peers.
+
+        A hop sees a peer's hops that were closed before it, in arrival order: a node's samples
+        arrive in one order whether replayed or read from its Kafka partition, so the result
+        does not depend on how they were split into calls (closes of one call are taken in
+        arrival order, not in the order this code closed them). Only closes on a node with
+        link errors in the last window are looked at one by one; the rest read 0."""
+        k = len(slots)
+        cols = [_FI[f"node_{g}_{kind}_1h"] for kind in ("peers", "streak_peers") for g in PEER_GROUPS]
+        f[:, cols] = 0.0
+        if k == 0:
+            return
+        streak = np.stack([f[:, _FI[f"{g}_streak_h"]] for g in PEER_GROUPS], axis=1) * (3600.0 / self.hop_s)
+        erring = streak > 0.5
+        nodes = self.node_of[slots]
+        look = self._node_err_end[nodes] >= ends - PEER_WINDOW_S
+        if erring.any():
+            look |= np.isin(nodes, nodes[erring.any(axis=1)])
+        if not look.any():
+            return
+        idx = np.flatnonzero(look)
+        idx = idx[np.lexsort((slots[idx], closed_by[idx]))]
+        peer_end, node_slots = self.peer_end, self._node_slots
+        pending: list[tuple[int, float, np.ndarray]] = []  # closes of the same arrival, noted after
+        last_by = -np.inf
+        for i in idx.tolist():
+            by = closed_by[i]
+            if by != last_by:
+                self._note_peer_errors(pending)
+                pending, last_by = [], by
+            slot, end = int(slots[i]), float(ends[i])
+            peers = [p for p in node_slots[nodes[i]] if p != slot]
+            if peers:
+                recent = peer_end[peers] >= end - PEER_WINDOW_S  # (peers, err + streak per group)
+                f[i, cols] = recent.sum(axis=0)
+            if erring[i].any():
+                pending.append((slot, end, streak[i]))
+        self._note_peer_errors(pending)
+
+    def _note_peer_errors(self, closes: list[tuple[int, float, np.ndarray]]) -> None:
+        n_groups = len(PEER_GROUPS)
+        for slot, end, streak in closes:
+            erring = streak > 0.5
+            self.peer_end[slot, :n_groups][erring] = end
+            self.peer_end[slot, n_groups:][streak >= PEER_STREAK_HOPS - 0.5] = end
+            nid = self.node_of[slot]
+            self._node_err_end[nid] = max(self._node_err_end[nid], end)
 
     def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
                    job_ranks: Sequence[tuple[str | None, int | None]]) -> None:
@@ -950,12 +1065,16 @@ def _from_json(value: Any) -> np.ndarray:
 
 
 # The per-slot arrays (first axis: slot) that hold a GPU's window state besides its meta and job.
-STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring")
+STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring",
+                "peer_end")
 # The state arrays a GPU starts with (shape per GPU, fill value); `tdp` comes from its model.
 _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER,), np.nan),
     "last_xid": ((), np.nan), "open_hop": ((), -1.0), "closed_hop": ((), -1.0),
     "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
+    # end of the GPU's latest hop with new errors, then of its latest streaking hop, per
+    # PEER_GROUPS group (what its node's peers see of it)
+    "peer_end": ((2 * len(PEER_GROUPS),), -np.inf),
 }
 
 

@@ -455,20 +455,7 @@ def evict_idle(control: Any, keep: int) -> list[str]:
     kept = np.setdiff1d(np.arange(n), gone)
     keys = w.slot_keys()
     evicted = [keys[i] for i in gone.tolist()]
-    from fleetwise.predictors.features import _FRESH_STATE
-
-    fills = {**{name: fill for name, (_shape, fill) in _FRESH_STATE.items()}, "tdp": np.nan, "phase": 0.0}
-    for name, fill in fills.items():
-        arr = getattr(w, name)
-        new = np.full_like(arr, fill)
-        new[: len(kept)] = arr[kept]
-        setattr(w, name, new)
-    idx = kept.tolist()
-    w._meta = [w._meta[i] for i in idx]
-    w._job = [w._job[i] for i in idx]
-    w._rank = [w._rank[i] for i in idx]
-    w._slot = {f"{m['node']}/{m['gpu']}": i for i, m in enumerate(w._meta)}
-    w._slot_by_gpu = {(m["node"], m["gpu"]): i for i, m in enumerate(w._meta)}
+    w.keep_slots(kept)
     # The straggler detector has learned the models of the first `_models_taught` slots.
     taught = getattr(control, "_models_taught", None)
     if taught is not None:
