@@ -27,6 +27,7 @@ Semantics (event time only):
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Iterable, Sequence
@@ -697,47 +698,59 @@ class GpuFeatureWindows:
         arrive in one order whether replayed or read from its Kafka partition, so the result
         does not depend on how they were split into calls (closes of one call are taken in
         arrival order, not in the order this code closed them). Only closes on a node with
-        link errors in the last window are looked at one by one; the rest read 0."""
-        k = len(slots)
+        link errors in the last window are looked at; the rest read 0."""
         cols = [_FI[f"node_{g}_{kind}_1h"] for kind in ("peers", "streak_peers") for g in PEER_GROUPS]
         f[:, cols] = 0.0
-        if k == 0:
+        if len(slots) == 0:
             return
-        streak = np.stack([f[:, _FI[f"{g}_streak_h"]] for g in PEER_GROUPS], axis=1) * (3600.0 / self.hop_s)
-        erring = streak > 0.5
+        hops = np.stack([f[:, _FI[f"{g}_streak_h"]] for g in PEER_GROUPS], axis=1) * (3600.0 / self.hop_s)
+        # What each close tells its peers, in `peer_end`'s column order: erring, then streaking.
+        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5], axis=1)
         nodes = self.node_of[slots]
         look = self._node_err_end[nodes] >= ends - PEER_WINDOW_S
-        if erring.any():
-            look |= np.isin(nodes, nodes[erring.any(axis=1)])
+        marked = marks.any(axis=1)
+        if marked.any():
+            look |= np.isin(nodes, nodes[marked])
         if not look.any():
             return
+        # (close, peer) pairs: every looked-at close with every other GPU of its node.
         idx = np.flatnonzero(look)
-        idx = idx[np.lexsort((slots[idx], closed_by[idx]))]
-        peer_end, node_slots = self.peer_end, self._node_slots
-        pending: list[tuple[int, float, np.ndarray]] = []  # closes of the same arrival, noted after
-        last_by = -np.inf
-        for i in idx.tolist():
-            by = closed_by[i]
-            if by != last_by:
-                self._note_peer_errors(pending)
-                pending, last_by = [], by
-            slot, end = int(slots[i]), float(ends[i])
-            peers = [p for p in node_slots[nodes[i]] if p != slot]
-            if peers:
-                recent = peer_end[peers] >= end - PEER_WINDOW_S  # (peers, err + streak per group)
-                f[i, cols] = recent.sum(axis=0)
-            if erring[i].any():
-                pending.append((slot, end, streak[i]))
-        self._note_peer_errors(pending)
-
-    def _note_peer_errors(self, closes: list[tuple[int, float, np.ndarray]]) -> None:
-        n_groups = len(PEER_GROUPS)
-        for slot, end, streak in closes:
-            erring = streak > 0.5
-            self.peer_end[slot, :n_groups][erring] = end
-            self.peer_end[slot, n_groups:][streak >= PEER_STREAK_HOPS - 0.5] = end
-            nid = self.node_of[slot]
-            self._node_err_end[nid] = max(self._node_err_end[nid], end)
+        uniq, inv = np.unique(nodes[idx], return_inverse=True)
+        members = [self._node_slots[n] for n in uniq.tolist()]
+        sizes = np.array([len(m) for m in members])
+        flat = np.fromiter(itertools.chain.from_iterable(members), dtype=np.int64, count=int(sizes.sum()))
+        start = np.r_[0, np.cumsum(sizes)[:-1]]
+        reps = sizes[inv]
+        pair_c = np.repeat(idx, reps)
+        within = np.arange(len(pair_c)) - np.repeat(np.cumsum(reps) - reps, reps)
+        pair_p = flat[np.repeat(start[inv], reps) + within]
+        other = pair_p != slots[pair_c]
+        pair_c, pair_p = pair_c[other], pair_p[other]
+        # A peer's latest marked hop as of each close: from its state before this call, or the
+        # last of its marked closes in this call that arrived before this close did (a GPU's
+        # closes come in hop order, so the last to arrive has the latest end).
+        order_key = np.unique(closed_by, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        span = int(order_key.max()) + 1
+        latest = self.peer_end[pair_p].copy()
+        for j in range(marks.shape[1]):
+            rows = np.flatnonzero(marks[:, j])
+            if len(rows) == 0:
+                continue
+            key = slots[rows] * span + order_key[rows]
+            sort = np.argsort(key, kind="stable")
+            key, rows = key[sort], rows[sort]
+            q = np.searchsorted(key, pair_p * span + order_key[pair_c], side="left") - 1
+            hit = q >= 0
+            hit[hit] = slots[rows[q[hit]]] == pair_p[hit]
+            latest[hit, j] = np.maximum(latest[hit, j], ends[rows[q[hit]]])
+        recent = latest >= (ends[pair_c] - PEER_WINDOW_S)[:, None]
+        counts = np.zeros((len(slots), marks.shape[1]))
+        np.add.at(counts, pair_c, recent.astype(np.float64))
+        f[idx[:, None], cols] = counts[idx]
+        # What the peers of later closes see of these.
+        rows, cols_j = np.nonzero(marks)
+        np.maximum.at(self.peer_end, (slots[rows], cols_j), ends[rows])
+        np.maximum.at(self._node_err_end, nodes[rows], ends[rows])
 
     def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
                    job_ranks: Sequence[tuple[str | None, int | None]]) -> None:
