@@ -59,13 +59,19 @@ TICK_S = 10.0
 # --------------------------------------------------------------------------- inputs
 def node_batches(nodes: int, gpus: int, ticks: int, *, seed: int, start_tick: int = 0) -> list[dict]:
     """Seeded node batches: temperatures, power, clocks, utilisation and slowly rising
-    counters, one batch per node per tick, in tick order (as agents would publish them)."""
+    counters, one batch per node per tick, in tick order (as agents would publish them).
+    GPU 0 of every fourth node has a degrading NVLink (errors every tick after tick 20), so
+    its node peers' context is not all zeros."""
     rng = np.random.default_rng(seed)
     out = []
     sbe = np.zeros((nodes, gpus))
+    nvl = np.zeros((nodes, gpus))
     for tick in range(ticks):
         ts = START_TS + (start_tick + tick) * TICK_S
         sbe += rng.poisson(0.05, size=(nodes, gpus))
+        nvl += rng.poisson(0.002, size=(nodes, gpus))
+        if start_tick + tick >= 20:
+            nvl[::4, 0] += rng.poisson(2.0, size=len(nvl[::4, 0])) + 1
         for n in range(nodes):
             samples = []
             for g in range(gpus):
@@ -79,6 +85,7 @@ def node_batches(nodes: int, gpus: int, ticks: int, *, seed: int, start_tick: in
                         "DCGM_FI_DEV_SM_CLOCK": 1980.0,
                         "DCGM_FI_DEV_GPU_UTIL": float(rng.integers(85, 100)),
                         "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(sbe[n, g]),
+                        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": float(nvl[n, g]),
                     },
                 })
             out.append({"ts": ts, "node": f"node-{n:03d}", "samples": samples})
@@ -960,6 +967,8 @@ async def test_two_workers_share_the_partitions_and_give_the_same_features(
     batches = node_batches(nodes=16, gpus=8, ticks=130, seed=17)
     messages = [encode(b) for b in batches]
     expected = embedded_outputs(messages)[T.FEATURES.name]
+    assert any(json.loads(r)["values"].get("node_nvl_peers_1h") for r in expected), \
+        "node-peer context is compared too"
     workers = [new_worker().start(), new_worker().start()]
     # Both in the group before any input: each holds some of the 8 telemetry partitions.
     deadline = time.monotonic() + 90
@@ -993,6 +1002,8 @@ async def test_a_worker_joining_mid_stream_takes_over_partitions_with_their_stat
     messages = [encode(b) for b in batches]
     part_a, part_b = messages[: 16 * 90], messages[16 * 90:]  # A ends inside the second hop
     expected = embedded_outputs(messages)[T.FEATURES.name]
+    assert any(json.loads(r)["values"].get("node_nvl_peers_1h") for r in expected), \
+        "node-peer context carried in the saved state is compared too"
     first = new_worker().start()
     await produce(kafka_bootstrap, prefix, part_a)
     wait_for_metric(first, "fleetwise_messages_in_total", len(part_a) / 2, topic=T.TELEMETRY_GPU.name)
@@ -1019,6 +1030,8 @@ async def test_a_worker_joining_and_leaving_mid_stream_loses_nothing(kafka_boots
     batches = node_batches(nodes=16, gpus=8, ticks=130, seed=31)
     messages = [encode(b) for b in batches]
     expected = embedded_outputs(messages)[T.FEATURES.name]
+    assert any(json.loads(r)["values"].get("node_nvl_peers_1h") for r in expected), \
+        "node-peer context is compared too"
     workers = [new_worker().start(), new_worker().start()]
     wait_for_metric(workers[1], "fleetwise_assigned_partitions", 1, topic=T.TELEMETRY_GPU.name)
     n = len(messages) // 6

@@ -21,14 +21,14 @@ topic (inventory, plans, the changelog).
 State. Processor state lives in one faust Table, ``fleetwise-state``, changelogged to Kafka
 and co-partitioned with the telemetry and steps topics. A processor key ("node/gpu" or "job")
 belongs to the partition its input messages use (Kafka's default murmur2 partitioner on the
-node or job) and, inside it, to one of `state_buckets` buckets (crc32 of the key). One table
-entry per (partition, bucket) holds the state of all its keys, in a compact binary form for
-the feature windows (`FeatureStateCodec`), plus the last input offset applied per input
-topic-partition. Checkpoints roll over the partitions: within every `checkpoint_interval_s`
-each changed partition is saved once, in its own step (steps spread evenly over the
-interval). A step waits for the broker to acknowledge the outputs sent so far, writes every
-bucket of its partition, and only then acks that partition's input offsets, so faust's
-offset commits never run ahead of the saved state.
+node or job) and, inside it, to one of `state_buckets` buckets (crc32 of the node or job, so a
+node's GPUs share one). One table entry per (partition, bucket) holds the state of all its
+keys, in a compact binary form for the feature windows (`FeatureStateCodec`), plus the last
+input offset applied per input topic-partition. Checkpoints roll over the partitions: within
+every `checkpoint_interval_s` each changed partition is saved once, in its own step (steps
+spread evenly over the interval). A step waits for the broker to acknowledge the outputs sent
+so far, writes every bucket of its partition, and only then acks that partition's input
+offsets, so faust's offset commits never run ahead of the saved state.
 
 A restarted (or newly assigned) worker recovers the table from the changelog and, on first
 sight of a partition (or when the table holds entries this worker did not write, after a
@@ -144,8 +144,11 @@ def state_partition(inner: str, partitions: int) -> int:
 
 
 def state_bucket(inner: str, buckets: int) -> int:
-    """Bucket of a key inside its partition (stable across processes and Python runs)."""
-    return zlib.crc32(inner.encode()) % buckets
+    """Bucket of a key inside its partition (stable across processes and Python runs), by the
+    key's part before any "/": a node's GPUs are saved and restored together, so a restore
+    from buckets saved at different times never joins a GPU's state with a peer's from
+    another time (node-peer context reads the peers' state)."""
+    return zlib.crc32(inner.split("/", 1)[0].encode()) % buckets
 
 
 def record_keys(record: Item) -> tuple[str, ...]:
