@@ -34,6 +34,9 @@ from fleetwise.streams.kafka_io import (
 REPO = Path(__file__).resolve().parents[1]
 KAFKA_SH = REPO / "deploy" / "kafka" / "kafka.sh"
 USERS = ("admin", "agent", "worker", "plugin", "kube-consumer")
+# This module's broker limits each agent client id to 64 KiB/s (the default is 1 MiB/s), so a
+# flood is throttled within seconds.
+AGENT_BYTE_RATE = 65536
 START_TS = 1_764_489_600.0
 
 
@@ -55,7 +58,8 @@ class SecureBroker:
 @pytest.fixture(scope="module")
 def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
     state = tmp_path_factory.mktemp("kafka-secure")
-    env = dict(os.environ, KAFKA_WATCH_PID=str(os.getpid()))
+    env = dict(os.environ, KAFKA_WATCH_PID=str(os.getpid()),
+               FLEETWISE_KAFKA_AGENT_BYTE_RATE=str(AGENT_BYTE_RATE))
     try:
         proc = subprocess.run(["bash", str(KAFKA_SH), "start", "--secure", str(state)], env=env,
                               capture_output=True, text=True, timeout=900, check=False)
@@ -153,6 +157,12 @@ def test_secure_start_writes_secrets_private_and_acls_name_only_registry_topics(
     assert {t for u, t in writers if u == "agent"} == {T.TELEMETRY_GPU.name, T.INVENTORY.name}
     for commands in (T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name):
         assert {u for u, t in writers if t == commands} == {"worker"}
+    # produce quotas per client id for the two users one per node or job (agents, plugins)
+    quotas = {(row[0], row[1], row[2]): float(row[3]) for row in
+              (line.split() for line in (state / "quotas.txt").read_text().splitlines() if line.strip())}
+    assert quotas == {("agent", "<default>", "producer_byte_rate"): AGENT_BYTE_RATE,
+                      ("plugin", "<default>", "producer_byte_rate"): 1048576.0}
+    assert "quotas: 2" in (state / "setup.log").read_text()
 
 
 # --------------------------------------------------------------------------- broker: refusals
@@ -215,6 +225,36 @@ async def test_an_agent_may_not_read_what_the_worker_decides(secure_broker, as_u
     with pytest.raises(KafkaError):  # TopicAuthorizationFailed on the consumer's metadata
         await asyncio.wait_for(consume_until(secure_broker.bootstrap, [T.COMMANDS_KUBE.name], timeout_s=5,
                                              until=lambda ms: False), 60)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_flooding_agent_is_throttled_to_its_quota_and_another_agent_is_not(
+    secure_broker, as_user
+) -> None:
+    # Agents share the `agent` user; the quota is per client id (fleetwise-agent-<node>), so a
+    # node that floods is slowed to its rate and the next node's agent still gets through.
+    # Garbage on the inventory topic: a worker dead-letters it (no worker reads it here).
+    await _ensure_registry_topics(secure_broker, as_user)
+    as_user("agent")
+    chunk = b"x" * 16384
+
+    async def send(client_id: str, n: int) -> float:
+        producer = await start_producer(secure_broker.bootstrap, client_id=client_id,
+                                        request_timeout_ms=120_000)
+        try:
+            start = time.monotonic()
+            for _ in range(n):
+                await producer.send_and_wait(T.INVENTORY.name, chunk, key=client_id.encode())
+            return time.monotonic() - start
+        finally:
+            await producer.stop()
+
+    flood_bytes = 80 * len(chunk)  # 1.25 MiB: ~20 s of quota, ~11 of which the broker's rate
+    flooded = await send("fleetwise-agent-flood", 80)  # window lets through at once
+    quiet = await send("fleetwise-agent-quiet", 4)
+    assert flooded >= 0.25 * flood_bytes / AGENT_BYTE_RATE, flooded  # >= 5 s; unthrottled < 1 s
+    assert quiet < flooded / 3, (quiet, flooded)
 
 
 async def _ensure_registry_topics(broker: SecureBroker, as_user) -> None:

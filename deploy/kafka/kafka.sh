@@ -26,6 +26,8 @@
 #   MAVEN_REPO_LOCAL       optional -Dmaven.repo.local for the fetch
 #   FLEETWISE_KAFKA_APP_ID (--secure) the workers' faust app id: their consumer group and
 #                          internal-topic prefix in the ACLs (default fleetwise)
+#   FLEETWISE_KAFKA_AGENT_BYTE_RATE, FLEETWISE_KAFKA_PLUGIN_BYTE_RATE (--secure) produce quota
+#                          in bytes/s of each agent / plugin client id (default 1048576)
 set -euo pipefail
 
 KAFKA_VERSION="${FLEETWISE_KAFKA_VERSION:-3.9.1}"
@@ -324,6 +326,17 @@ kube-consumer  group prefixed  fleetwise-kube               Read,Describe
 EOF
 }
 
+# Client quotas: USER CLIENT_ID(<default>: each client id of the user on its own) KEY VALUE.
+# The nodes' agents share the `agent` user but each has its own client id
+# (fleetwise-agent-<node>), so one flooding agent is throttled without slowing the others;
+# plugins the same. Workers and the kube consumer are not limited. docs/security.md.
+quota_table() {
+  cat <<EOF
+agent   <default>  producer_byte_rate  ${FLEETWISE_KAFKA_AGENT_BYTE_RATE:-1048576}
+plugin  <default>  producer_byte_rate  ${FLEETWISE_KAFKA_PLUGIN_BYTE_RATE:-1048576}
+EOF
+}
+
 random_secret() {  # 32 URL-safe characters
   head -c 48 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' | cut -c1-32
 }
@@ -372,6 +385,7 @@ EOF
   # never appear on a command line.
   FORMAT_EXTRA=(--add-scram "SCRAM-SHA-512=[name=admin,password=$(cat "$dir/users/admin.password")]")
   acl_table >"$dir/acls.txt"
+  quota_table >"$dir/quotas.txt"
 }
 
 write_secure_configs() {  # DIR PORT CPORT
@@ -505,9 +519,11 @@ import java.nio.file.*;
 import java.util.*;
 import org.apache.kafka.clients.admin.*;
 import org.apache.kafka.common.acl.*;
+import org.apache.kafka.common.quota.*;
 import org.apache.kafka.common.resource.*;
 
-/** Creates the components' SCRAM users and the ACLs of acls.txt (written by kafka.sh). */
+/** Creates the components' SCRAM users, the ACLs of acls.txt and the client quotas of
+ *  quotas.txt (written by kafka.sh). */
 public class SecureSetup {
   public static void main(String[] args) throws Exception {
     Path dir = Paths.get(args[0]);
@@ -545,7 +561,25 @@ public class SecureSetup {
         if (System.currentTimeMillis() > deadline) throw new IllegalStateException("ACLs not visible after 30 s");
         Thread.sleep(200);
       }
-      System.out.println("users: " + users.size() + ", acls: " + acls.size());
+      List<ClientQuotaAlteration> quotas = new ArrayList<>();
+      for (String line : Files.readAllLines(dir.resolve("quotas.txt"))) {
+        String[] f = line.trim().split("\\s+");
+        if (f.length < 4 || f[0].startsWith("#")) continue;
+        Map<String, String> entity = new HashMap<>();
+        entity.put(ClientQuotaEntity.USER, f[0]);
+        entity.put(ClientQuotaEntity.CLIENT_ID, f[1].equals("<default>") ? null : f[1]);
+        quotas.add(new ClientQuotaAlteration(new ClientQuotaEntity(entity),
+            List.of(new ClientQuotaAlteration.Op(f[2], Double.parseDouble(f[3])))));
+      }
+      admin.alterClientQuotas(quotas).all().get();
+      deadline = System.currentTimeMillis() + 30_000;
+      while (true) {
+        var have = admin.describeClientQuotas(ClientQuotaFilter.all()).entities().get();
+        if (have.keySet().containsAll(quotas.stream().map(ClientQuotaAlteration::entity).toList())) break;
+        if (System.currentTimeMillis() > deadline) throw new IllegalStateException("quotas not visible after 30 s");
+        Thread.sleep(200);
+      }
+      System.out.println("users: " + users.size() + ", acls: " + acls.size() + ", quotas: " + quotas.size());
     }
   }
 }
