@@ -229,3 +229,48 @@ async def test_an_approval_acts_only_when_signed_under_the_operators_key(
     got = await commands_until(kafka_bootstrap, prefix, "checkpoint", worker)
     assert [c.id for c in got if c.type == "checkpoint"] == [held["command_id"]]
     assert verify_command(got[0], Keyring(), now=got[0].ts, job="llm")
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_two_workers_keep_one_fleet_drain_cap_by_reading_each_others_commands(
+    kafka_bootstrap: str, namespace, tmp_path,  # noqa: F811 - the fixture imported above
+):
+    """Fleet cap 1, two workers holding half the partitions each. node-000/gpu1's fatal XID is
+    drained by whichever worker holds its partition; the other reads that drain on the command
+    topics, so the same XID on 15 more nodes (all 8 partitions, so both workers') is held back
+    by the cap on both, not drained once more by the worker that sent nothing."""
+    prefix, new_worker = namespace
+    policy = tmp_path / "policy.yaml"
+    # the breaker and the staleness rail stay out of the way: this is about the cap
+    policy.write_text("rails: {max_drained_gpus_fleet: 1, breaker_drains: 100, stale_after_s: 86400}\n")
+    workers = [new_worker("--policy", str(policy)).start() for _ in range(2)]
+    wait_until_all_hold_partitions(workers)
+    both = Workers(workers)
+    batches = node_batches(16, 2, 140, seed=3)  # 10 s ticks: every GPU closes a hop after tick 15
+    for b in batches:
+        for s in b["samples"]:
+            fatal = s["gpu"] == 1 and s["ts"] >= START_TS + 15 * TICK_S
+            s["metrics"]["DCGM_FI_DEV_XID_ERRORS"] = 48 if fatal else 0
+    await produce(kafka_bootstrap, prefix, [encode(b) for b in batches if b["node"] == "node-000"])
+    first = await commands_until(kafka_bootstrap, prefix, "drain", both)
+    assert [(c.node, c.gpu) for c in first if c.type == "drain"] == [("node-000", 1)]
+    deadline = time.monotonic() + 60  # the worker that did not send it has read it
+    while sum(w.metric("fleetwise_peer_drains") for w in workers) != 1.0:
+        assert time.monotonic() < deadline and both.check_alive(), both.log_tail()
+        time.sleep(0.5)
+
+    await produce(kafka_bootstrap, prefix, [encode(b) for b in batches if b["node"] != "node-000"])
+    try:
+        got = await consume_until(
+            kafka_bootstrap, [topic_name(T.AUDIT, prefix)], timeout_s=90,
+            until=lambda ms: both.check_alive() and sum(
+                json.loads(m.value).get("event") == "fleet_drain_cap" for m in ms) >= 15)
+    except TimeoutError as exc:
+        seen = [(a.get("event") or a.get("type"), a.get("node"), a.get("gpu"), a.get("reason"))
+                for a in (json.loads(m.value) for m in exc.messages)]
+        pytest.fail(f"not every later XID was held back by the fleet cap: {exc}\n{seen}\n{both.log_tail()}")
+    held = {json.loads(m.value)["node"] for m in got if json.loads(m.value).get("event") == "fleet_drain_cap"}
+    assert held == {f"node-{n:03d}" for n in range(1, 16)}
+    sent = await consume_until(kafka_bootstrap, [topic_name(T.COMMANDS_KUBE, prefix)], timeout_s=10, idle_s=3)
+    assert [(c["node"], c["type"]) for c in (json.loads(m.value) for m in sent)] == [("node-000", "drain")]

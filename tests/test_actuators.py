@@ -154,6 +154,91 @@ def test_drain_caps_per_job_fleet_and_the_circuit_breaker():
     assert audits(outs[3])[0].event == "breaker_open" and "circuit breaker open" in audits(outs[3])[0].reason
 
 
+def two_workers(**rails) -> tuple[ActionPolicy, ActionPolicy]:
+    """Two workers' policies over disjoint nodes, each reading the other's commands and every
+    ack, as the context topics give them."""
+    cfg = PolicyConfig.model_validate({"rails": {"max_disruptive_per_job_per_hour": 100, **rails}})
+    return ActionPolicy(cfg), ActionPolicy(cfg)
+
+
+def test_the_fleet_drain_cap_holds_across_workers_that_read_each_others_commands():
+    a, b = two_workers(max_drained_gpus_fleet=2)
+    first = commands(a.process([failure("a1", 0, job=None)]))
+    second = commands(b.process([failure("b1", 0, job=None, ts=T0 + 1)]))
+    assert [c.type for c in first + second] == ["drain", "drain"]
+    for worker in (a, b):  # each reads both command topics: its own commands change nothing
+        worker.process(first + second)
+    # a third GPU on either worker: the cap (2) counts the other worker's drain too
+    held = b.process([failure("b2", 0, job=None, ts=T0 + 2)])
+    assert commands(held) == [] and audits(held)[0].event == "fleet_drain_cap"
+    assert "2 GPUs out or leaving (cap 2)" in audits(held)[0].reason
+    # refused by its consumer: the GPU stays in service, and the cap has room again
+    for worker in (a, b):
+        worker.process([ack(first[0], "rejected", ts=T0 + 3, detail="node not found")])
+    assert [c.type for c in commands(b.process([failure("b2", 0, job=None, ts=T0 + 4)]))] == ["drain"]
+    # without the other worker's commands (the change's point) the cap would not hold
+    alone = two_workers(max_drained_gpus_fleet=1)
+    alone[0].process([failure("a1", 0, job=None)])
+    assert len(commands(alone[1].process([failure("b1", 0, job=None, ts=T0 + 1)]))) == 1
+
+
+def test_another_workers_drain_counts_until_its_gpu_returns_and_an_early_ack_is_kept():
+    a, b = two_workers(max_drained_gpus_fleet=1)
+    with_ranks(a, 8)
+    checkpoint = commands(a.process([failure("a1", 3, rank=3)]))[0]  # the drain's first step
+    b.process([checkpoint])
+    assert b.peers.out() == {("a1", 3)}
+    assert commands(b.process([failure("b1", 0, job=None, ts=T0 + 1)])) == []  # cap 1: held back
+    done = ack(checkpoint, "done", ts=T0 + 30)
+    drain = commands(a.process([done]))[0]
+    # the drain's ack is read before the drain itself (another topic): kept until it comes
+    b.process([done, ack(drain, "done", ts=T0 + 60)])
+    assert b.peers.out() == set()
+    b.process([drain])
+    assert b.peers.out() == {("a1", 3)} and b.fleet.status(("a1", 3)) == "in_service"  # not b's
+    assert commands(b.process([failure("b1", 0, job=None, ts=T0 + 120)])) == []
+    # an operator returns the GPU: every worker reads it; only the owner reports it
+    back = operator(ts=T0 + 900, action="return_gpu", node="a1", gpu=3, reason="reseated")
+    a.process([ack(drain, "done", ts=T0 + 60)])
+    assert [e.event for e in audits(a.process([back]))] == ["gpu_returned"]
+    assert audits(b.process([back])) == [] and b.peers.out() == set()
+    # a drain read after the return that ended it (topics in no fixed order) stays ended
+    b.process([drain])
+    assert b.peers.out() == set()
+    assert [c.type for c in commands(b.process([failure("b1", 0, job=None, ts=T0 + 1000)]))] == ["drain"]
+
+
+def test_another_workers_unanswered_drain_expires_silently_and_forged_commands_are_ignored():
+    a, b = two_workers(max_drained_gpus_fleet=1)
+    drain = commands(a.process([failure("a1", 0, job=None)]))[0]
+    forged = drain.model_copy(update={"id": "drain-forged", "node": "a2"})  # signature no longer matches
+    b.process([drain, forged])
+    assert b.peers.out() == {("a1", 0)} and b.suppressed["peer_command_refused"] == 1
+    later = b.process([failure("b1", 0, job=None, ts=drain.expires_ts + 1)])
+    # a's drain expired unanswered: a reports it, b only stops counting it
+    assert [c.type for c in commands(later)] == ["drain"] and audits(later) == []
+
+
+def test_the_breaker_counts_other_workers_drain_decisions():
+    a, b = two_workers(breaker_drains=3, max_drained_gpus_fleet=99)
+    for i in range(3):
+        b.process(commands(a.process([failure(f"a{i}", 0, job=None, ts=T0 + i)])))
+    out = b.process([failure("b1", 0, job=None, ts=T0 + 10)])
+    assert commands(out) == [] and audits(out)[0].event == "breaker_open"
+    assert "4 drain decisions" in audits(out)[0].reason
+
+
+def test_a_restored_command_is_this_workers_own_even_if_read_back_first():
+    a, _ = two_workers()
+    drain = commands(a.process([failure("a1", 0, job=None)]))[0]
+    fresh = ActionPolicy(a.config)
+    fresh.process([drain])  # the context task reads it before the partition's state is back
+    assert fresh.peers.out() == {("a1", 0)}
+    for key in a.keys():
+        fresh.restore(key, a.state(key))
+    assert fresh.peers.out() == set() and [p.id for p in fresh.fleet.open_commands()] == [drain.id]
+
+
 def test_stale_evidence_and_far_horizons_make_no_command():
     policy = ActionPolicy()
     policy.process([failure("n9", 0, ts=T0 + 7200, job=None)])
@@ -288,6 +373,25 @@ def test_dry_run_signing_keys_and_state_round_trip():
     assert commands(restored.process([failure("n1", 3, ts=T0 + 5)])) == []  # remembers the checkpoint
     drain = commands(restored.process([ack(cp, ts=T0 + 6)]))
     assert [c.type for c in drain] == ["drain"] and drain[0].seq == 2  # seq continues after restore
+
+
+def test_a_worker_restored_from_its_job_keys_alone_still_has_the_drained_gpu_out():
+    # The GPUs' statuses sit in the fleet-wide key, saved only by the worker holding its
+    # partition; a worker restored from the job's key alone gets them back from the drain.
+    policy = ActionPolicy()
+    with_ranks(policy, 8)
+    cp = commands(policy.process([failure("n1", 3, rank=3)]))[0]
+    drain = commands(policy.process([ack(cp, ts=T0 + 30)]))[0]
+    policy.process([ack(drain, "done", ts=T0 + 60)])
+    restored = ActionPolicy()
+    restored.restore("llm", policy.state("llm"))
+    assert restored.fleet.status(("n1", 3)) == "drained"
+    assert commands(restored.process([failure("n1", 3, ts=T0 + 600, rank=3)])) == []
+    # returned after the drain (the operator topic read first): the return stands
+    returned = ActionPolicy()
+    returned.process([operator(ts=T0 + 900, action="return_gpu", node="n1", gpu=3, reason="reseated")])
+    returned.restore("llm", policy.state("llm"))
+    assert returned.fleet.status(("n1", 3)) == "in_service"
 
 
 def test_signature_detects_tampering():

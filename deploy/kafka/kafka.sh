@@ -308,8 +308,8 @@ worker         topic literal   fleetwise.acks               Read,Describe,Create
 worker         topic literal   fleetwise.operator           Read,Describe,Create
 worker         topic literal   fleetwise.features           Write,Describe,Create
 worker         topic literal   fleetwise.predictions        Write,Describe,Create
-worker         topic literal   fleetwise.commands.training  Write,Describe,Create
-worker         topic literal   fleetwise.commands.kube      Write,Describe,Create
+worker         topic literal   fleetwise.commands.training  Read,Write,Describe,Create
+worker         topic literal   fleetwise.commands.kube      Read,Write,Describe,Create
 worker         topic literal   fleetwise.audit              Write,Describe,Create
 worker         topic literal   fleetwise.deadletter         Write,Describe,Create
 worker         topic prefixed  @APP@-                       Read,Write,Describe,Create

@@ -137,3 +137,81 @@ class FleetState:
             gpus={(n, int(g)): GpuState(**s) for n, g, s in data.get("gpus", [])},
             commands={cid: PendingCommand(**p) for cid, p in data.get("commands", {}).items()},
         )
+
+
+def _takes_gpu_out(command: dict[str, Any]) -> bool:
+    """A drain, or the checkpoint whose next step is one (`params.before == "drain"`)."""
+    return command["type"] == "drain" or (command["type"] == "checkpoint"
+                                          and command.get("params", {}).get("before") == "drain")
+
+
+def _holds_gpu(p: PendingCommand) -> bool:
+    """Whether a command keeps its GPU out: open, or a drain done (until the GPU returns)."""
+    return p.status not in FINISHED or (p.type == "drain" and p.status == "done")
+
+
+@dataclass
+class PeerDrains:
+    """GPUs that other workers' policies are taking out of service, as every worker sees them:
+    their drain commands (the command topics) and those commands' acks, both read whole.
+
+    Counted by the fleet-wide rails and kept out of placement; never acted on, never saved (a
+    restarted worker reads the topics again). Topics read together arrive in no fixed order,
+    so an ack may come before its command (kept a while), and a GPU's return before the drain
+    it ends (a drain sent before the GPU's latest return is ignored).
+    """
+
+    commands: FleetState = field(default_factory=FleetState)
+    early_acks: dict[str, Ack] = field(default_factory=dict)
+    returned: dict[GpuKey, float] = field(default_factory=dict)
+    # (event time, target) of every drain or drain checkpoint seen: the breaker's fleet-wide count
+    decided: list[tuple[float, GpuKey]] = field(default_factory=list)
+
+    def observe(self, command: Command) -> None:
+        """Another worker's command (the caller skips its own): tracked if it takes a GPU out."""
+        sent = command.model_dump(mode="json", exclude_none=True)
+        target = None if command.node is None or command.gpu is None else (command.node, int(command.gpu))
+        if target is None or not _takes_gpu_out(sent) or command.id in self.commands.commands:
+            return
+        self.decided.append((float(command.ts), target))
+        if self.returned.get(target, float("-inf")) >= command.ts:
+            return
+        self.commands.track(command, "issued", float(command.ts))
+        early = self.early_acks.pop(command.id, None)
+        if early is not None:
+            self.commands.apply_ack(early)
+
+    def apply_ack(self, ack: Ack) -> None:
+        """An ack for a command this worker did not send (kept until its command is seen)."""
+        pending, _ = self.commands.apply_ack(ack)
+        if pending is None:
+            known = self.early_acks.get(ack.command_id)
+            if known is None or _ACK_ORDER.get(ack.status, 9) >= _ACK_ORDER.get(known.status, 9):
+                self.early_acks[ack.command_id] = ack
+
+    def gpu_returned(self, key: GpuKey, ts: float) -> None:
+        self.returned[key] = max(ts, self.returned.get(key, float("-inf")))
+        self.commands.commands = {cid: p for cid, p in self.commands.commands.items()
+                                  if p.target != key or float(p.command["ts"]) > ts}
+
+    def forget(self, command_id: str) -> None:
+        """This worker holds the command itself (restored from its saved state)."""
+        self.commands.commands.pop(command_id, None)
+
+    def out(self) -> set[GpuKey]:
+        """GPUs out or leaving: a drain not refused or expired (done: out until returned), or
+        a drain checkpoint still open."""
+        return {p.target for p in self.commands.commands.values() if p.target is not None and _holds_gpu(p)}
+
+    def decided_since(self, since: float) -> int:
+        """GPUs another worker decided to take out at or after `since` (event time)."""
+        return len({target for ts, target in self.decided if ts >= since})
+
+    def expire(self, now: float, keep_s: float) -> None:
+        """Silently expire unanswered commands (their sender reports it) and drop what no rail
+        needs any more: finished commands other than done drains, acks and decisions older
+        than `keep_s`."""
+        self.commands.expire(now)
+        self.commands.commands = {cid: p for cid, p in self.commands.commands.items() if _holds_gpu(p)}
+        self.early_acks = {cid: a for cid, a in self.early_acks.items() if a.ts >= now - keep_s}
+        self.decided = [(ts, t) for ts, t in self.decided if ts >= now - keep_s]

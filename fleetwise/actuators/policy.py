@@ -20,7 +20,7 @@ from typing import Any
 
 from fleetwise.actuators.config import PolicyConfig
 from fleetwise.actuators.consolidation import ConsolidationConfig, ConsolidationError, plan_consolidation
-from fleetwise.actuators.fleet import FINISHED, FleetState, GpuKey, PendingCommand
+from fleetwise.actuators.fleet import FINISHED, FleetState, GpuKey, PeerDrains, PendingCommand
 from fleetwise.actuators.ids import command_id
 from fleetwise.actuators.moves import (
     UtilisationWindow,
@@ -28,7 +28,7 @@ from fleetwise.actuators.moves import (
     hibernating_nodes,
     migration_for,
 )
-from fleetwise.actuators.signing import Keyring, operator_keyring, sign, verify_operator
+from fleetwise.actuators.signing import Keyring, operator_keyring, sign, verify_command, verify_operator
 from fleetwise.planner.exports import replica_samples
 from fleetwise.planner.shares import proportional_shares
 from fleetwise.schemas import (
@@ -55,6 +55,8 @@ KEEP_FINISHED_S = 86400.0
 # (so a prediction up to the margin behind the newest one still finds what the sweep left):
 # without it `jobs` grew with every job ever seen on the fleet.
 RETIRE_JOB_S = 86400.0
+# An ack read before its command (the two come from different topics) waits this long for it.
+PEER_ACK_WAIT_S = 3600.0
 RETIRE_SWEEP_MARGIN_S = 3600.0
 
 
@@ -120,6 +122,9 @@ class ActionPolicy:
         self.keyring = keyring or Keyring()
         self.operator_keys = operator_keys or operator_keyring()  # verifies operator actions
         self.fleet = FleetState()
+        # Other workers' drains (command topics and acks, read whole): the fleet-wide rails
+        # count them, so several workers together keep one fleet cap (docs/actuators.md).
+        self.peers = PeerDrains()
         self.inventory: dict[str, NodeInventory] = {}
         self.jobs: dict[str, JobState] = {}
         self.newest_ts = float("-inf")
@@ -155,6 +160,8 @@ class ActionPolicy:
                 out.extend(self._on_prediction(record))
             elif isinstance(record, Ack):
                 out.extend(self._on_ack(record))
+            elif isinstance(record, Command):
+                self._on_peer_command(record)
             elif isinstance(record, NodeInventory):
                 out.extend(self._on_inventory(record))
             elif isinstance(record, Plan):
@@ -195,6 +202,9 @@ class ActionPolicy:
     def restore(self, key: str, state: dict) -> None:
         part = FleetState.from_json(state)
         self.fleet.commands.update(part.commands)
+        for cid, pending in part.commands.items():
+            self.peers.forget(cid)  # read on the command topics before its state came back
+            self._restore_drained(pending)
         if key == FLEET_KEY:
             self.fleet.gpus.update(part.gpus)
             self.newest_ts = max(self.newest_ts, float(state.get("newest_ts", float("-inf"))))
@@ -204,6 +214,20 @@ class ActionPolicy:
             self.breaker_open_since = state.get("breaker_open_since")
         elif "job" in state:
             self.jobs[key] = JobState.from_json(state["job"])
+
+    def _restore_drained(self, drain: PendingCommand) -> None:
+        """A job's acked drain, restored with the job, puts its GPU out again: the GPUs' own
+        statuses live in the fleet-wide part, which only the worker holding that key's partition
+        saves. A status set after the ack (the GPU returned since) is newer and stays."""
+        target = drain.target
+        if drain.type != "drain" or target is None or drain.status not in ("received", "applied", "done"):
+            return
+        known = self.fleet.gpus.get(target)
+        if self.peers.returned.get(target, float("-inf")) >= drain.updated_ts:
+            return  # the return was read first (the operator topic, at the start)
+        if known is None or (known.status == "in_service" and known.since_ts < drain.updated_ts):
+            status = "drained" if drain.status == "done" else "draining"
+            self.fleet.set_status(target, status, drain.updated_ts, drain.command["reason"], drain.id)
 
     def forget(self, key: str) -> None:
         self.jobs.pop(key, None)
@@ -265,6 +289,7 @@ class ActionPolicy:
         self.fleet.commands = {cid: p for cid, p in self.fleet.commands.items()
                                if p.status not in FINISHED or p.updated_ts >= horizon}
         self._audited = {k: t for k, t in self._audited.items() if t >= now - AUDIT_REPEAT_S}
+        self.peers.expire(now, keep_s=max(self.config.rails.breaker_window_s, PEER_ACK_WAIT_S))
         out: list[Record] = []
         for p in self.fleet.expire(now):
             self.expired += 1
@@ -335,7 +360,7 @@ class ActionPolicy:
         if self.fleet.status(target) != "in_service":
             self.suppressed["already_out"] = self.suppressed.get("already_out", 0) + 1
             return []
-        if self.fleet.open_commands(target=target):
+        if self.fleet.open_commands(target=target) or target in self.peers.out():
             self.suppressed["in_progress"] = self.suppressed.get("in_progress", 0) + 1
             return []
         audit = {"target": f"{where}", "job": p.job, "node": p.node, "gpu": p.gpu, "evidence": [p.id]}
@@ -351,10 +376,12 @@ class ActionPolicy:
         self.breaker_attempts = [t for t in self.breaker_attempts if p.ts - t < window] + [p.ts]
         if self.breaker_open_since is not None and p.ts - self.breaker_open_since >= rails.breaker_cooldown_s:
             self.breaker_open_since = None
-        if self.breaker_open_since is None and len(self.breaker_attempts) > rails.breaker_drains:
+        # Other workers' drain decisions count too: a fleet-wide storm spreads over partitions.
+        attempts = len(self.breaker_attempts) + self.peers.decided_since(p.ts - window)
+        if self.breaker_open_since is None and attempts > rails.breaker_drains:
             self.breaker_open_since = p.ts
             return self._audit(
-                "breaker_open", f"{len(self.breaker_attempts)} drain decisions within {window:g} s (> "
+                "breaker_open", f"{attempts} drain decisions within {window:g} s (> "
                 f"{rails.breaker_drains}): circuit breaker open, no drain for {rails.breaker_cooldown_s:g} s "
                 "(an alert storm is more likely a fleet-wide cause than many failing GPUs)", p.ts,
                 target="breaker", once=False, evidence=[p.id])
@@ -362,8 +389,9 @@ class ActionPolicy:
             self.breaker_open_since = p.ts  # stays open while the flood goes on
             return self._audit("breaker_held", f"circuit breaker open: drain of {where} held back", p.ts,
                                **audit)
-        # Out, or on the way out: a drain asked for, or a checkpoint whose next step is a drain.
-        out_fleet = self.fleet.out_of_service() | {
+        # Out, or on the way out: a drain asked for, or a checkpoint whose next step is a drain,
+        # by this worker or another.
+        out_fleet = self.fleet.out_of_service() | self.peers.out() | {
             pc.target for pc in self.fleet.open_commands()
             if pc.target and (pc.type == "drain" or pc.follow_up.get("then", {}).get("type") == "drain")}
         fleet_size = sum(len(inv.gpus) for inv in self.inventory.values())  # 0: not known
@@ -411,7 +439,10 @@ class ActionPolicy:
     # -- acks ----------------------------------------------------------------------------------
     def _on_ack(self, ack: Ack) -> list[Record]:
         pending, moved = self.fleet.apply_ack(ack)
-        if pending is None or not moved:
+        if pending is None:
+            self.peers.apply_ack(ack)  # another worker's command (or one not seen yet)
+            return []
+        if not moved:
             return []
         c = pending.command
         target = pending.target
@@ -596,7 +627,8 @@ class ActionPolicy:
             return []  # one consolidation at a time; nothing to pack without inventory
         cons = self.config.consolidate
         asleep = hibernating_nodes({k: g.status for k, g in self.fleet.gpus.items()})
-        leaving = self.fleet.out_of_service() - {k for k in self.fleet.gpus if k[0] in asleep}
+        leaving = self.fleet.out_of_service() | self.peers.out()
+        leaving -= {k for k in self.fleet.gpus if k[0] in asleep}
         try:
             snapshot = consolidation_snapshot(self.utilisation, list(self.inventory.values()), now,
                                               cons.utilisation_below * 100.0, leaving, asleep)
@@ -625,7 +657,7 @@ class ActionPolicy:
     def _consider_migrations(self, now: float) -> list[Record]:
         out: list[Record] = []
         pol = self.config.migrate
-        gone = self.fleet.out_of_service()
+        gone = self.fleet.out_of_service() | self.peers.out()
         for name, job in self._live_jobs():
             if not job.plan or self.fleet.open_commands("migrate") and any(
                     p.command.get("job") == name for p in self.fleet.open_commands("migrate")):
@@ -763,7 +795,18 @@ class ActionPolicy:
         del self.fleet.commands[pending.id]
         return [self._issue(cmd, op.ts, pending.follow_up)]
 
+    def _on_peer_command(self, cmd: Command) -> None:
+        """A command on the command topics: this worker's own (tracked already) or another's."""
+        if cmd.id in self.fleet.commands:
+            return
+        verdict = verify_command(cmd, self.keyring, now=cmd.ts)  # signed by a worker's key
+        if not verdict:
+            self.suppressed["peer_command_refused"] = self.suppressed.get("peer_command_refused", 0) + 1
+            return
+        self.peers.observe(cmd)
+
     def _return(self, key: GpuKey, ts: float, why: str) -> list[Record]:
+        self.peers.gpu_returned(key, ts)
         if self.fleet.status(key) == "in_service":
             return []
         self.fleet.set_status(key, "in_service", ts, why)

@@ -992,9 +992,11 @@ def make_app(
 
     telemetry_topic = source(T.TELEMETRY_GPU)
     steps_topic = source(T.TELEMETRY_STEPS)
-    # Context: inventories and plans, and what drives the fleet state: consumers' acks and
-    # operators' actions (approvals, GPU returns). Read whole by every worker (`context` below).
-    context_names = [topic_name(t, topic_prefix) for t in (T.INVENTORY, T.PLANS, T.ACKS, T.OPERATOR)]
+    # Context: inventories and plans, and what drives the fleet state: consumers' acks,
+    # operators' actions (approvals, GPU returns) and the commands of every worker (the
+    # fleet-wide rails count the other workers' drains). Read whole by every worker (`context`).
+    context_names = [topic_name(t, topic_prefix) for t in (T.INVENTORY, T.PLANS, T.ACKS, T.OPERATOR,
+                                                            T.COMMANDS_TRAINING, T.COMMANDS_KUBE)]
     # Entries are bytes we encode ourselves (`encode_entry`): no serializer work in faust.
     table = app.Table(STATE_TABLE, default=None, partitions=state_partitions,
                       key_type=str, value_type=bytes)
@@ -1172,10 +1174,11 @@ def make_app(
 
     @app.task
     async def context() -> None:
-        """Inventories and plans (latest per node / job), acks and operator actions, read whole
-        by every worker from the start (no consumer group): each worker's straggler detector
-        learns every GPU's model, and an ack reaches the worker whose policy sent the command,
-        whichever partition it is on (the others hold no such command and ignore it)."""
+        """Inventories and plans (latest per node / job), acks, operator actions and commands,
+        read whole by every worker from the start (no consumer group): each worker's straggler
+        detector learns every GPU's model, an ack reaches the worker whose policy sent the
+        command, whichever partition it is on, and every worker counts the drains the others
+        sent (and their acks) in its fleet-wide rails."""
         from aiokafka import AIOKafkaConsumer
 
         consumer = AIOKafkaConsumer(*context_names, **client_kwargs({
@@ -1207,13 +1210,14 @@ def make_app(
 
 
 def count_policy_events(routed: Sequence[Routed], control: ControlPlane) -> None:
-    """Audit events by name, whether the drain circuit breaker is open (alerting rules), and the
-    jobs the policy holds, retired and ended (after every call: a job ends on the context task,
-    which leaves no partition to checkpoint)."""
+    """Audit events by name, whether the drain circuit breaker is open (alerting rules), the
+    GPUs other workers are taking out, and the jobs the policy holds, retired and ended (after
+    every call: a job ends on the context task, which leaves no partition to checkpoint)."""
     for _topic, _key, record in routed:
         if isinstance(record, AuditEvent):
             M.AUDIT_EVENTS.labels(record.event).inc()
     M.BREAKER_OPEN.set(0 if control.policy.breaker_open_since is None else 1)
+    M.PEER_DRAINS.set(len(control.policy.peers.out()))
     set_policy_job_gauges(control)
 
 

@@ -80,6 +80,11 @@ BREAKER_OPEN = Gauge(
     "fleetwise_breaker_open",
     "1 while the drain circuit breaker is open in this worker's policy, else 0",
 )
+PEER_DRAINS = Gauge(
+    "fleetwise_peer_drains",
+    "GPUs other workers are taking out of service (their drains, read on the command topics), "
+    "counted by this worker's fleet-wide rails",
+)
 # The action policy's per-job state: jobs known only from predictions are dropped once silent
 # for a day of event time (fleetwise/actuators/policy.py, RETIRE_JOB_S); the rest stay.
 POLICY_JOBS = Gauge(

@@ -273,6 +273,8 @@ class ControlPlane:
                 T.ACKS.name: Ack,
                 T.OPERATOR.name: OperatorAction,
                 T.PREDICTIONS.name: Prediction,
+                T.COMMANDS_TRAINING.name: Command,
+                T.COMMANDS_KUBE.name: Command,
             }[kind]
             return [model.model_validate(obj)]  # type: ignore[list-item]
         except ValidationError as exc:
@@ -355,8 +357,9 @@ class ControlPlane:
         elif topic == T.PREDICTIONS.name:
             # Predictions made elsewhere (a file, another system): routed and acted on as ours.
             out.extend(self._route_outputs(good))  # type: ignore[arg-type]
-        elif topic in (T.ACKS.name, T.OPERATOR.name):
-            # The fleet state follows the consumers' acks and the operators' word.
+        elif topic in (T.ACKS.name, T.OPERATOR.name, T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name):
+            # The fleet state follows the consumers' acks and the operators' word; the commands
+            # (every worker's, read back) tell each worker what the others are taking out.
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         return out
 
