@@ -554,3 +554,26 @@ def test_dropping_other_nodes_slots_keeps_a_nodes_peer_context() -> None:
     got = [o for o in got if o.node == "n1"] + fw.process_dicts(arrivals[cut:]) + fw.flush()
     assert peer_values(got) == peer_values(expected)
     assert any(v["node_nvl_streak_peers_1h"] for v in peer_values(got).values())
+
+
+def test_hops_closed_together_at_a_flush_do_not_count_each_other() -> None:
+    # The flush closes every open hop at once, with no arrival order among them (closed_by
+    # inf): none sees the others' errors, whatever order the code takes them in. A hop closed
+    # earlier, by a sample, is seen by the flushed hops of its node.
+    def run(errs: dict[int, range]) -> dict:
+        rows, nvl = [], dict.fromkeys(range(3), 0.0)
+        for i in range(25):  # 60 s samples: hops end at 10, 20 and 30 min; the last stays open
+            for g in range(3):
+                nvl[g] += 5.0 if i in errs.get(g, ()) else 0.0
+                s = sample(i, gpu=g, **{NVL: nvl[g]})
+                rows.append(s)
+        fw = windows()
+        return peer_values(fw.process_dicts(rows) + fw.flush())
+
+    last = T0 + 1800.0  # the flushed hops
+    both = run({0: range(20, 25), 1: range(20, 25)})
+    assert [both["n1", g, last]["node_nvl_peers_1h"] for g in range(3)] == [0, 0, 0]
+    # n1/1 errs in the hop before instead, which its sample at 20 min closes: seen by the
+    # flushed hops of n1/0 and n1/2; n1/1's flushed hop does not see n1/0's
+    earlier = run({0: range(20, 25), 1: range(15, 18)})
+    assert [earlier["n1", g, last]["node_nvl_peers_1h"] for g in range(3)] == [1, 0, 1]
