@@ -139,10 +139,10 @@ class FleetState:
         )
 
 
-def _takes_gpu_out(command: dict[str, Any]) -> bool:
+def _takes_gpu_out(command: Command) -> bool:
     """A drain, or the checkpoint whose next step is one (`params.before == "drain"`)."""
-    return command["type"] == "drain" or (command["type"] == "checkpoint"
-                                          and command.get("params", {}).get("before") == "drain")
+    before = command.params.get("before")
+    return command.type == "drain" or (command.type == "checkpoint" and before == "drain")
 
 
 def _holds_gpu(p: PendingCommand) -> bool:
@@ -169,9 +169,8 @@ class PeerDrains:
 
     def observe(self, command: Command) -> None:
         """Another worker's command (the caller skips its own): tracked if it takes a GPU out."""
-        sent = command.model_dump(mode="json", exclude_none=True)
         target = None if command.node is None or command.gpu is None else (command.node, int(command.gpu))
-        if target is None or not _takes_gpu_out(sent) or command.id in self.commands.commands:
+        if target is None or not _takes_gpu_out(command) or command.id in self.commands.commands:
             return
         self.decided.append((float(command.ts), target))
         if self.returned.get(target, float("-inf")) >= command.ts:

@@ -55,9 +55,9 @@ KEEP_FINISHED_S = 86400.0
 # (so a prediction up to the margin behind the newest one still finds what the sweep left):
 # without it `jobs` grew with every job ever seen on the fleet.
 RETIRE_JOB_S = 86400.0
+RETIRE_SWEEP_MARGIN_S = 3600.0
 # An ack read before its command (the two come from different topics) waits this long for it.
 PEER_ACK_WAIT_S = 3600.0
-RETIRE_SWEEP_MARGIN_S = 3600.0
 
 
 @dataclass
@@ -222,9 +222,9 @@ class ActionPolicy:
         target = drain.target
         if drain.type != "drain" or target is None or drain.status not in ("received", "applied", "done"):
             return
-        known = self.fleet.gpus.get(target)
         if self.peers.returned.get(target, float("-inf")) >= drain.updated_ts:
             return  # the return was read first (the operator topic, at the start)
+        known = self.fleet.gpus.get(target)
         if known is None or (known.status == "in_service" and known.since_ts < drain.updated_ts):
             status = "drained" if drain.status == "done" else "draining"
             self.fleet.set_status(target, status, drain.updated_ts, drain.command["reason"], drain.id)
