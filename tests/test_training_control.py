@@ -266,6 +266,57 @@ def test_forged_expired_replayed_and_foreign_commands_change_nothing_in_a_gloo_g
     assert all(abs(g - w) <= 1e-9 * abs(w) for g, w in zip(losses, expected, strict=True))
 
 
+@pytest.mark.timeout(300)
+def test_a_rebalance_moves_pipeline_stage_boundaries_in_the_running_job_and_a_restart_keeps_them(
+        tmp_path: Path) -> None:
+    # Two pipeline stages of a 4-layer model (0-1 | 2-3). A rebalance with a gap in its layers
+    # fails and changes nothing; the good one moves layer 1 to the second stage at a step
+    # boundary, in the running processes (checkpoint, rebuild, resharded load). The loss
+    # trajectory is the whole model's on one process, before, after, and across a restart
+    # from the last checkpoint (which builds the stages as the re-split left them).
+    pytest.importorskip("torch")
+    from fleetwise.training.example import reference_losses, trajectory
+
+    bus, now = LocalTransport(tmp_path / "bus"), time.time()
+
+    def rebalance(cid: str, seq: int, layers: dict) -> Command:
+        return sign(Command(id=cid, type="rebalance", ts=now, job="pp", reason="t", seq=seq,
+                            expires_ts=now + 600, params={"layers": layers}), KEYS)
+
+    gap = rebalance("rb-gap", 1, {"0": [0, 0], "1": [2, 3]})
+    split = rebalance("rb-split", 2, {"0": [0, 0], "1": [1, 3]})
+    sent: set[str] = set()
+
+    def send(rows: list[dict]) -> None:
+        done = max((r["step"] for r in rows), default=-1)
+        for at, c in ((2, gap), (5, split)):
+            if done >= at and c.id not in sent:
+                sent.add(c.id)
+                bus.publish(T.COMMANDS_TRAINING.name, "pp", c)
+
+    args = ["--pipeline-layers", "4", "--shares", "24,24", "--bus-dir", str(tmp_path / "bus"),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--step-delay", "0.05",
+            "--num-samples", "2048"]
+    first = _run_group(tmp_path, ["--steps", "12", *args], send, job="pp")
+    acks = {(a.command_id, a.status): a for a in bus.poll(T.ACKS.name, "pp")}
+    assert "stage 1 holds 2-3" in acks["rb-gap", "failed"].detail
+    done = acks["rb-split", "done"]
+    assert done.result["layers"] == {"0": [0, 0], "1": [1, 3]}
+    assert done.result["checkpoint_uri"].startswith("file:")
+    at = done.step
+    assert 5 <= at < 12
+    spans = {(r["step"], r["rank"]): r["layers"] for r in first}
+    assert all(spans[s, 0] == [0, 1] and spans[s, 1] == [2, 3] for s in range(at))
+    assert all(spans[s, 0] == [0, 0] and spans[s, 1] == [1, 3] for s in range(at, 12))
+    # a new group (the same command line: an even split) resumes from the step-12 checkpoint
+    rows = first + _run_group(tmp_path, ["--steps", "16", *args], lambda rows: None, job="pp")
+    assert {tuple(r["layers"]) for r in rows if r["step"] >= 12 and r["rank"] == 0} == {(0, 0)}
+    losses, ids = trajectory(rows)
+    expected = reference_losses(16, 2048, 48, pipeline_layers=4)
+    assert len(losses) == 16 and all(len(ids[s]) == 48 for s in range(16))
+    assert all(abs(g - w) <= 1e-9 * abs(w) for g, w in zip(losses, expected, strict=True))
+
+
 # ---- through a real broker ----------------------------------------------------------------------
 @pytest.mark.kafka
 @pytest.mark.timeout(300)

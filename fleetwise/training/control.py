@@ -13,7 +13,10 @@ Two layers:
   only when there are some), so every rank applies them at the same step:
 
   - `rebalance`: new per-rank shares (`samples`, or `speed_factors` relative to the plan's
-    shares) into the `ShareSampler` (and a `WeightedHookState` when given);
+    shares) into the `ShareSampler` (and a `WeightedHookState` when given); new pipeline stage
+    boundaries (`layers`: {stage: [first, last]}): every rank checkpoints, builds its stage's
+    new layers (the `rebuild` callback) and loads them from that checkpoint, resharded by
+    parameter name, then goes on in the same process at the same step;
   - `checkpoint`: torch.distributed.checkpoint, `done` ack with {"checkpoint_uri", "step"};
   - `drain` / `resize`: checkpoint, then the leaving rank's node leaves and the others
     re-rendezvous through torch's elastic agent at the new size (`fleetwise.training.elastic`);
@@ -231,6 +234,9 @@ class TrainingPlugin:
         clock: Callable[[], float] = time.time,
         park_timeout_s: float = 120.0,
         group: Any = None,
+        stage: int | None = None,
+        layers: tuple[int, int] | None = None,
+        rebuild: Callable[[tuple[int, int]], tuple[Any, Any]] | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -251,10 +257,16 @@ class TrainingPlugin:
         self.step = 0
         self.base_shares: list[int] = list(sampler.shares)
         self.gate = CommandGate(job, keys, node=self.node, gpu=self.gpu, rank=self.rank)
-        # The (node, gpu) of every rank: who leaves on a drain of a GPU.
+        if (stage is None) != (layers is None):
+            raise ValueError("a pipeline stage needs both `stage` and `layers` (first, last)")
+        self.stage, self.rebuild = stage, rebuild
+        # The (node, gpu) of every rank: who leaves on a drain of a GPU; and its pipeline stage.
         members: list[Any] = [None] * self.world_size
-        dist.all_gather_object(members, (self.node, self.gpu), group=group)
-        self.members: list[tuple[str, int]] = [(str(n), int(g)) for n, g in members]
+        dist.all_gather_object(members, (self.node, self.gpu, stage, layers), group=group)
+        self.members: list[tuple[str, int]] = [(str(m[0]), int(m[1])) for m in members]
+        # Stage -> (first, last) layers, inclusive (as a plan's ranks give them); None: no pipeline.
+        self.layout: dict[int, tuple[int, int]] | None = (
+            {int(m[2]): (int(m[3][0]), int(m[3][1])) for m in members} if stage is not None else None)
         self.acks = Outbox(transport.publish, capacity=capacity, name=f"fleetwise-acks-{self.rank}")
         self.reporter = (StepReporter(transport.publish, job=job, rank=self.rank, node=self.node,
                                       gpu=self.gpu, model=self.model_name, capacity=capacity, clock=clock)
@@ -305,6 +317,11 @@ class TrainingPlugin:
     @property
     def shares(self) -> list[int]:
         return list(self.sampler.shares)
+
+    @property
+    def layers(self) -> tuple[int, int] | None:
+        """This rank's pipeline stage's layers (first, last), inclusive; None without a pipeline."""
+        return None if self.layout is None or self.stage is None else self.layout[self.stage]
 
     # ---- commands ---------------------------------------------------------------------------
     def _publish_ack(self, ack: Ack) -> None:
@@ -363,24 +380,74 @@ class TrainingPlugin:
 
     def _apply_rebalance(self, command: Command) -> None:
         p = command.params
+        # Everything is checked before anything changes: a bad part fails the whole command.
+        layout = self._new_layout(p["layers"]) if "layers" in p else None
+        new: list[int] | None = None
         if "samples" in p:
             new = _shares_list(p["samples"], self.world_size, "samples")
         elif "speed_factors" in p:
             new = scaled_shares(self.base_shares, p["speed_factors"], sum(self.base_shares))
-        else:
-            raise ValueError("rebalance params need 'samples' or 'speed_factors'")
-        if "global_samples" in p and int(p["global_samples"]) != sum(new):
+        elif layout is None:
+            raise ValueError("rebalance params need 'samples', 'speed_factors' or 'layers'")
+        if new is not None and "global_samples" in p and int(p["global_samples"]) != sum(new):
             raise ValueError(f"samples sum to {sum(new)}, global_samples is {p['global_samples']}")
-        result = {"samples": {str(i): n for i, n in enumerate(new)}, "global_samples": sum(new)}
-        if new == self.shares:
-            self._ack(command, "done", detail="no change: shares already in force", result=result)
-            return
-        if "samples" in p:
-            self.base_shares = list(new)  # the new plan's shares: later speed factors scale these
-        self.sampler.set_shares(new, from_step=self.sampler.step)
-        if self.hook_state is not None:
-            self.hook_state.set_samples(new[self.rank], sum(new))
-        self._ack(command, "done", result=result)
+        result: dict[str, Any] = {}
+        changed = []
+        if new is not None:
+            result.update(samples={str(i): n for i, n in enumerate(new)}, global_samples=sum(new))
+            if new != self.shares:
+                changed.append("shares")
+                if "samples" in p:
+                    self.base_shares = list(new)  # the new plan's shares: later speed factors scale these
+                self.sampler.set_shares(new, from_step=self.sampler.step)
+                if self.hook_state is not None:
+                    self.hook_state.set_samples(new[self.rank], sum(new))
+        if layout is not None:
+            result["layers"] = {str(s): list(r) for s, r in sorted(layout.items())}
+            if layout != self.layout:
+                changed.append("layers")
+                self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
+                result["checkpoint_uri"] = self._resplit(layout)
+        self._ack(command, "done", result=result,
+                  detail=None if changed else "no change: already in force")
+
+    def _new_layout(self, spec: Any) -> dict[int, tuple[int, int]]:
+        """`layers` of a rebalance ({stage: [first, last]}, inclusive), checked against this
+        job's stages: every stage once, contiguous, the same layers in all."""
+        if self.layout is None or self.stage is None or self.rebuild is None:
+            raise ValueError("layers: this rank runs no pipeline stage the plugin can rebuild "
+                             "(TrainingPlugin(stage=, layers=, rebuild=))")
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"layers: expected {{stage: [first, last]}}, got {spec!r}")
+        try:
+            layout = {int(k): (int(v[0]), int(v[1])) for k, v in spec.items() if len(v) == 2}
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(f"layers: expected {{stage: [first, last]}} integers, got {spec!r}") from None
+        if len(layout) != len(spec) or set(layout) != set(self.layout):
+            raise ValueError(f"layers: stages {sorted(spec)} are not this job's stages {sorted(self.layout)}")
+        first = min(f for f, _ in self.layout.values())
+        last = max(b for _, b in self.layout.values())
+        at = first
+        for s in sorted(layout):
+            a, b = layout[s]
+            if a != at or b < a:
+                raise ValueError(f"layers: stage {s} holds {a}-{b}; stages must hold contiguous, "
+                                 f"non-empty runs from {first} to {last} in stage order")
+            at = b + 1
+        if at != last + 1:
+            raise ValueError(f"layers: the stages end at layer {at - 1}, the model's last is {last}")
+        return layout
+
+    def _resplit(self, layout: dict[int, tuple[int, int]]) -> str:
+        """New stage boundaries in this process: checkpoint every stage's layers, build this
+        stage's new ones, load them from the checkpoint (DCP finds each parameter by name,
+        whichever stage saved it), and train on. Returns the checkpoint's URI."""
+        saved = {str(s): list(r) for s, r in sorted(layout.items())}
+        where = self.checkpoint(extra={"layers": saved})
+        model, optimizer = self.rebuild(layout[self.stage])  # type: ignore[misc,index]
+        elastic.load_checkpoint(elastic.path_of(where), model, optimizer, group=self.group)
+        self.model, self.optimizer, self.layout = model, optimizer, dict(layout)
+        return where
 
     def _apply_checkpoint(self, command: Command) -> None:
         uri = command.params.get("checkpoint_uri") or command.params.get("uri")
@@ -462,6 +529,8 @@ class TrainingPlugin:
                                 "sampler": self.sampler.state_dict(), "base_shares": self.base_shares,
                                 "gate": self.gate.state(),
                                 "commands_position": self.transport.position(T.COMMANDS_TRAINING.name)}
+        if self.layout is not None:
+            meta["layers"] = {str(s): list(r) for s, r in sorted(self.layout.items())}
         meta.update(extra or {})
         return meta
 
@@ -482,6 +551,13 @@ class TrainingPlugin:
             elastic.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None)
         if path is None:
             return self.step
+        saved = elastic.read_meta(path).get("layers")
+        if saved and self.layout is not None and self.rebuild is not None:
+            # Saved under other stage boundaries (a re-split): build this stage's layers as then.
+            layout = {int(k): (int(v[0]), int(v[1])) for k, v in saved.items()}
+            if layout != self.layout and set(layout) == set(self.layout):
+                self.model, self.optimizer = self.rebuild(layout[self.stage])  # type: ignore[index]
+                self.layout = layout
         meta = elastic.load_checkpoint(path, self.model, self.optimizer, group=self.group)
         self.step = int(meta["step"])
         self.sampler.load_state_dict(meta["sampler"])

@@ -87,6 +87,16 @@ def checkpoint_dir_for(root: str | os.PathLike[str], step: int) -> Path:
     return path_of(root) / f"step-{step:09d}"
 
 
+def _state_dict_options() -> Any:
+    """Optimizer state flattened to one entry per parameter name (`param_groups.<fqn>.lr`,
+    `state.<fqn>.momentum_buffer`): ranks holding different parameters (pipeline stages)
+    then save no conflicting `param_groups` list, and a load under other stage boundaries
+    finds every parameter's hyperparameters and state by its name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any, meta: Mapping[str, Any],
                     group: Any = None) -> str:
     """Save model and optimizer with torch.distributed.checkpoint (every rank calls it), then
@@ -97,7 +107,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any, me
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     target = path_of(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(target), process_group=group)
     dist.barrier(group=group)
     if dist.get_rank(group) == 0:
@@ -131,10 +141,12 @@ def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any,
 
     target = path_of(path)
     meta = read_meta(target)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _state_dict_options()
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(target), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     return meta
 
 

@@ -11,6 +11,13 @@ can rebuild the loss trajectory and check that no sample was skipped or repeated
 
 `--slow NODE:FACTOR[@STEP]` emulates an older or throttled GPU: the node's compute takes
 `--sample-time x samples x FACTOR` seconds (a sleep proportional to its samples) from STEP on.
+
+`--pipeline-layers N` runs a pipeline instead: one stage per rank (no data parallelism), the
+model's N layers split over the stages (`--stage-layers 0-1,2-3`, else as even as possible),
+activations and their gradients sent between neighbouring stages, one micro-batch of the whole
+global batch per step. The plugin gets the stage, its layers and a `rebuild` callback, so a
+`rebalance` with new `layers` moves stage boundaries in the running job. Layer i's parameters
+are `layers.i.*` in every stage, so a checkpoint loads under any split.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["launch", "make_data", "make_model", "read_logs", "reference_losses", "run_job", "trajectory"]
+__all__ = ["launch", "make_data", "make_model", "make_stage", "read_logs", "reference_losses", "run_job",
+           "trajectory"]
 
 
 def make_model(dim: int = 8, hidden: int = 16, seed: int = 0, dtype: str = "float64") -> Any:
@@ -34,6 +42,31 @@ def make_model(dim: int = 8, hidden: int = 16, seed: int = 0, dtype: str = "floa
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
     return model.to(getattr(torch, dtype))
+
+
+def make_stage(first: int, last: int, num_layers: int, dim: int = 8, seed: int = 0,
+               dtype: str = "float64") -> Any:
+    """Layers `first`..`last` (inclusive) of an MLP of `num_layers` (dim -> dim with tanh, the
+    last dim -> 1): every layer is drawn in order from `seed`, so any split of the model holds
+    the same initial weights as the whole."""
+    import torch
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            every = [torch.nn.Linear(dim, 1 if i == num_layers - 1 else dim) for i in range(num_layers)]
+            self.layers = torch.nn.ModuleDict({str(i): every[i] for i in range(first, last + 1)})
+            self.span = (first, last)
+
+        def forward(self, x: Any) -> Any:
+            for i in range(first, last + 1):
+                x = self.layers[str(i)](x)
+                if i < num_layers - 1:
+                    x = torch.tanh(x)
+            return x
+
+    return Stage().to(getattr(torch, dtype))
 
 
 def make_data(num_samples: int, dim: int = 8, seed: int = 1, dtype: str = "float64") -> tuple[Any, Any]:
@@ -53,14 +86,16 @@ def _optimizer(model: Any, lr: float) -> Any:
 
 
 def reference_losses(steps: int, num_samples: int, global_batch: int, *, seed: int = 0, lr: float = 0.05,
-                     dim: int = 8, hidden: int = 16) -> list[float]:
+                     dim: int = 8, hidden: int = 16, pipeline_layers: int = 0) -> list[float]:
     """The uninterrupted run on one process: each step's global batch (the sampler's global
-    order) as one batch. Any split of it over any number of ranks gives these losses."""
+    order) as one batch. Any split of it over any number of ranks gives these losses (with
+    `pipeline_layers`, the pipeline's model whole: any split into stages gives them too)."""
     import torch
 
     from fleetwise.training.sampler import ShareSampler
 
-    model = make_model(dim, hidden, seed)
+    model = (make_stage(0, pipeline_layers - 1, pipeline_layers, dim, seed) if pipeline_layers
+             else make_model(dim, hidden, seed))
     opt = _optimizer(model, lr)
     x, y = make_data(num_samples, dim)
     order = ShareSampler(num_samples, [global_batch], 0, seed=seed)
@@ -106,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (tests: time to act)")
     p.add_argument("--gloo-timeout", type=float, default=60.0)
     p.add_argument("--no-plugin", action="store_true", help="baseline: no telemetry, no commands")
+    p.add_argument("--pipeline-layers", type=int, default=0, help="a pipeline of this many layers, a "
+                   "stage per rank (0: data parallel)")
+    p.add_argument("--stage-layers", help="first-last layers per stage, e.g. 0-1,2-3 (default: even)")
     ns = p.parse_args(argv)
 
     from datetime import timedelta
@@ -128,8 +166,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         shares = scaled_shares([1] * world, {}, sum(shares))
 
-    model = make_model(seed=ns.seed)
-    opt = _optimizer(model, ns.lr)
+    pipeline: dict[str, Any] = {}
+    if ns.pipeline_layers:
+        # One data-parallel rank: rank 0's share is the global batch; every stage reads it whole.
+        shares = [sum(shares)] + [0] * (world - 1)
+        if ns.stage_layers:
+            spans = [tuple(map(int, s.split("-"))) for s in ns.stage_layers.split(",")]
+        else:
+            from fleetwise.training.control import scaled_shares
+
+            counts = scaled_shares([1] * world, {}, ns.pipeline_layers)
+            spans = [(sum(counts[:r]), sum(counts[:r + 1]) - 1) for r in range(world)]
+
+        def rebuild(span: tuple[int, int]) -> tuple[Any, Any]:
+            stage = make_stage(span[0], span[1], ns.pipeline_layers, seed=ns.seed)
+            return stage, _optimizer(stage, ns.lr)
+
+        model, opt = rebuild(spans[rank])
+        pipeline = {"stage": rank, "layers": spans[rank], "rebuild": rebuild}
+    else:
+        model = make_model(seed=ns.seed)
+        opt = _optimizer(model, ns.lr)
     x, y = make_data(ns.num_samples)
     sampler = ShareSampler(ns.num_samples, shares, rank, seed=ns.seed)
     if ns.kafka:
@@ -143,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugin = TrainingPlugin(job=ns.job, model=model, optimizer=opt, sampler=sampler, transport=transport,
                             checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
                             sync_every=ns.sync_every, node=node, model_name=ns.model_name,
-                            telemetry=not ns.no_plugin)
+                            telemetry=not ns.no_plugin, **pipeline)
     resumed = plugin.restore()
     log = None
     if ns.log_dir:
@@ -155,17 +212,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             step = plugin.step
             t0 = time.perf_counter()
             ids = next(batches)
-            with plugin.compute():
-                out = model(x[ids])
-                losses = (out - y[ids]).pow(2).sum(dim=1)
-                loss = losses.mean() if ids else out.sum() * 0.0
-                loss.backward()
-                delay = ns.sample_time * len(ids) * _slow_factor(ns.slow, node, step)
-                if delay > 0:
-                    time.sleep(delay)
-            allreduce_gradients(model, len(ids), sampler.global_samples(sampler.step - 1))
+            model, opt = plugin.model, plugin.optimizer  # a re-split replaces them
+            if pipeline:
+                ids = sampler.global_indices(sampler.step - 1)
+                with plugin.compute():
+                    losses = _pipeline_step(dist, model, x[ids], y[ids], rank, world)
+            else:
+                with plugin.compute():
+                    out = model(x[ids])
+                    losses = (out - y[ids]).pow(2).sum(dim=1)
+                    loss = losses.mean() if ids else out.sum() * 0.0
+                    loss.backward()
+                    delay = ns.sample_time * len(ids) * _slow_factor(ns.slow, node, step)
+                    if delay > 0:
+                        time.sleep(delay)
+                allreduce_gradients(model, len(ids), sampler.global_samples(sampler.step - 1))
             opt.step()
             opt.zero_grad()
+            if pipeline and losses is None:  # not the last stage: its rows carry no loss
+                ids = []
+                losses = torch.zeros(0, dtype=torch.float64)
             if ns.step_delay:
                 time.sleep(ns.step_delay)
             if log is not None:
@@ -173,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "ids": ids, "loss_sum": float(losses.detach().sum()),
                                       "n": len(ids), "step_time_s": time.perf_counter() - t0,
                                       "shares": plugin.shares, "resumed": resumed, "t": time.time(),
-                                      "pid": os.getpid()}) + "\n")
+                                      "pid": os.getpid(), "layers": plugin.layers}) + "\n")
             if ns.no_plugin:
                 plugin.step += 1  # the baseline: no record, no command boundary
             else:
@@ -183,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.close()
     plugin.close()
     if rank == 0 and ns.log_dir:
-        params = [p.detach().flatten().tolist() for p in model.parameters()]
+        params = [p.detach().flatten().tolist() for p in plugin.model.parameters()]
         (Path(ns.log_dir) / "final.json").write_text(json.dumps({"step": plugin.step, "params": params,
                                                                   "sync_s": plugin.sync_s,
                                                                   "overhead_s": plugin.overhead_s,
@@ -195,6 +261,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _pipeline_step(dist: Any, stage: Any, x: Any, y: Any, rank: int, world: int) -> Any:
+    """Forward and backward of one micro-batch through this rank's stage: activations in from
+    the previous stage and out to the next, their gradients back. The last stage's per-sample
+    losses, else None (the gradients are the whole model's: the loss is the batch mean)."""
+    import torch
+
+    first, last = rank == 0, rank == world - 1
+    if first:
+        inp = x
+    else:
+        inp = torch.empty(x.shape, dtype=x.dtype)
+        dist.recv(inp, src=rank - 1)
+        inp.requires_grad_(True)
+    out = stage(inp)
+    losses = None
+    if last:
+        losses = (out - y).pow(2).sum(dim=1)
+        losses.mean().backward()
+    else:
+        dist.send(out.detach(), dst=rank + 1)
+        grad = torch.empty(out.shape, dtype=out.dtype)
+        dist.recv(grad, src=rank + 1)
+        out.backward(grad)
+    if not first:
+        dist.send(inp.grad, dst=rank - 1)
+    return losses
 
 
 def read_logs(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
