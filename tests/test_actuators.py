@@ -285,6 +285,32 @@ def test_rebalance_with_a_plan_sends_the_replanned_samples():
     assert samples == {0: 9, 1: 19, 2: 18, 3: 18}  # 64 x (0.5 : 1 : 1 : 1), largest remainder
 
 
+def test_a_slow_stage_of_a_pure_pipeline_gets_new_stage_boundaries_not_shares():
+    from fleetwise.planner import PlanRequest, parse_gpu_spec, plan_job, resolve_model
+
+    plan = plan_job(PlanRequest(model=resolve_model("gpt-1.3b"), global_batch=64, job="pp",
+                                strategy=(1, 2, 1)), parse_gpu_spec("h100-sxm:2"))
+    assert [r.layers for r in plan.ranks] == [(0, 12), (13, 23)]  # embeddings and head weigh too
+    policy = ActionPolicy()
+    policy.process([plan])
+    slow = straggler(1, 0.6, T0, job="pp")  # stage 1 runs at 0.6 of its expected speed
+    cmd = commands(policy.process([slow]))[0]
+    # stage 1 at 0.6: a planned layer there now takes 1 / (11 x 0.6) of the planned step, one
+    # of stage 0 1 / 13; 16 : 8 makes the slower of the two fastest (16/13 vs 8/6.6)
+    assert cmd.params["layers"] == {"0": [0, 15], "1": [16, 23]}
+    assert cmd.params["stage_speed_factors"] == {"1": 0.6} and "samples" not in cmd.params
+    assert cmd.params["predicted_gain"] == pytest.approx(1 - (16 / 13) / (11 / 6.6), abs=1e-4)
+    # back to its speed after the cooldown: the plan's split again
+    back = commands(policy.process([straggler(1, 1.0, T0 + 1000, job="pp")]))[0]
+    assert back.params["layers"] == {"0": [0, 12], "1": [13, 23]}
+    # a stage whose memory holds no more layers: nothing to move, reported as a small gain
+    tight = plan.model_copy(update={"job": "tight", "ranks": [
+        r.model_copy(update={"memory_gb": r.memory_capacity_gb * 0.99}) for r in plan.ranks]})
+    policy.process([tight])
+    out = policy.process([straggler(1, 0.6, T0 + 1000, job="tight")])
+    assert commands(out) == [] and audits(out)[0].event == "small_gain"
+
+
 def test_resize_after_drain_carries_the_planners_diff_when_the_plan_and_inventory_are_known():
     from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
 

@@ -584,3 +584,40 @@ def test_control_plane_learns_models_from_gpu_samples_and_inventory():
     inv = dict(sim.inventory()[0], node="node-new")
     control.handle(T.INVENTORY.name, control.decode_obj(T.INVENTORY.name, inv, source="t"))
     assert det.model_of("node-new", 3) == lookup(inv["gpus"][3]["model"]).id
+
+
+def pipeline_steps(layers: list[int], start: int, n: int, *, slow: dict[int, float] | None = None,
+                   seed: int = 0) -> list[dict]:
+    """Step records of a 4-stage pipeline of H100s, one micro-batch of 32 samples per step:
+    a stage's compute is its layers x 0.05 s (over its speed), every stage's step time the
+    slowest stage's plus 0.2 s."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(start, start + n):
+        computes = [n_l * 0.05 / (slow or {}).get(r, 1.0) * float(np.exp(rng.normal(0, 0.01)))
+                    for r, n_l in enumerate(layers)]
+        for r, c in enumerate(computes):
+            out.append({"ts": T0 + 60.0 * i + 0.001 * r, "job": "pp", "rank": r, "node": f"node-{r}",
+                        "gpu": 0, "step": i, "step_time_s": round(max(computes) + 0.2, 6),
+                        "compute_s": round(c, 6), "samples": 32, "model": "h100-sxm"})
+    return out
+
+
+def test_a_pipeline_stage_with_more_layers_is_not_slow_once_the_detector_knows_its_layers():
+    uneven = [7, 5, 6, 6]
+    # Not taught: the stage with 7 layers looks 15% slow next to the median, and is flagged.
+    assert {p.rank for p in rank_alerts(run(pipeline_steps(uneven, 0, 240)))} == {0}
+    # Taught (the plan's layers, then a re-split's, as ControlPlane teaches them): nothing.
+    det = StragglerDetector()
+    det.learn_layers("pp", dict(enumerate(uneven)))
+    out = det.process(pipeline_steps(uneven, 0, 120))
+    det.learn_layers("pp", {0: 6, 1: 6, 2: 6, 3: 6})  # the boundaries moved at step 120
+    out += det.process(pipeline_steps([6, 6, 6, 6], 120, 120)) + det.flush()
+    assert rank_alerts(out) == []
+    # A stage that really slows down is still found, with its factor.
+    det = StragglerDetector()
+    det.learn_layers("pp", dict(enumerate(uneven)))
+    out = det.process(pipeline_steps(uneven, 0, 60)) + det.process(
+        pipeline_steps(uneven, 60, 120, slow={1: 0.7})) + det.flush()
+    alerts = rank_alerts(out)
+    assert [p.rank for p in alerts] == [1] and alerts[0].factor == pytest.approx(0.7, abs=0.03)

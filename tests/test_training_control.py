@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import threading
 import time
 import uuid
@@ -314,6 +315,36 @@ def test_a_rebalance_moves_pipeline_stage_boundaries_in_the_running_job_and_a_re
     losses, ids = trajectory(rows)
     expected = reference_losses(16, 2048, 48, pipeline_layers=4)
     assert len(losses) == 16 and all(len(ids[s]) == 48 for s in range(16))
+    assert all(abs(g - w) <= 1e-9 * abs(w) for g, w in zip(losses, expected, strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_the_control_plane_re_splits_a_pipeline_whose_stage_slowed_down(tmp_path: Path) -> None:
+    # Closed loop: four stages of a 12-layer pipeline (3 layers each), the embedded control
+    # plane on their step records with the job's plan. Stage 3 runs at half speed from step 10: the
+    # detector flags it, the policy moves layers to stage 0, the plugin re-splits the running
+    # job, and the step gets faster; the detector, taught the new layers by the ack, sees the
+    # same speeds, so nothing is moved again.
+    pytest.importorskip("torch")
+    from fleetwise.training.example import read_logs, reference_losses, run_job, trajectory
+
+    got = run_job(tmp_path, "pp", [4, 4, 4, 4], 70, 0.001, ["node-3:2.0@10"], control=True,
+                  pipeline_layers=12)
+    moves = [c for c in got["commands"] if c.type == "rebalance"]
+    assert len(moves) == 1 and set(moves[0].params) >= {"layers", "stage_speed_factors", "predicted_gain"}
+    layers = moves[0].params["layers"]
+    spans = [layers[str(s)] for s in range(4)]
+    assert spans[0][0] == 0 and spans[3][1] == 11
+    assert all(spans[i][1] + 1 == spans[i + 1][0] for i in range(3))  # contiguous
+    assert spans[3][1] - spans[3][0] + 1 < 3  # the slow stage gave layers away
+    assert moves[0].params["stage_speed_factors"] == {"3": pytest.approx(0.5, abs=0.05)}
+    done = [a for a in got["acks"] if a.command_id == moves[0].id and a.status == "done"]
+    assert len(done) == 1 and done[0].result["layers"] == layers
+    at, st = done[0].step, got["step_time"]
+    slowed, after = statistics.median(st[12:at]), statistics.median(st[at + 2:])
+    assert after < 0.9 * slowed, (slowed, after)
+    losses, _ = trajectory(read_logs(tmp_path / "pp" / "logs"))
+    expected = reference_losses(70, 65536, 16, pipeline_layers=12)
     assert all(abs(g - w) <= 1e-9 * abs(w) for g, w in zip(losses, expected, strict=True))
 
 

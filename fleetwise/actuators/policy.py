@@ -30,6 +30,7 @@ from fleetwise.actuators.moves import (
 )
 from fleetwise.actuators.signing import Keyring, operator_keyring, sign, verify_command, verify_operator
 from fleetwise.planner.exports import replica_samples
+from fleetwise.planner.search import plan_stage_split
 from fleetwise.planner.shares import proportional_shares
 from fleetwise.schemas import (
     Ack,
@@ -67,7 +68,9 @@ class JobState:
     ranks: dict[int, GpuKey] = field(default_factory=dict)
     plan: dict[str, Any] | None = None  # the current Plan as JSON
     shares: dict[int, int] = field(default_factory=dict)  # dp rank -> samples per step (last sent)
-    slow: dict[int, float] = field(default_factory=dict)  # dp rank -> speed factor while slow
+    # dp rank (a pure pipeline: stage) -> speed factor while slow
+    slow: dict[int, float] = field(default_factory=dict)
+    layers: dict[int, tuple[int, int]] = field(default_factory=dict)  # stage -> layers (last sent)
     seq: int = 0
     last_rebalance_ts: float | None = None
     disruptive_ts: list[float] = field(default_factory=list)
@@ -78,7 +81,7 @@ class JobState:
     def ranks_only(self) -> bool:
         """Whether all it holds is where ranks ran (learned from predictions): nothing that a
         fresh state would decide differently on, apart from the job's size."""
-        return (self.plan is None and not self.shares and not self.slow and self.seq == 0
+        return (self.plan is None and not self.shares and not self.slow and not self.layers and self.seq == 0
                 and self.last_rebalance_ts is None and not self.disruptive_ts and not self.left)
 
     def to_json(self) -> dict[str, Any]:
@@ -86,6 +89,7 @@ class JobState:
             "ranks": {str(r): list(k) for r, k in sorted(self.ranks.items())},
             "plan": self.plan, "shares": {str(d): s for d, s in sorted(self.shares.items())},
             "slow": {str(d): f for d, f in sorted(self.slow.items())}, "seq": self.seq,
+            "layers": {str(st): list(span) for st, span in sorted(self.layers.items())},
             "last_rebalance_ts": self.last_rebalance_ts, "disruptive_ts": list(self.disruptive_ts),
             "left": [list(k) for k in self.left], "last_ts": self.last_ts, "ended_ts": self.ended_ts,
         }
@@ -96,12 +100,24 @@ class JobState:
             ranks={int(r): (k[0], int(k[1])) for r, k in d.get("ranks", {}).items()},
             plan=d.get("plan"), shares={int(k): int(v) for k, v in d.get("shares", {}).items()},
             slow={int(k): float(v) for k, v in d.get("slow", {}).items()}, seq=int(d.get("seq", 0)),
+            layers={int(k): (int(v[0]), int(v[1])) for k, v in d.get("layers", {}).items()},
             last_rebalance_ts=d.get("last_rebalance_ts"),
             disruptive_ts=[float(t) for t in d.get("disruptive_ts", [])],
             left=[(k[0], int(k[1])) for k in d.get("left", [])],
             last_ts=None if d.get("last_ts") is None else float(d["last_ts"]),
             ended_ts=None if d.get("ended_ts") is None else float(d["ended_ts"]),
         )
+
+    def pipeline_only(self) -> bool:
+        """A pipeline without data parallelism: a slow rank slows its stage, and new stage
+        boundaries (not shares) even it out."""
+        return bool(self.plan) and int(self.plan["pp"]) > 1 and int(self.plan["dp"]) == 1  # type: ignore[index]
+
+    def stage_of(self, rank: int) -> int:
+        for r in self.plan["ranks"] if self.plan else []:
+            if r["rank"] == rank:
+                return int(r["stage"])
+        return 0
 
     def dp_of(self, rank: int) -> int:
         """The data-parallel rank a global rank belongs to (pure DP without a plan)."""
@@ -534,7 +550,8 @@ class ActionPolicy:
     def _on_straggler(self, p: Prediction, name: str) -> list[Record]:
         pol = self.config.straggler
         job = self._job(name)
-        dp = job.dp_of(int(p.rank))  # type: ignore[arg-type]
+        # What a slow rank slows: its data-parallel replica, or in a pure pipeline its stage.
+        dp = (job.stage_of if job.pipeline_only() else job.dp_of)(int(p.rank))  # type: ignore[arg-type]
         factor = p.factor if p.factor is not None else 1.0
         was_slow = dp in job.slow
         if p.alert and factor < pol.slow_below:
@@ -552,20 +569,29 @@ class ActionPolicy:
             return self._audit("cooldown", f"{name} was rebalanced {p.ts - job.last_rebalance_ts:.0f} s ago "
                                f"(cooldown {pol.cooldown_s:g} s)", p.ts, target=f"{name}/rebalance",
                                job=name, evidence=[p.id])
-        current, new, total = self._rebalance_shares(job)
-        gain = _step_gain(current, new, job)
         verb = "slower" if dp in job.slow else "back to expected speed"
+        params: dict[str, Any]
+        if job.pipeline_only():
+            layout, gain = self._rebalance_layers(job)
+            params = {"layers": {str(st): list(span) for st, span in sorted(layout.items())},
+                      "stage_speed_factors": {str(d): round(f, 4) for d, f in sorted(job.slow.items())}}
+        else:
+            current, new, total = self._rebalance_shares(job)
+            gain = _step_gain(current, new, job)
+            params = {"speed_factors": {str(d): round(f, 4) for d, f in sorted(job.slow.items())}}
+            if total is not None:
+                params["samples"] = {str(d): s for d, s in sorted(new.items())}
+                params["global_samples"] = total
         if gain < pol.min_gain and dp in job.slow:
             return self._audit("small_gain", f"rebalancing {name} for rank {p.rank} would gain {gain:.1%} "
                                f"(< {pol.min_gain:.0%})", p.ts, target=f"{name}/rebalance", job=name,
                                evidence=[p.id])
         job.last_rebalance_ts = p.ts
-        params: dict[str, Any] = {"speed_factors": {str(d): round(f, 4) for d, f in sorted(job.slow.items())},
-                                  "predicted_gain": round(gain, 4)}
-        if total is not None:
-            params["samples"] = {str(d): s for d, s in sorted(new.items())}
-            params["global_samples"] = total
-        job.shares = dict(new)
+        params["predicted_gain"] = round(gain, 4)
+        if job.pipeline_only():
+            job.layers = dict(layout)
+        else:
+            job.shares = dict(new)
         cmd = Command(
             id=command_id("rebalance", name, p.rank, p.id), type="rebalance", ts=p.ts, job=name,
             node=p.node, gpu=p.gpu,
@@ -574,6 +600,30 @@ class ActionPolicy:
             evidence=[p.id], params={**params, "signals": {"factor": factor, "probability": p.probability}},
         )
         return self._send(cmd, pol.mode)
+
+    def _rebalance_layers(self, job: JobState) -> tuple[dict[int, tuple[int, int]], float]:
+        """New stage boundaries of a pure pipeline and their predicted step-time gain. The plan
+        balanced its stages, so a stage's seconds per layer is 1 / (its planned layers x its
+        speed factor): slow stages give layers to the others, and with every factor back at 1
+        the plan's split returns. A stage takes at most as many layers as its memory held per
+        layer in the plan (a bound below the true one: the plan's memory includes what does
+        not grow with layers)."""
+        plan = Plan.model_validate(job.plan)
+        stages = sorted({r.stage for r in plan.ranks})
+        planned = {s: next(r.layers for r in plan.ranks if r.stage == s) for s in stages}
+        sizes = [planned[s][1] - planned[s][0] + 1 for s in stages]
+        current = [job.layers[s][1] - job.layers[s][0] + 1 for s in stages] if job.layers else sizes
+        per_layer = [1.0 / (n * job.slow.get(s, 1.0)) for s, n in zip(stages, sizes, strict=True)]
+        caps = [min(int(r.memory_capacity_gb * n / r.memory_gb) if r.memory_gb > 0 else sum(sizes)
+                    for r in plan.ranks if r.stage == s) for s, n in zip(stages, sizes, strict=True)]
+        new = plan_stage_split(per_layer, sum(sizes), caps) or current
+
+        def step(ns: list[int]) -> float:
+            return max(n * c for n, c in zip(ns, per_layer, strict=True))
+        gain = max(0.0, 1.0 - step(new) / step(current))
+        first = planned[stages[0]][0]
+        layout = {s: (first + sum(new[:i]), first + sum(new[:i + 1]) - 1) for i, s in enumerate(stages)}
+        return layout, gain
 
     def _rebalance_shares(self, job: JobState) -> tuple[dict[int, int], dict[int, int], int | None]:
         """(current, new) samples per dp rank and the global batch; relative units without a plan."""

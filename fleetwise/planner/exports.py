@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
@@ -78,6 +79,17 @@ def replica_samples(plan: Plan) -> dict[int, int]:
                 f"({seen} and {rank.samples} on rank {rank.rank}); every rank of a replica must agree"
             )
     return samples
+
+
+def rank_layer_counts(plan: Plan, layout: Mapping[str, Sequence[int]] | None = None) -> dict[int, int]:
+    """Layers each rank of a pipeline plan holds: its stage's, from the plan or from `layout`
+    ({stage: [first, last]}, what a rebalance moved the stage boundaries to)."""
+    spans = {int(s): (int(v[0]), int(v[1])) for s, v in layout.items()} if layout else {}
+    out = {}
+    for rank in plan.ranks:
+        first, last = spans.get(rank.stage, rank.layers)
+        out[rank.rank] = last - first + 1
+    return out
 
 
 def stage_layer_counts(plan: Plan, num_layers: int | None = None) -> list[int]:

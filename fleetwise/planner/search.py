@@ -475,6 +475,17 @@ def _even_split(layers: int, pp: int) -> list[int]:
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
 
 
+def plan_stage_split(
+    per_layer_s: list[float], layers: int, caps: list[int] | None = None
+) -> list[int] | None:
+    """Layers per pipeline stage (each >= 1, at most its cap, summing to `layers`) that make the
+    slowest stage fastest, given each stage's seconds per layer; None when no split fits.
+    What the planner uses for uneven stages; the action policy re-splits a running job with it."""
+    pp = len(per_layer_s)
+    limit = np.asarray(caps if caps is not None else [layers] * pp, dtype=np.int64)
+    return _minmax_layers(np.asarray(per_layer_s, dtype=np.float64), np.zeros(pp), limit, layers)
+
+
 def _minmax_layers(
     per_layer: np.ndarray, fixed: np.ndarray, caps: np.ndarray, layers: int
 ) -> list[int] | None:

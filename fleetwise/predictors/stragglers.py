@@ -28,6 +28,10 @@ sorted costs, so each generation forms its own group), their median cost is a se
 reference and both must call it slow (the factor is the less slow of the two): a rank of a
 slightly slower model among alike ones is not flagged, nor noise that only one sees.
 
+In a pipeline a rank's work per sample is its stage's layers: ``learn_layers`` (from the job's
+plan, and from the acks of rebalances that moved stage boundaries) makes the cost per sample and
+layer, so a stage holding more layers is not slow for it, and a re-split changes no factor.
+
 Without its model, only a change is attributable: a rank slow from its first record cannot be
 told from a rank of a slower model, and the first ``base_records`` records of a rank judge
 nothing. The join (model by (node, gpu)) exists for that.
@@ -192,6 +196,7 @@ class StragglerDetector:
         self._capabilities: dict[str | None, float | None] = {}
         # (node, gpu) -> GPU model (catalog id where the catalog knows it), from `learn_models`
         self._gpu_models: dict[tuple[str, int], str] = {}
+        self._layers: dict[str, dict[int, int]] = {}  # job -> rank -> layers it holds (pipelines)
         self._next_sweep = -math.inf  # event time of the next look for silent jobs (not state)
 
     # ---- GPU models of the ranks ----
@@ -212,6 +217,15 @@ class StragglerDetector:
                 known[node, gpu] = model_id
                 changed += 1
         return changed
+
+    def learn_layers(self, job: str, layers: Mapping[int, int]) -> None:
+        """Teach how many layers each rank of a pipeline job holds (its work per sample scales
+        with them); an empty mapping forgets them. Not saved: callers rebuild it from the job's
+        plan and its rebalances' acks, as `ControlPlane` does."""
+        if layers:
+            self._layers[job] = {int(r): max(int(n), 1) for r, n in layers.items()}
+        else:
+            self._layers.pop(job, None)
 
     def model_of(self, node: str, gpu: int) -> str | None:
         """The GPU model learned for (node, gpu) (None: not taught)."""
@@ -360,6 +374,7 @@ class StragglerDetector:
 
     def end_job(self, name: str) -> list[Record]:
         """The job is over (its plan withdrawn): retire it now, as a silent job is retired."""
+        self._layers.pop(name, None)
         job = self._jobs.get(name)
         return [] if job is None else self._retire(name, job)
 
@@ -391,6 +406,7 @@ class StragglerDetector:
 
         capabilities = self._capabilities
         gpu_models = self._gpu_models
+        stage_layers = self._layers.get(name)  # a pipeline's layers per rank (work per sample)
         unknown = False  # a row of a rank whose GPU model gives no speed
         row_states: list[_RankState] = []  # each row's rank state, in row order
         for rank, row in zip(ranks_reported, rows):  # noqa: B905 (same length)
@@ -410,6 +426,8 @@ class StragglerDetector:
             cap = rs.cap = capabilities[model] if model in capabilities else self._capability(model)
             rs.ts = row.ts
             work = row.samples or row.micro_batch or 1  # int or float: x / n == x / float(n)
+            if stage_layers:
+                work *= stage_layers.get(rank, 1)
             if cap:
                 rs.cost = row.compute_s * cap / work if work > 0 else None
             else:
@@ -656,7 +674,9 @@ class StragglerDetector:
         times = np.fromiter(map(_TS, rows), np.float64, n).reshape(shape)
         step = np.fromiter(map(_STEP_TIME, rows), np.float64, n).reshape(shape)
         compute = np.fromiter(map(_COMPUTE, rows), np.float64, n).reshape(shape)
-        work = np.array([row.samples or row.micro_batch or 1 for row in rows], np.float64).reshape(shape)
+        stage_layers = self._layers.get(name, {})
+        work = np.array([(row.samples or row.micro_batch or 1) * stage_layers.get(row.rank, 1)
+                         for row in rows], np.float64).reshape(shape)
         costs = compute * np.array(caps) / work  # as (compute_s * cap) / work per record
         costed = (costs > 0.0).all(axis=1)  # a record without a cost has no factor: one by one
         if not costed.all():

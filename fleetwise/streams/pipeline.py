@@ -19,6 +19,7 @@ from threadpoolctl import threadpool_limits
 
 from fleetwise.actuators import ActionPolicy, Keyring, PolicyConfig
 from fleetwise.catalog import UnknownGpuError, lookup
+from fleetwise.planner.exports import rank_layer_counts
 from fleetwise.predictors.failure import FailurePredictor
 from fleetwise.predictors.features import FEATURE_NAMES, SAMPLE_DECODER, GpuFeatureWindows, sample_columns
 from fleetwise.predictors.stragglers import StragglerDetector
@@ -353,15 +354,34 @@ class ControlPlane:
                         out.extend(self._route_outputs(self.stragglers.end_job(r.job)))
                 else:
                     self.plans[r.job] = r  # type: ignore[attr-defined]
+                    if self.stragglers is not None:  # a pipeline stage's work is its layers
+                        held = rank_layer_counts(r) if r.pp > 1 else {}  # type: ignore[arg-type,attr-defined]
+                        self.stragglers.learn_layers(r.job, held)  # type: ignore[attr-defined]
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         elif topic == T.PREDICTIONS.name:
             # Predictions made elsewhere (a file, another system): routed and acted on as ours.
             out.extend(self._route_outputs(good))  # type: ignore[arg-type]
         elif topic in (T.ACKS.name, T.OPERATOR.name, T.COMMANDS_TRAINING.name, T.COMMANDS_KUBE.name):
+            if topic == T.ACKS.name and self.stragglers is not None:
+                self._teach_moved_layers(good)  # type: ignore[arg-type]
             # The fleet state follows the consumers' acks and the operators' word; the commands
             # (every worker's, read back) tell each worker what the others are taking out.
             out.extend(self._route_outputs(self.policy.process(good)))  # type: ignore[arg-type]
         return out
+
+    def _teach_moved_layers(self, acks: Sequence[Ack]) -> None:
+        """A pipeline's stage boundaries moved (a rebalance's `done` ack names them): the
+        straggler detector weighs each rank's work by its new layers."""
+        for ack in acks:
+            layout = ack.result.get("layers") if ack.status == "done" else None
+            plan = self.plans.get(ack.job) if layout and ack.job else None
+            if plan is None or plan.pp <= 1:
+                continue
+            try:
+                held = rank_layer_counts(plan, layout)
+            except (TypeError, ValueError, IndexError, AttributeError):
+                continue  # not a layout: the ack's own business, nothing to learn
+            self.stragglers.learn_layers(ack.job, held)  # type: ignore[union-attr]
 
     def _teach_gpu_models(self) -> None:
         """The straggler detector learns the GPU model of every GPU the feature windows have

@@ -417,6 +417,9 @@ class TrainingPlugin:
         if self.layout is None or self.stage is None or self.rebuild is None:
             raise ValueError("layers: this rank runs no pipeline stage the plugin can rebuild "
                              "(TrainingPlugin(stage=, layers=, rebuild=))")
+        if self.checkpoint_dir is None:
+            raise ValueError("layers: new stage boundaries go through a checkpoint, and the plugin "
+                             "has no checkpoint_dir")
         if not isinstance(spec, Mapping):
             raise ValueError(f"layers: expected {{stage: [first, last]}}, got {spec!r}")
         try:

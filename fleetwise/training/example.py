@@ -215,8 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, opt = plugin.model, plugin.optimizer  # a re-split replaces them
             if pipeline:
                 ids = sampler.global_indices(sampler.step - 1)
-                with plugin.compute():
-                    losses = _pipeline_step(dist, model, x[ids], y[ids], rank, world)
+                first, last = plugin.layers  # type: ignore[misc]
+                with plugin.compute():  # the stage's own work (emulated: its layers x samples)
+                    delay = ns.sample_time * len(ids) * (last - first + 1) * _slow_factor(ns.slow, node, step)
+                    if delay > 0:
+                        time.sleep(delay)
+                losses = _pipeline_step(dist, model, x[ids], y[ids], rank, world)
             else:
                 with plugin.compute():
                     out = model(x[ids])
@@ -229,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allreduce_gradients(model, len(ids), sampler.global_samples(sampler.step - 1))
             opt.step()
             opt.zero_grad()
+            samples = len(ids)
             if pipeline and losses is None:  # not the last stage: its rows carry no loss
                 ids = []
                 losses = torch.zeros(0, dtype=torch.float64)
@@ -243,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ns.no_plugin:
                 plugin.step += 1  # the baseline: no record, no command boundary
             else:
-                plugin.end_step(samples=len(ids))
+                plugin.end_step(samples=samples)
     finally:
         if log is not None:
             log.close()
@@ -320,13 +325,16 @@ def trajectory(rows: list[dict[str, Any]]) -> tuple[list[float], dict[int, list[
 
 def run_job(tmp: Path, name: str, shares: list[int], steps: int, sample_time: float, slow: list[str],
             control: bool = False, extra: list[str] | None = None,
-            timeout_s: float = 300.0) -> dict[str, Any]:
+            timeout_s: float = 300.0, pipeline_layers: int = 0) -> dict[str, Any]:
     """Run one job of `len(shares)` ranks on this machine (node-0, node-1, ...) with a file bus;
     with `control`, this process runs the embedded control plane (fleetwise.streams.embedded)
     on the ranks' step records, with the job's plan, and sends its commands back to the ranks.
+    `pipeline_layers`: a pipeline of that many layers, a stage per rank, evenly split (the
+    plan says so, so the control plane re-splits it when a stage slows down).
     Returns step times (slowest rank per step), shares per step, rank 0's final numbers, the acks
     and the commands."""
     from fleetwise.schemas import topics as T
+    from fleetwise.training.control import scaled_shares
     from fleetwise.training.transport import LocalTransport
 
     nodes = [f"node-{r}" for r in range(len(shares))]
@@ -336,6 +344,8 @@ def run_job(tmp: Path, name: str, shares: list[int], steps: int, sample_time: fl
             "--sample-time", str(sample_time), "--model-name", "H100"]
     for spec in slow:
         args += ["--slow", spec]
+    if pipeline_layers:  # a re-split goes through a checkpoint
+        args += ["--pipeline-layers", str(pipeline_layers), "--checkpoint-dir", str(tmp / name / "ckpt")]
     args += extra or []
     bus = LocalTransport(bus_dir)
     runtime = None
@@ -348,11 +358,19 @@ def run_job(tmp: Path, name: str, shares: list[int], steps: int, sample_time: fl
 
         runtime = EmbeddedRuntime(ControlPlane(ControlPlaneConfig(
             policy=PolicyConfig(), failure_predictor=False, publish_features=False)))
-        # The job's current plan (what the planner published): the policy rebalances its shares.
-        plan = Plan(job=name, dp=len(shares), tp=1, pp=1, zero_stage=0, global_batch=sum(shares), seq_len=1,
+        # The job's current plan (what the planner published): the policy rebalances its shares,
+        # or a pipeline's stage boundaries (the example's even split).
+        world = len(shares)
+        counts = scaled_shares([1] * world, {}, pipeline_layers) if pipeline_layers else [2] * world
+        spans = [(sum(counts[:r]), sum(counts[:r + 1]) - 1) if pipeline_layers else (0, 1)
+                 for r in range(world)]
+        plan = Plan(job=name, dp=1 if pipeline_layers else world, tp=1, pp=world if pipeline_layers else 1,
+                    zero_stage=0, global_batch=sum(shares), seq_len=1,
                     predicted_step_s=sample_time * max(shares), tokens_per_s=0.0, mfu=0.0,
                     ranks=[RankPlan(rank=r, node=nodes[r], gpu=0, model="h100-sxm", capability_tflops=1.0,
-                                    micro_batch=s, stage=0, layers=(0, 1), dp_rank=r, memory_gb=1.0,
+                                    micro_batch=sum(shares) if pipeline_layers else s,
+                                    stage=r if pipeline_layers else 0, layers=spans[r],
+                                    dp_rank=0 if pipeline_layers else r, memory_gb=1.0,
                                     memory_capacity_gb=80.0) for r, s in enumerate(shares)])
         runtime.feed(T.PLANS.name, [plan])
 
@@ -364,6 +382,7 @@ def run_job(tmp: Path, name: str, shares: list[int], steps: int, sample_time: fl
     procs = launch(len(shares), args, port=_free_port(), nodes=nodes)
     deadline = time.monotonic() + timeout_s
     fed = 0
+    acks: list[Any] = []
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
             for p in procs:
@@ -374,13 +393,17 @@ def run_job(tmp: Path, name: str, shares: list[int], steps: int, sample_time: fl
             if records:
                 fed += len(records)
                 runtime.feed(T.TELEMETRY_STEPS.name, records)
+            answered = bus.poll(T.ACKS.name)  # the fleet state (and a pipeline's layers) follow them
+            if answered:
+                acks += answered
+                runtime.feed(T.ACKS.name, answered)
         time.sleep(0.005)
     codes = [p.returncode for p in procs]
     if any(codes):
         raise RuntimeError(f"{name}: ranks exited {codes}; logs in {log_dir}")
     rows = read_logs(log_dir)
     final = json.loads((log_dir / "final.json").read_text())
-    acks = bus.poll(T.ACKS.name)
+    acks += bus.poll(T.ACKS.name)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
