@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fleetwise.schemas import Ack, Command, NodeInventory
@@ -80,3 +81,44 @@ def test_each_command_goes_to_the_consumers_that_carry_it_out():
     assert [command_topics(cmd("migrate", phase=p)) for p in ("snapshot", "transfer", "restore")] == [
         [train], [kube], [train]]
     assert command_topics(cmd("consolidate", job=None, action="hibernate")) == [kube]
+
+
+def test_a_replayed_pipeline_is_re_split_once_and_the_detector_follows_the_new_layers():
+    # A 4-stage pipeline (plan: 3 layers each) whose stage 3 runs at half speed from step 60:
+    # one rebalance with new stage boundaries, acked by the simulated plugin with its layers;
+    # from then on the step records' compute follows the new layers, and with the detector
+    # taught them by that ack nothing else is flagged (untaught, stage 0's extra layers would
+    # read as a 25% slow rank).
+    from fleetwise.actuators.config import PolicyConfig
+    from fleetwise.schemas import Plan, Prediction, RankPlan, TrainingStep
+    from fleetwise.streams.embedded import EmbeddedRuntime, SimulatedConsumers
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    plan = Plan(job="pp", dp=1, tp=1, pp=4, zero_stage=0, global_batch=32, seq_len=1, predicted_step_s=1.0,
+                tokens_per_s=0.0, mfu=0.0,
+                ranks=[RankPlan(rank=r, node=f"n{r}", gpu=0, model="h100-sxm", capability_tflops=1.0,
+                                micro_batch=32, stage=r, layers=(3 * r, 3 * r + 2), dp_rank=0, memory_gb=10.0,
+                                memory_capacity_gb=80.0) for r in range(4)])
+    runtime = EmbeddedRuntime(ControlPlane(ControlPlaneConfig(policy=PolicyConfig(), failure_predictor=False,
+                                                              publish_features=False)),
+                              consumers=SimulatedConsumers())
+    runtime.feed(T.PLANS.name, [plan])
+    layers = [3, 3, 3, 3]
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        speed = [1, 1, 1, 0.5 if i >= 60 else 1]
+        computes = [n * 0.1 / v * float(np.exp(rng.normal(0, 0.01)))
+                    for n, v in zip(layers, speed, strict=True)]
+        steps = [TrainingStep(ts=1_764_489_600.0 + 10.0 * i + 0.001 * r, job="pp", rank=r, node=f"n{r}",
+                              gpu=0, step=i, step_time_s=max(computes) + 0.05, compute_s=c, samples=32,
+                              model="h100-sxm")
+                 for r, c in enumerate(computes)]
+        runtime.feed(T.TELEMETRY_STEPS.name, steps)
+        acked = [a for _k, a in runtime.bus.logs.get(T.ACKS.name, []) if a.result.get("layers")]
+        if acked:  # the job runs the new boundaries from the next step on
+            layers = [b - a + 1 for a, b in (acked[-1].result["layers"][str(s)] for s in range(4))]
+    moves = [c for _k, c in runtime.bus.logs[T.COMMANDS_TRAINING.name] if c.type == "rebalance"]
+    assert len(moves) == 1 and moves[0].params["stage_speed_factors"] == {"3": pytest.approx(0.5, abs=0.03)}
+    assert sum(layers) == 12 and layers[3] < 3
+    alerts = [p for _k, p in runtime.bus.logs[T.PREDICTIONS.name] if isinstance(p, Prediction) and p.alert]
+    assert [(p.rank, round(p.factor, 1)) for p in alerts] == [(3, 0.5)]
