@@ -453,3 +453,61 @@ def test_plugin_handlers_in_a_one_rank_group(solo_group, tmp_path: Path) -> None
     assert stop.value.code == 0 and (tmp_path / "moved" / "fleetwise.json").is_file()
     records = bus.poll(T.TELEMETRY_STEPS.name, "solo")
     assert [r.step for r in records] == list(range(len(records))) and all(r.model == "H100" for r in records)
+
+
+@pytest.mark.timeout(60)
+def test_checkpoints_written_before_the_per_name_optimizer_state_still_load(
+        solo_group, tmp_path: Path) -> None:
+    # Optimizer state is saved flattened per parameter name since pipeline re-splits; a
+    # checkpoint of the older layout (param groups as a list) is recognised and loads as before.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from fleetwise.training import elastic
+    from fleetwise.training.example import make_model
+
+    torch = solo_group
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    old, new = tmp_path / "old", tmp_path / "new"
+    model_sd, optim_sd = get_state_dict(model, opt)  # the older layout
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(old))
+    (old / elastic.META_FILE).write_text('{"step": 1}')
+    elastic.save_checkpoint(new, model, opt, {"step": 1})
+    for path in (old, new):
+        again = make_model(seed=5)
+        opt2 = torch.optim.SGD(again.parameters(), lr=0.5, momentum=0.9)
+        assert elastic.load_checkpoint(path, again, opt2) == {"step": 1}
+        assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters(), strict=True))
+        assert (opt2.param_groups[0]["lr"], opt2.param_groups[0]["momentum"]) == (0.1, 0.9)
+        buffers = [opt2.state[p]["momentum_buffer"] for p in again.parameters()]
+        assert all(torch.equal(a, opt.state[b]["momentum_buffer"])
+                   for a, b in zip(buffers, model.parameters(), strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_restore_under_other_boundaries_without_rebuild_names_the_problem(
+        solo_group, tmp_path: Path) -> None:
+    from fleetwise.training.control import TrainingPlugin
+    from fleetwise.training.example import make_stage
+    from fleetwise.training.sampler import ShareSampler
+
+    torch = solo_group
+    stage = make_stage(0, 3, 4)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+
+    def plugin(layers: tuple[int, int], rebuild=None) -> TrainingPlugin:
+        return TrainingPlugin(job="pp", model=stage, optimizer=opt, sampler=ShareSampler(100, [10], 0),
+                              transport=LocalTransport(tmp_path / "bus"), checkpoint_dir=tmp_path / "ckpt",
+                              keys=KEYS, node="n0", model_name="H100", stage=0, layers=layers,
+                              rebuild=rebuild)
+
+    plugin((0, 3)).checkpoint()
+    with pytest.raises(ValueError, match=r"saved with stage layers \{'0': \[0, 3\]\}.*no rebuild callback"):
+        plugin((0, 2)).restore()
+    built = []
+    restored = plugin((0, 2), rebuild=lambda span: built.append(span) or (stage, opt))
+    assert restored.restore() == 0 and built == [(0, 3)] and restored.layers == (0, 3)

@@ -555,12 +555,15 @@ class TrainingPlugin:
         if path is None:
             return self.step
         saved = elastic.read_meta(path).get("layers")
-        if saved and self.layout is not None and self.rebuild is not None:
+        layout = {int(k): (int(v[0]), int(v[1])) for k, v in saved.items()} if saved else None
+        if layout is not None and self.layout is not None and layout != self.layout:
             # Saved under other stage boundaries (a re-split): build this stage's layers as then.
-            layout = {int(k): (int(v[0]), int(v[1])) for k, v in saved.items()}
-            if layout != self.layout and set(layout) == set(self.layout):
-                self.model, self.optimizer = self.rebuild(layout[self.stage])  # type: ignore[index]
-                self.layout = layout
+            if self.rebuild is None or set(layout) != set(self.layout):
+                raise ValueError(f"{path} was saved with stage layers {saved}; this group's stages are "
+                                 f"{ {str(k): list(v) for k, v in sorted(self.layout.items())} } and the "
+                                 "plugin has no rebuild callback for other boundaries")
+            self.model, self.optimizer = self.rebuild(layout[self.stage])  # type: ignore[index]
+            self.layout = layout
         meta = elastic.load_checkpoint(path, self.model, self.optimizer, group=self.group)
         self.step = int(meta["step"])
         self.sampler.load_state_dict(meta["sampler"])

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -85,6 +86,10 @@ def path_of(uri: str | os.PathLike[str]) -> Path:
 def checkpoint_dir_for(root: str | os.PathLike[str], step: int) -> Path:
     """Where the checkpoint taken after `step` steps goes under `root`."""
     return path_of(root) / f"step-{step:09d}"
+
+
+# A key only the older, unflattened optimizer state has: the list of each group's parameters.
+_GROUP_PARAMS = re.compile(r"optim\.param_groups\.\d+\.params$")
 
 
 def _state_dict_options() -> Any:
@@ -142,6 +147,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any,
     target = path_of(path)
     meta = read_meta(target)
     options = _state_dict_options()
+    saved = dcp.FileSystemReader(str(target)).read_metadata().state_dict_metadata
+    if any(_GROUP_PARAMS.match(key) for key in saved):
+        options = None  # written before optimizer state was saved per parameter name (groups as a list)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(target), process_group=group)
