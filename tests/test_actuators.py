@@ -420,6 +420,22 @@ def test_a_worker_restored_from_its_job_keys_alone_still_has_the_drained_gpu_out
     assert returned.fleet.status(("n1", 3)) == "in_service"
 
 
+def test_restoring_another_workers_fleet_part_merges_instead_of_rolling_this_one_back():
+    # After a rebalance the fleet-wide key's new holder restores the previous holder's saved
+    # part: its own newer GPU statuses and its own drain decisions must survive.
+    old = ActionPolicy(PolicyConfig.model_validate({"rails": {"breaker_drains": 2}}))
+    old.fleet.known(("n1", 0))  # in service as far as the old holder knew
+    old.process([failure("b1", 0, job=None, ts=T0 + 5)])
+    holder = ActionPolicy(PolicyConfig.model_validate({"rails": {"breaker_drains": 2}}))
+    drain = commands(holder.process([failure("n1", 0, job=None, ts=T0 + 10)]))[0]
+    holder.process([ack(drain, "done", ts=T0 + 20)])
+    holder.restore("~fleet", old.state("~fleet"))
+    assert holder.fleet.status(("n1", 0)) == "drained" and holder.fleet.status(("b1", 0)) == "in_service"
+    assert holder.breaker_attempts == [T0 + 5, T0 + 10]  # both workers' decisions
+    out = holder.process([failure("n2", 0, job=None, ts=T0 + 30)])  # a third within the window
+    assert audits(out)[0].event == "breaker_open"
+
+
 def test_signature_detects_tampering():
     cmd = sign(Command(id="drain-1", type="drain", ts=T0, reason="r", params={"x": 1}))
     assert verify(cmd)

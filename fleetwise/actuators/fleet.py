@@ -74,6 +74,14 @@ class FleetState:
                    command_id: str | None = None) -> None:
         self.gpus[key] = GpuState(status=status, since_ts=ts, reason=reason, command_id=command_id)
 
+    def merge_gpus(self, other: dict[GpuKey, GpuState]) -> None:
+        """Take another saved view of the GPUs: per GPU the newer status wins (a restore after a
+        rebalance brings another worker's view, which must not roll this one's back)."""
+        for key, state in other.items():
+            mine = self.gpus.get(key)
+            if mine is None or state.since_ts > mine.since_ts:
+                self.gpus[key] = state
+
     def out_of_service(self) -> set[GpuKey]:
         return {k for k, g in self.gpus.items() if g.status != "in_service"}
 

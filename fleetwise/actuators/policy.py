@@ -222,12 +222,17 @@ class ActionPolicy:
             self.peers.forget(cid)  # read on the command topics before its state came back
             self._restore_drained(pending)
         if key == FLEET_KEY:
-            self.fleet.gpus.update(part.gpus)
+            # Merged, not replaced: after a rebalance this is another worker's saved view, and
+            # this worker's own (newer statuses, its own drain decisions) must survive it.
+            self.fleet.merge_gpus(part.gpus)
             self.newest_ts = max(self.newest_ts, float(state.get("newest_ts", float("-inf"))))
             for kind, ts in state.get("newest_by_type", {}).items():
                 self.newest_by_type[kind] = max(self.newest_by_type.get(kind, float("-inf")), float(ts))
-            self.breaker_attempts = [float(t) for t in state.get("breaker_attempts", [])]
-            self.breaker_open_since = state.get("breaker_open_since")
+            mine = set(self.breaker_attempts)
+            self.breaker_attempts = sorted(self.breaker_attempts + [
+                float(t) for t in state.get("breaker_attempts", []) if float(t) not in mine])
+            opened = [t for t in (self.breaker_open_since, state.get("breaker_open_since")) if t is not None]
+            self.breaker_open_since = max(opened) if opened else None
         elif "job" in state:
             self.jobs[key] = JobState.from_json(state["job"])
 
