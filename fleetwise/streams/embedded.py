@@ -148,7 +148,9 @@ class SimulatedConsumers:
         self.applied.add((by, cmd.id))
         if scope and cmd.seq is not None:
             self.last_seq[scope] = cmd.seq
-        result: dict = {"checkpoint_uri": f"sim://{cmd.job}/{cmd.id}"} if cmd.type == "checkpoint" else {}
+        result: dict[str, object] = {}
+        if cmd.type == "checkpoint":
+            result["checkpoint_uri"] = f"sim://{cmd.job}/{cmd.id}"
         if cmd.type == "rebalance" and "layers" in cmd.params:
             result["layers"] = cmd.params["layers"]  # as the plugin reports a re-split
         return Ack(**ack, status="done", detail="simulated consumer", result=result)

@@ -57,7 +57,6 @@ def make_stage(first: int, last: int, num_layers: int, dim: int = 8, seed: int =
             torch.manual_seed(seed)
             every = [torch.nn.Linear(dim, 1 if i == num_layers - 1 else dim) for i in range(num_layers)]
             self.layers = torch.nn.ModuleDict({str(i): every[i] for i in range(first, last + 1)})
-            self.span = (first, last)
 
         def forward(self, x: Any) -> Any:
             for i in range(first, last + 1):
