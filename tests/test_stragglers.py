@@ -621,3 +621,20 @@ def test_a_pipeline_stage_with_more_layers_is_not_slow_once_the_detector_knows_i
         pipeline_steps(uneven, 60, 120, slow={1: 0.7})) + det.flush()
     alerts = rank_alerts(out)
     assert [p.rank for p in alerts] == [1] and alerts[0].factor == pytest.approx(0.7, abs=0.03)
+    # The same with only DESIGN.md's fields (no `model`): each rank judged on its own history
+    # and alike ranks, its cost per sample and layer, across the re-split and for the slow stage.
+    def bare(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "model"} for r in records]
+
+    det = StragglerDetector()
+    det.learn_layers("pp", dict(enumerate(uneven)))
+    out = det.process(bare(pipeline_steps(uneven, 0, 120)))
+    det.learn_layers("pp", {0: 6, 1: 6, 2: 6, 3: 6})
+    out += det.process(bare(pipeline_steps([6, 6, 6, 6], 120, 120))) + det.flush()
+    assert rank_alerts(out) == []
+    det = StragglerDetector()
+    det.learn_layers("pp", dict(enumerate(uneven)))
+    out = det.process(bare(pipeline_steps(uneven, 0, 60))) + det.process(
+        bare(pipeline_steps(uneven, 60, 120, slow={1: 0.7}))) + det.flush()
+    alerts = rank_alerts(out)
+    assert [p.rank for p in alerts] == [1] and alerts[0].factor == pytest.approx(0.7, abs=0.03)

@@ -169,7 +169,7 @@ class PeerDrains:
     it ends (a drain sent before the GPU's latest return is ignored).
     """
 
-    commands: FleetState = field(default_factory=FleetState)
+    sent: FleetState = field(default_factory=FleetState)  # their commands, with their acks
     early_acks: dict[str, Ack] = field(default_factory=dict)
     returned: dict[GpuKey, float] = field(default_factory=dict)
     # (event time, target) of every drain or drain checkpoint seen: the breaker's fleet-wide count
@@ -178,19 +178,19 @@ class PeerDrains:
     def observe(self, command: Command) -> None:
         """Another worker's command (the caller skips its own): tracked if it takes a GPU out."""
         target = None if command.node is None or command.gpu is None else (command.node, int(command.gpu))
-        if target is None or not _takes_gpu_out(command) or command.id in self.commands.commands:
+        if target is None or not _takes_gpu_out(command) or command.id in self.sent.commands:
             return
         self.decided.append((float(command.ts), target))
         if self.returned.get(target, float("-inf")) >= command.ts:
             return
-        self.commands.track(command, "issued", float(command.ts))
+        self.sent.track(command, "issued", float(command.ts))
         early = self.early_acks.pop(command.id, None)
         if early is not None:
-            self.commands.apply_ack(early)
+            self.sent.apply_ack(early)
 
     def apply_ack(self, ack: Ack) -> None:
         """An ack for a command this worker did not send (kept until its command is seen)."""
-        pending, _ = self.commands.apply_ack(ack)
+        pending, _ = self.sent.apply_ack(ack)
         if pending is None:
             known = self.early_acks.get(ack.command_id)
             if known is None or _ACK_ORDER.get(ack.status, 9) >= _ACK_ORDER.get(known.status, 9):
@@ -198,17 +198,17 @@ class PeerDrains:
 
     def gpu_returned(self, key: GpuKey, ts: float) -> None:
         self.returned[key] = max(ts, self.returned.get(key, float("-inf")))
-        self.commands.commands = {cid: p for cid, p in self.commands.commands.items()
+        self.sent.commands = {cid: p for cid, p in self.sent.commands.items()
                                   if p.target != key or float(p.command["ts"]) > ts}
 
     def forget(self, command_id: str) -> None:
         """This worker holds the command itself (restored from its saved state)."""
-        self.commands.commands.pop(command_id, None)
+        self.sent.commands.pop(command_id, None)
 
     def out(self) -> set[GpuKey]:
         """GPUs out or leaving: a drain not refused or expired (done: out until returned), or
         a drain checkpoint still open."""
-        return {p.target for p in self.commands.commands.values() if p.target is not None and _holds_gpu(p)}
+        return {p.target for p in self.sent.commands.values() if p.target is not None and _holds_gpu(p)}
 
     def decided_since(self, since: float) -> int:
         """GPUs another worker decided to take out at or after `since` (event time)."""
@@ -218,7 +218,7 @@ class PeerDrains:
         """Silently expire unanswered commands (their sender reports it) and drop what no rail
         needs any more: finished commands other than done drains, acks and decisions older
         than `keep_s`."""
-        self.commands.expire(now)
-        self.commands.commands = {cid: p for cid, p in self.commands.commands.items() if _holds_gpu(p)}
+        self.sent.expire(now)
+        self.sent.commands = {cid: p for cid, p in self.sent.commands.items() if _holds_gpu(p)}
         self.early_acks = {cid: a for cid, a in self.early_acks.items() if a.ts >= now - keep_s}
         self.decided = [(ts, t) for ts, t in self.decided if ts >= now - keep_s]
