@@ -265,6 +265,26 @@ def test_score_stragglers_counts_detections_delays_and_false_flags():
     assert [m["rank"] for m in s["missed"]] == [2]
 
 
+def test_score_stragglers_times_a_ramp_from_when_its_slowdown_reaches_the_bar():
+    # 0.8 reached linearly over 1200 s: 5% slower (of 20%) at start + 300 s.
+    labels = [{"kind": "straggler", "job": "j", "rank": 1, "node": "n", "gpu": 1, "start_ts": 1000,
+               "end_ts": 5000, "factor": 0.8, "ramp_s": 1200.0},
+              {"kind": "straggler", "job": "j", "rank": 2, "node": "n", "gpu": 2, "start_ts": 1000,
+               "end_ts": 5000, "factor": 0.8, "ramp_s": 1200.0}]
+    steps = [{"job": "j", "rank": r, "ts": 1000 + 30 * i} for i in range(100) for r in (1, 2)]
+    preds = [_pred(1450, 1, True),  # 5 records after 1300: on time from the 5% point
+             _pred(1480, 2, True)]  # 6 records and 180 s after it: late either way
+    s = score_stragglers(preds, labels, job_hours=10.0, steps=steps)
+    assert s["detected"] == 2 and s["detected_on_time"] == 0
+    assert s["detected_on_time_reached"] == 1 and s["detection_rate_on_time_reached"] == 0.5
+    assert s["delay_reached_s"]["median"] == pytest.approx(165.0)
+    # Without ramp_s the same alerts are timed from the start only.
+    for lab in labels:
+        del lab["ramp_s"]
+    s = score_stragglers(preds, labels, job_hours=10.0, steps=steps)
+    assert s["detected_on_time_reached"] == s["detected_on_time"] == 0
+
+
 def test_state_is_plain_json_with_pending_rows():
     records = make_steps(["h100-sxm"] * 4, hours=0.2, seed=11)
     det = StragglerDetector()
@@ -486,13 +506,26 @@ def test_mixed_generation_without_model_flags_the_straggler_not_the_older_genera
     assert fvs and all(abs(f.values["speed_factor"] - 1.0) < 0.03 for f in fvs)
 
 
-def test_a_slower_generation_within_the_alike_tolerance_is_not_flagged_without_model():
-    # An L40S computes ~11% slower than an A100 (catalog): alike by cost per sample, but its
-    # own history says it has always been so; a real straggler among them is still found.
+def test_a_few_ranks_of_a_slightly_slower_generation_are_not_flagged_without_model():
+    # An L40S computes ~11% slower than an A100 (catalog): two of them are too few for an alike
+    # group of their own, and their own history says they have always been so; a real
+    # straggler among the A100s is still found.
     models = ["a100-sxm-80gb"] * 6 + ["l40s"] * 2
     out = run(without_model(make_steps(models, hours=5, seed=33, proportional=False,
                                        slow={1: (7200.0, 12000.0, 0.85)})))
     assert [p.rank for p in rank_alerts(out)] == [1]
+
+
+def test_close_generations_form_separate_alike_groups_without_model():
+    # H100 PCIe computes 31% slower than H200 (catalog). Grouped together, the group's median
+    # lies between the two models and an H200 slowed to 0.85 still looks normal against it;
+    # grouped apart, it is found against its own group and its own history.
+    models = ["h200"] * 6 + ["h100-pcie"] * 6
+    out = run(without_model(make_steps(models, hours=5, seed=37, proportional=True,
+                                       slow={2: (7200.0, 12000.0, 0.85)})))
+    alerts = rank_alerts(out)
+    assert [p.rank for p in alerts] == [2]
+    assert any(s.name == "reference" and "6 alike ranks" in str(s.value) for s in alerts[0].signals)
 
 
 @pytest.mark.parametrize(("kind", "cause"), [("network", "network"), ("input_stall", "input")])
