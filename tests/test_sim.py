@@ -622,6 +622,38 @@ def test_straggler_rank_compute_slower_by_its_factor(slowdowns: Trace) -> None:
     assert checked >= 3
 
 
+def test_step_records_between_ticks_are_slowed_exactly_inside_the_label() -> None:
+    # Step records every 20 s, telemetry ticks every 60 s: a record taken between two ticks is
+    # on one side of a straggler's start or end, and must be slowed only on the inside (a record
+    # slowed before its label starts reads as a false alarm to any scorer).
+    trace = Trace(small(days=0.5, seed=9, failure_rate_per_1000_gpu_days=0.0,
+                        straggler_rate_per_1000_gpu_days=600.0, step_record_interval_s=20.0))
+    before = at_start = 0
+    for r in trace.of("straggler"):
+        if r["factor"] > 0.9:
+            continue
+        for step_ts, rows in _groups(trace.steps.get(r["job"], [])).items():
+            mine = [x for x in rows if x["rank"] == r["rank"]]
+            peers = [x["compute_s"] / x["samples"] for x in rows
+                     if x["rank"] != r["rank"] and x["model"] == (mine[0]["model"] if mine else None)]
+            if not mine or len(peers) < 2:
+                continue
+            slowed = mine[0]["compute_s"] / mine[0]["samples"] / float(np.median(peers)) > 1.05
+            if r["start_ts"] - 60 <= step_ts < r["start_ts"] or r["end_ts"] <= step_ts < r["end_ts"] + 60:
+                before += slowed
+            elif r["start_ts"] <= step_ts < r["start_ts"] + 60 or r["end_ts"] - 60 <= step_ts < r["end_ts"]:
+                at_start += 1
+                assert slowed, (r, step_ts)
+    assert before == 0 and at_start >= 20
+
+
+def _groups(steps: list[dict]) -> dict[float, list[dict]]:
+    out: dict[float, list[dict]] = {}
+    for x in steps:
+        out.setdefault(x["ts"], []).append(x)
+    return out
+
+
 def test_step_records_follow_capability_and_split(mixed: Trace) -> None:
     for steps in list(mixed.steps.values())[:10]:
         first = [x for x in steps if x["ts"] == steps[0]["ts"]]

@@ -35,6 +35,8 @@ THERMAL_TAU_S = 40.0  # first-order lag of die temperature to a power step (our 
 # (first-order DVFS rule; used to trade clocks for power under caps and thermal limits).
 DVFS_EXPONENT = 2.5
 STEP_NOISE = 0.015  # per-step compute jitter (1-2%)
+# Windows that change a job's step records: a rank's speed, or the job's input or network.
+_STEP_WINDOWS = frozenset({"failslow", "thermal_throttle", "slow_input", "slow_network"})
 BOOST_TEMP_COEF = 0.001  # clock share lost per C above 60 C
 
 P = "DCGM_FI_DEV_"
@@ -269,6 +271,7 @@ class FleetSimulator:
         node_size = np.bincount(node_of_gpu).astype(float)
         peer_load = np.zeros(g_n)  # other GPUs' mean power/TDP in the node, last tick
 
+        prev_state: tuple[np.ndarray, dict[int, float], dict[int, float]] | None = None
         for k in range(self.n_ticks):
             ts = start + k * dt
             prev_ts = ts - dt
@@ -323,6 +326,9 @@ class FleetSimulator:
             while w_ptr < len(windows) and windows[w_ptr].t0 <= ts:
                 active.append(windows[w_ptr])
                 w_ptr += 1
+            # Slowdown windows with an edge inside this tick: the step records taken between the
+            # two ticks are on either side of that edge (below), not all on this tick's side.
+            edges = [w for w in active if w.kind in _STEP_WINDOWS and (w.t0 > prev_ts or w.t1 <= ts)]
             if active:
                 active = [w for w in active if w.t1 > ts]
             speed = np.ones(g_n)
@@ -492,12 +498,13 @@ class FleetSimulator:
             m0 = math.ceil((prev_ts - start) / step_iv + 1e-9)
             m1 = math.floor((ts - start) / step_iv + 1e-9)
             record_times = [start + m * step_iv for m in range(m0, m1 + 1)] if k else [start]
+            gpu_speed = clock * speed
             for ji in active_jobs:
                 job = sched.jobs[ji]
                 gs = job.gpus
                 f_in = job_input.get(ji, 1.0)
                 f_net = job_net.get(ji, 1.0)
-                rank_speed = clock[gs] * speed[gs] * f_in
+                rank_speed = gpu_speed[gs] * f_in
                 nominal = job.samples * job.work_tflop_per_sample / (job.capability * rank_speed)
                 base_step = float(nominal.max()) + job.comm_s
                 step_time = base_step / f_net
@@ -509,8 +516,13 @@ class FleetSimulator:
                 counter0 = job_steps[ji]
                 job_steps[ji] = counter0 + dt / step_time
                 for t_rec in record_times:
-                    comp = nominal * np.exp(STEP_NOISE * rng.standard_normal(job.ranks))
-                    st = (float(comp.max()) + job.comm_s * (1.0 + 0.02 * abs(rng.standard_normal()))) / f_net
+                    rec_nominal, rec_net = nominal, f_net
+                    if edges and t_rec < ts:
+                        rec_nominal, rec_net = self._before_edges(
+                            edges, t_rec, ts, ji, gs, nominal, f_net, gpu_speed, f_in, prev_state)
+                    comp = rec_nominal * np.exp(STEP_NOISE * rng.standard_normal(job.ranks))
+                    comm = job.comm_s * (1.0 + 0.02 * abs(rng.standard_normal()))
+                    st = (float(comp.max()) + comm) / rec_net
                     step_no = int(counter0 + (t_rec - prev_ts) / step_time)
                     comp_l = np.round(comp, 4).tolist()
                     st_r = round(st, 4)
@@ -532,6 +544,7 @@ class FleetSimulator:
                         if alive[g]
                     )
             activity[gpu_job < 0] = 1.0
+            prev_state = (gpu_speed, job_input, job_net)
             # ---- samples ----
             last_xid = np.where(xid > 0, xid, last_xid)
             report = alive & ~silent_node[fleet.gpu_node] & ~gpu_down
@@ -694,6 +707,34 @@ class FleetSimulator:
                 ctr["pcie"][g] += int(rng.poisson(6.0 * grown))
         # Average draw since boot ~ half of TDP.
         return fleet.tdp_w * rng.uniform(0.35, 0.65, g_n) * uptime_d * DAY * 1000.0
+
+    @staticmethod
+    def _before_edges(edges: list[Window], t_rec: float, ts: float, ji: int, gs: np.ndarray,
+                      nominal: np.ndarray, f_net: float, gpu_speed: np.ndarray, f_in: float,
+                      prev_state: tuple[np.ndarray, dict[int, float], dict[int, float]] | None,
+                      ) -> tuple[np.ndarray, float]:
+        """A step record taken at ``t_rec``, after the previous tick and before this one (``ts``):
+        a rank or job with a slowdown window that starts after ``t_rec`` or ends after it within
+        this tick takes the previous tick's speed, since the record is on that side of the edge.
+        So no record is slowed before its label's start, nor back to speed before its end.
+        Returns (compute seconds per rank, network factor)."""
+        if prev_state is None:
+            return nominal, f_net
+        prev_speed, prev_input, prev_net = prev_state
+        out = nominal
+        for w in edges:
+            if not (t_rec < w.t0 or t_rec < w.t1 <= ts):
+                continue
+            if w.kind in ("failslow", "thermal_throttle"):
+                hit = gs == w.gpu
+                if hit.any():
+                    out = out.copy() if out is nominal else out
+                    out[hit] *= gpu_speed[w.gpu] / prev_speed[w.gpu]
+            elif w.job == ji and w.kind == "slow_input":
+                out = out * (f_in / prev_input.get(ji, 1.0))
+            elif w.job == ji:  # slow_network
+                f_net = prev_net.get(ji, 1.0)
+        return out, f_net
 
     def _precursor_tick(
         self,
