@@ -81,6 +81,13 @@ class Rails(_Section):
     # No action on a prediction older than this behind the newest event time seen.
     stale_after_s: float = Field(default=900.0, gt=0)
 
+    def fleet_drain_cap(self, fleet_gpus: int) -> int:
+        """GPUs that may be out at once in a fleet of ``fleet_gpus`` (0: size unknown, the
+        absolute cap alone); a fleet of any size may have one out."""
+        if not fleet_gpus:
+            return self.max_drained_gpus_fleet
+        return min(self.max_drained_gpus_fleet, max(1, int(self.max_drained_share_fleet * fleet_gpus)))
+
 
 class CommandLifetimes(_Section):
     """Seconds a command stays valid (its `expires_ts` = ts + lifetime) before it is re-decided."""

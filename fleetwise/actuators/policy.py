@@ -415,10 +415,7 @@ class ActionPolicy:
         out_fleet = self.fleet.out_of_service() | self.peers.out() | {
             pc.target for pc in self.fleet.open_commands()
             if pc.target and (pc.type == "drain" or pc.follow_up.get("then", {}).get("type") == "drain")}
-        fleet_size = sum(len(inv.gpus) for inv in self.inventory.values())  # 0: not known
-        fleet_cap = rails.max_drained_gpus_fleet
-        if fleet_size:
-            fleet_cap = min(fleet_cap, max(1, int(rails.max_drained_share_fleet * fleet_size)))
+        fleet_cap = rails.fleet_drain_cap(sum(len(inv.gpus) for inv in self.inventory.values()))
         if len(out_fleet) >= fleet_cap:
             return self._audit("fleet_drain_cap", f"{len(out_fleet)} GPUs out or leaving (cap {fleet_cap}): "
                                f"drain of {where} held back", p.ts, **audit)
