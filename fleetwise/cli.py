@@ -624,6 +624,9 @@ def kube_consumer_cmd(
         True, "--from-beginning/--from-now", help="Read the topics from their start (commands already done "
         "on the cluster are acked as duplicates) or only what arrives from now."),
     max_seconds: float | None = typer.Option(None, "--max-seconds", help="Stop after this long."),
+    policy: Path | None = typer.Option(
+        None, "--policy", envvar="FLEETWISE_POLICY",
+        help="The workers' policy file (YAML): its rails' fleet drain cap is enforced on the cluster."),
 ) -> None:
     """Carry out `fleetwise.commands.kube` on the cluster; ack each on `fleetwise.acks`."""
     import signal
@@ -633,6 +636,7 @@ def kube_consumer_cmd(
     from fleetwise.training.transport import KafkaTransport
 
     keyring = _keyring()
+    rails = _load_policy(policy).rails
     if kubeconfig is not None and not kubeconfig.is_file():
         fail(f"--kubeconfig: {str(kubeconfig)!r} does not exist")
     try:
@@ -642,7 +646,7 @@ def kube_consumer_cmd(
         fail(f"cannot load cluster credentials: {exc}")
     api = DryRunApi(reader=live, out=lambda line: console.print(line, highlight=False, soft_wrap=True)) \
         if dry_run else live
-    consumer = KubeConsumer(api, keyring, namespace=namespace, operator_keys=_operator_keys())
+    consumer = KubeConsumer(api, keyring, namespace=namespace, operator_keys=_operator_keys(), rails=rails)
     transport = KafkaTransport(bootstrap, prefix=prefix, from_beginning=from_beginning)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

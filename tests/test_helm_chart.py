@@ -172,6 +172,8 @@ def test_worker_replicas_at_most_partitions(helm: str) -> None:
     assert message in too_many.stderr
     zero = run_helm(helm, "template", "fw", str(CHART), "--set", "worker.replicas=0", check=False)
     assert zero.returncode != 0 and "worker.replicas must be at least 1" in zero.stderr
+    two = run_helm(helm, "template", "fw", str(CHART), "--set", "consumer.replicas=2", check=False)
+    assert two.returncode != 0 and "consumer.replicas must be 1, got 2" in two.stderr
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert 1 <= values["worker"]["replicas"] <= n
 
@@ -258,7 +260,7 @@ def test_consumer_rbac_is_exactly_what_it_calls(helm: str) -> None:
         # Cluster-wide: nodes only; everything else in the jobs' namespace (events also in
         # `default`, where Node events go).
         cluster_wide = {p for p, nss in where.items() if None in nss}
-        assert cluster_wide == {("", "nodes", "get"), ("", "nodes", "patch")}
+        assert cluster_wide == {("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "patch")}
         for p, nss in where.items():
             if p[1] != "nodes":
                 assert job_ns in nss and nss <= {job_ns, "default"}, (p, nss)
@@ -336,15 +338,17 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
         assert spec["securityContext"]["runAsNonRoot"]
 
-    # The operator policy reaches the workers as a file they accept.
+    # The operator policy reaches the workers, and the kube consumer (its fleet drain cap), as a
+    # file they accept.
     from fleetwise.actuators import parse_policy
 
     policy = one(objs, "ConfigMap", "-policy")["data"]["policy.yaml"]
     assert parse_policy(policy).rails.breaker_drains == 4
-    worker = pod_spec(one(objs, "Deployment", "-worker"))
-    env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
-    assert _volume_for_path(worker, worker["containers"][0], env["FLEETWISE_POLICY"])["configMap"]["name"] \
-        == "fw-fleetwise-policy"
+    for component in ("-worker", "-consumer"):
+        spec = pod_spec(one(objs, "Deployment", component))
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert _volume_for_path(spec, spec["containers"][0], env["FLEETWISE_POLICY"])["configMap"]["name"] \
+            == "fw-fleetwise-policy", component
 
     # Without values the chart makes no Secret but still mounts the named one (the user's).
     objs = render(helm, "--set", "signing.secretName=my-keys")

@@ -14,8 +14,10 @@ import uuid
 import pytest
 
 from fleetwise.actuators import Keyring, generate_ed25519_entries, operator_keyring, sign
+from fleetwise.actuators.config import Rails
 from fleetwise.kube.consumer import (
     ANN_COMMANDS,
+    ANN_DRAINED_GPUS,
     ANN_LAST_SEQ,
     DRAIN_TAINT,
     HIBERNATE_LABEL,
@@ -23,7 +25,9 @@ from fleetwise.kube.consumer import (
     ClusterView,
     DryRunApi,
     KubeConsumer,
+    count_drained,
     decide,
+    fleet_cap_refusal,
     required_rbac,
 )
 from fleetwise.kube.render import render_plan
@@ -72,6 +76,39 @@ def test_decide_refuses_what_it_cannot_do():
     assert "params.action" in decide(bad, ClusterView(nodes={"n1": _node()})).error
 
 
+def test_the_fleet_drain_cap_counts_the_cluster_s_drained_sets():
+    nodes = {"a": _node(gpus=8, annotations={ANN_DRAINED_GPUS: "[1, 5]"}),
+             "b": _node(gpus=8, annotations={ANN_DRAINED_GPUS: "[-1]"}),  # the whole node: 8
+             "c": _node(gpus=8), "d": _node()}  # d: capacity not reported
+    assert count_drained(nodes.values()) == (10, 24)
+    view = ClusterView(nodes=nodes)
+    rails = Rails(max_drained_gpus_fleet=11, max_drained_share_fleet=1.0)
+    assert fleet_cap_refusal(_cmd(type="drain", node="c", gpu=0), view, 10, 24, rails) is None
+    rails = Rails(max_drained_gpus_fleet=10, max_drained_share_fleet=1.0)
+    assert fleet_cap_refusal(_cmd(type="drain", node="c", gpu=0), view, 10, 24, rails) == (
+        "fleet drain cap: 10 of 24 GPUs on the cluster are drained (cap 10): drain of c/gpu0 refused")
+    assert "drain of node c refused" in fleet_cap_refusal(_cmd(type="drain", node="c"), view, 10, 24, rails)
+    # Not new: a GPU already drained (a resumed or repeated drain), any GPU of a drained node.
+    assert fleet_cap_refusal(_cmd(type="drain", node="a", gpu=5), view, 10, 24, rails) is None
+    assert fleet_cap_refusal(_cmd(type="drain", node="b", gpu=2), view, 10, 24, rails) is None
+    # The share of the cluster's GPUs (5% of 24: one GPU at least) when it is the tighter cap.
+    assert "(cap 1)" in fleet_cap_refusal(_cmd(type="drain", node="c", gpu=0), view, 1, 24, Rails())
+    assert fleet_cap_refusal(_cmd(type="drain", node="c", gpu=0), view, 0, 24, Rails()) is None
+
+
+def test_kube_consumer_cli_refuses_a_bad_policy_file_before_connecting(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    monkeypatch.setenv("FLEETWISE_SIGNING_KEYS", "k1=test-secret-one-0123456789")
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("rails:\n  max_drained_gpus_fleet: -1\n")
+    result = CliRunner().invoke(app, ["kube", "consumer", "--bootstrap", "127.0.0.1:1", "--policy", str(bad)])
+    assert result.exit_code == 2, result.output
+    assert "rails.max_drained_gpus_fleet" in result.output and "Traceback" not in result.output
+
+
 def test_required_rbac_is_least_privilege():
     verbs = {(r["apiGroups"][0], res): set(r["verbs"]) for r in required_rbac() for res in r["resources"]}
     assert verbs[("", "pods/eviction")] == {"create"}
@@ -114,7 +151,8 @@ def test_the_consumer_forgets_old_command_ids_and_keeps_a_bounded_log():
     from fleetwise.kube.consumer import LOG_LINES, RETAIN_IDS_S
 
     now = [NOW]
-    consumer = KubeConsumer(DryRunApi(out=lambda _line: None), KEYS, clock=lambda: now[0])
+    consumer = KubeConsumer(DryRunApi(out=lambda _line: None), KEYS, clock=lambda: now[0],
+                            rails=Rails(max_drained_gpus_fleet=10 * LOG_LINES))  # 1,000+ drains
     old = sign(_cmd(type="drain", node="n0", gpu=0, expires_ts=NOW + 1800), KEYS)
     assert [a.status for a in consumer.on_command(old)] == ["done"]
     for i in range(LOG_LINES):  # plenty of API calls
@@ -449,6 +487,33 @@ def test_wake_does_not_uncordon_a_drained_node(cluster):
     wake = sign(_cmd(type="consolidate", node=node, params={"action": "wake"}), KEYS)
     assert [a.status for a in consumer.on_command(wake)] == ["done"]
     assert cluster.node(node).spec.unschedulable is True  # a drain's cordon stays
+
+
+def test_the_consumer_holds_the_fleet_drain_cap_counted_on_the_cluster(cluster):
+    """Drains from several workers arrive at the one consumer: at the cap a new drain is
+    rejected with the reason and changes nothing; a drain of a GPU already out is not new; a
+    restarted consumer counts from the cluster; a return frees the cap."""
+    nodes = list(cluster.add_nodes(["h100-sxm", "h100-sxm", "b200"]))
+    rails = Rails(max_drained_gpus_fleet=2, max_drained_share_fleet=1.0)
+    consumer = KubeConsumer(ClientApi(cluster.kube.api_client()), KEYS, namespace=cluster.ns,
+                            clock=lambda: NOW, rails=rails)
+    drain = [sign(_cmd(type="drain", node=nodes[i], gpu=g), KEYS) for i, g in ((0, 1), (1, 2), (2, 0))]
+    assert [a.status for d in drain[:2] for a in consumer.on_command(d)] == ["done", "done"]
+    (ack,) = consumer.on_command(drain[2])
+    assert ack.status == "rejected" and ack.detail.startswith(
+        "fleet drain cap: 2 of 24 GPUs on the cluster are drained (cap 2): drain of")
+    assert not cluster.node(nodes[2]).spec.unschedulable and not _events(cluster, nodes[2])
+    again = sign(_cmd(type="drain", node=nodes[0], gpu=1, reason="the same GPU, another worker"), KEYS)
+    assert [a.status for a in consumer.on_command(again)] == ["done"]
+    restarted = KubeConsumer(ClientApi(cluster.kube.api_client()), KEYS, namespace=cluster.ns,
+                             clock=lambda: NOW, rails=rails)
+    late = sign(_cmd(type="drain", node=nodes[2], gpu=4), KEYS)
+    assert [a.status for a in restarted.on_command(late)] == ["rejected"]
+    back = sign(OperatorAction(ts=NOW + 60, action="return_gpu", node=nodes[1], gpu=2), operator_keyring())
+    assert [a.status for a in restarted.on_operator(back)] == ["done"]
+    retry = sign(_cmd(type="drain", node=nodes[2], gpu=4, reason="re-decided after the return"), KEYS)
+    assert [a.status for a in restarted.on_command(retry)] == ["done"]
+    assert cluster.node(nodes[2]).spec.unschedulable is True
 
 
 def test_least_privilege_role_suffices_for_a_drain(cluster):

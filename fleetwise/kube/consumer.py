@@ -14,8 +14,12 @@ Two layers:
 
 What each command does:
 
-- `drain` (node[, gpu][, job]): cordon, taint `fleetwise.io/drain=<reason>:NoSchedule`, an
-  Event with the reason (all at once: nothing new lands there), then, only once every id in
+- `drain` (node[, gpu][, job]): refused (a `rejected` ack) when it would take the cluster past
+  the fleet drain cap (the policy's `rails`: GPUs in the nodes' drained sets, counted on the
+  cluster before each new drain; one consumer runs per cluster, so its drains are decided one
+  at a time however many workers sent them); else cordon, taint
+  `fleetwise.io/drain=<reason>:NoSchedule`, an Event with the reason (all at once: nothing new
+  lands there), then, only once every id in
   `requires` (the training side's checkpoint) has a `done` ack, lower the job's PodGroup gang
   by the pods that leave (so KAI does not hold the rest of the gang) and evict the job's pods
   on the node through the Eviction API (PodDisruptionBudgets apply: a refused eviction, HTTP
@@ -50,6 +54,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fleetwise.actuators.config import Rails
 from fleetwise.actuators.signing import Keyring, operator_keyring, verify_command, verify_operator
 from fleetwise.kube.render import ANN_SUBGROUPS, JOB_LABEL, envelope_configmap_name, pod_group_name
 from fleetwise.schemas import Ack, Command, JobEnd, OperatorAction
@@ -70,8 +75,10 @@ __all__ = [
     "Decision",
     "DryRunApi",
     "KubeConsumer",
+    "count_drained",
     "decide",
     "decide_return",
+    "fleet_cap_refusal",
     "required_rbac",
 ]
 
@@ -99,7 +106,8 @@ class ClusterView:
     """What the decision reads: nodes by name, the job's pods, its PodGroup and ConfigMap.
 
     Nodes: {"labels": {}, "annotations": {}, "unschedulable": bool, "taints": [{key, value,
-    effect}]}. Pods: {"name", "namespace", "node", "deleting": bool}. pod_group: {"name",
+    effect}], "gpus": int (capacity `nvidia.com/gpu`; absent: unknown)}. Pods: {"name",
+    "namespace", "node", "deleting": bool}. pod_group: {"name",
     "namespace", "spec", "annotations"} or None. configmap: {"name", "namespace", "data"} or None.
     """
 
@@ -212,6 +220,38 @@ def _drained(annotations: Mapping[str, str]) -> list[int]:
         return sorted({int(x) for x in json.loads(annotations.get(ANN_DRAINED_GPUS, "[]"))})
     except (json.JSONDecodeError, TypeError, ValueError):
         return []
+
+
+def count_drained(nodes: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
+    """(GPUs in the nodes' drained sets, GPUs on the nodes). A whole node drained counts its
+    GPUs (at least one when its capacity is unknown)."""
+    drained = total = 0
+    for node in nodes:
+        gpus = int(node.get("gpus") or 0)
+        total += gpus
+        listed = _drained(node.get("annotations") or {})
+        drained += max(gpus, 1) if -1 in listed else len(listed)
+    return drained, total
+
+
+def fleet_cap_refusal(command: Command, view: ClusterView, drained: int, total: int,
+                      rails: Rails) -> str | None:
+    """Why a drain is refused by the fleet drain cap (None: it is not). The workers' rule
+    (`ActionPolicy`): no new drain while as many GPUs as the cap are out. Only a drain that
+    adds to the drained set is refused: a GPU already in its node's drained set (the same drain
+    resumed, or another drain of it) is not a new one."""
+    node = view.nodes.get(command.node or "")
+    if node is None:
+        return None  # the decision reports the missing node
+    listed = _drained(node.get("annotations") or {})
+    if -1 in listed or (command.gpu is not None and int(command.gpu) in listed):
+        return None
+    cap = rails.fleet_drain_cap(total)
+    if drained < cap:
+        return None
+    where = f"{command.node}/gpu{command.gpu}" if command.gpu is not None else f"node {command.node}"
+    return (f"fleet drain cap: {drained} of {total or 'unknown'} GPUs on the cluster are drained (cap "
+            f"{cap}): drain of {where} refused")
 
 
 def _taint_value(reason: str) -> str:
@@ -570,7 +610,7 @@ def decide_return(node_name: str, gpu: int | None, view: ClusterView, why: str) 
 def required_rbac() -> list[dict[str, Any]]:
     """The ClusterRole rules the consumer needs: only the verbs it uses."""
     return [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
         {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
@@ -599,6 +639,9 @@ class Api(Protocol):
 
     def execute(self, action: Action) -> ActionResult:
         """Carry out one action."""
+
+    def drained_gpus(self) -> tuple[int, int]:
+        """(GPUs Fleetwise drained, GPUs) over the cluster's nodes: `count_drained`."""
 
 
 class DryRunApi:
@@ -630,6 +673,11 @@ class DryRunApi:
         return ClusterView(nodes={n: json.loads(json.dumps(self.state.nodes[n]))
                                   for n in names if n in self.state.nodes}, pods=job_pods)
 
+    def drained_gpus(self) -> tuple[int, int]:
+        if self.reader is not None:
+            return self.reader.drained_gpus()
+        return count_drained(self.state.nodes.values())
+
     def execute(self, action: Action) -> ActionResult:
         line = action.describe()
         self.calls.append(line)
@@ -659,6 +707,15 @@ class DryRunApi:
             node["unschedulable"] = spec["unschedulable"]
         if "taints" in spec:
             node["taints"] = [dict(t) for t in spec["taints"]]
+
+
+def _gpu_capacity(node: Any) -> int:
+    """A node's `nvidia.com/gpu` capacity (0: none or not reported)."""
+    capacity = (node.status.capacity if node.status else None) or {}
+    try:
+        return int(capacity.get("nvidia.com/gpu", 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _api_status(exc: Exception) -> int | None:
@@ -694,8 +751,13 @@ class ClientApi:
         # As the API has them (timeAdded included): the patch sends the whole list back.
         taints = [self.api_client.sanitize_for_serialization(t) for t in (n.spec.taints or [])]
         return {"labels": dict(n.metadata.labels or {}), "annotations": dict(n.metadata.annotations or {}),
-                "unschedulable": bool(n.spec.unschedulable), "taints": taints,
+                "unschedulable": bool(n.spec.unschedulable), "taints": taints, "gpus": _gpu_capacity(n),
                 "resourceVersion": n.metadata.resource_version}
+
+    def drained_gpus(self) -> tuple[int, int]:
+        nodes = self.core.list_node().items
+        return count_drained({"annotations": n.metadata.annotations or {}, "gpus": _gpu_capacity(n)}
+                             for n in nodes)
 
     def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
         names = set(nodes)
@@ -826,8 +888,10 @@ class KubeConsumer:
     """
 
     def __init__(self, api: Api, keyring: Keyring | None = None, *, namespace: str = "default",
-                 clock: Callable[[], float] = time.time, operator_keys: Keyring | None = None) -> None:
+                 clock: Callable[[], float] = time.time, operator_keys: Keyring | None = None,
+                 rails: Rails | None = None) -> None:
         self.api = api
+        self.rails = rails or Rails()  # the fleet drain cap: the workers' policy file's rails
         self.keyring = keyring or Keyring()
         self.operator_keys = operator_keys or operator_keyring()  # verifies GPU returns
         self.namespace = namespace
@@ -872,6 +936,16 @@ class KubeConsumer:
             return [self._ack(command, "rejected", verdict.reason)]
         if command.type not in KUBE_TYPES:
             return [self._ack(command, "rejected", f"type {command.type!r} is not for the kube consumer")]
+        if command.type == "drain":
+            # The last line of the fleet drain cap: the workers each count what they have read of
+            # the others' drains, this counts what the cluster holds drained, one drain at a time.
+            try:
+                drained, total = self.api.drained_gpus()
+            except Exception as exc:  # noqa: BLE001 - the cluster did not answer: the command failed
+                return [self._ack(command, "failed", f"cannot read the cluster: {exc}")]
+            refusal = fleet_cap_refusal(command, view, drained, total, self.rails)
+            if refusal:
+                return [self._ack(command, "rejected", refusal)]
         if command.dry_run:
             decision = decide(command, view, done_ids=set(self.done_acks) | set(command.requires),
                               now=self.clock())

@@ -76,6 +76,9 @@ app.kubernetes.io/part-of: fleetwise
 {{- if lt (int .Values.worker.replicas) 1 -}}
 {{- fail (printf "worker.replicas must be at least 1, got %d" (int .Values.worker.replicas)) -}}
 {{- end -}}
+{{- if and .Values.consumer.enabled (ne (int .Values.consumer.replicas) 1) -}}
+{{- fail (printf "consumer.replicas must be 1, got %d: one consumer decides the drains one at a time (the fleet drain cap on the cluster)" (int .Values.consumer.replicas)) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Env and mounts every Kafka client shares: bootstrap, security, signing keys. */}}
