@@ -721,19 +721,24 @@ class FleetSimulator:
         if prev_state is None:
             return nominal, f_net
         prev_speed, prev_input, prev_net = prev_state
-        out = nominal
+        gpus: set[int] = set()  # each at most once, however many of its windows have an edge here
+        job_input = False
         for w in edges:
             if not (t_rec < w.t0 or t_rec < w.t1 <= ts):
                 continue
             if w.kind in ("failslow", "thermal_throttle"):
-                hit = gs == w.gpu
-                if hit.any():
-                    out = out.copy() if out is nominal else out
-                    out[hit] *= gpu_speed[w.gpu] / prev_speed[w.gpu]
+                gpus.add(w.gpu)
             elif w.job == ji and w.kind == "slow_input":
-                out = out * (f_in / prev_input.get(ji, 1.0))
+                job_input = True
             elif w.job == ji:  # slow_network
                 f_net = prev_net.get(ji, 1.0)
+        out = nominal
+        hit = np.isin(gs, list(gpus)) if gpus else None
+        if hit is not None and hit.any():
+            out = nominal.copy()
+            out[hit] *= gpu_speed[gs[hit]] / prev_speed[gs[hit]]
+        if job_input:
+            out = out * (f_in / prev_input.get(ji, 1.0))
         return out, f_net
 
     def _precursor_tick(
