@@ -3,7 +3,9 @@
 Ray Train runs for real on a local Ray (CPU, 127.0.0.1): a TorchTrainer whose workers take
 the plan's shares trains to the same parameters as one process on the whole global batch.
 DeepSpeed runs its engine in a gloo group with per-rank micro-batches and the same
-weighting. Megatron: megatron-core's config objects and data samplers check the mapping.
+weighting. Megatron: megatron-core's config objects and data samplers check the mapping, and
+its forward/backward steps train exactly with uneven micro-batch counts, also when a signed
+rebalance reaches the loop through the training plugin.
 Alpa's export is checked as data only (Alpa is archived; its jaxlib is not on PyPI).
 """
 
@@ -20,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 import test_training_gradients as tg  # noqa: E402  (the gloo harness, models and reference)
 
+from fleetwise.actuators import Keyring  # noqa: E402
 from fleetwise.training import ShareSampler, WeightedHookState, weighted_comm_hook  # noqa: E402
 from fleetwise.training.frameworks import ray_train  # noqa: E402
 from fleetwise.training.frameworks.ray_train import assign_plan_ranks, plan_trainer  # noqa: E402
@@ -295,6 +298,7 @@ def _mixed_plan():
 # ---- Megatron-LM (megatron-core) -------------------------------------------------------------------
 
 MEGATRON_MICRO = [(3, 2), (1, 2), (2, 2)]  # (micro_batch_size, num_microbatches) per replica: 6, 2, 4
+MEGATRON_KEYS = Keyring.parse("k1=test-secret-one-0123456789")  # signs the rebalance, the plugin checks it
 
 
 class _MegatronMLP(tg.MLP):
@@ -304,7 +308,7 @@ class _MegatronMLP(tg.MLP):
         pass
 
 
-def _megatron_worker(rank: int, world: int) -> dict[str, Any]:
+def _megatron_worker(rank: int, world: int, bus: str | None = None) -> dict[str, Any]:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -333,13 +337,23 @@ def _megatron_worker(rank: int, world: int) -> dict[str, Any]:
         out = model(x[idx])
         return out, lambda output: per_sample_loss_func((output - y[idx]).pow(2).mean(dim=1))
 
-    tokens_seen = []
+    plugin = None
+    if bus is not None:  # the training plugin in the loop: commands from the bus, at step boundaries
+        from fleetwise.training.control import TrainingPlugin
+        from fleetwise.training.transport import LocalTransport
+
+        plugin = TrainingPlugin(job="mg", model=model, optimizer=opt, sampler=sampler,
+                                transport=LocalTransport(bus), keys=MEGATRON_KEYS, node="n0", gpu=rank,
+                                model_name="H100", telemetry=False)
+    tokens_seen, shares_seen, micro_seen = [], [], []
     for step in range(tg.STEPS):
+        shares_seen.append(list(sampler.shares_at(step)))
         idx = sampler.indices(step)
         micro = schedule["micro_batch_size"]
         chunks = [idx[i : i + micro] for i in range(0, len(idx), micro)]  # the last may be short
         opt.zero_grad(set_to_none=True)
         data_iterator = iter(chunks)
+        micro_seen.append(len(chunks))
         total_tokens = torch.zeros([], dtype=torch.int)
         for i in range(len(chunks)):  # this replica's own num_microbatches
             output, num_tokens = forward_step(
@@ -350,7 +364,12 @@ def _megatron_worker(rank: int, world: int) -> dict[str, Any]:
             backward_step(None, output, None, ModelType.encoder_or_decoder, config)
         tokens_seen.append(finalize_per_token_grads(model, int(total_tokens)))
         opt.step()
-    return {"params": tg.params(model), "schedule": schedule, "tokens": tokens_seen}
+        if plugin is not None:
+            plugin.end_step(samples=len(idx), micro_batch=micro)
+    if plugin is not None:
+        plugin.acks.flush()
+    return {"params": tg.params(model), "schedule": schedule, "tokens": tokens_seen, "shares": shares_seen,
+            "microbatches": micro_seen}
 
 
 @pytest.mark.slow
@@ -364,6 +383,44 @@ def test_megatron_core_per_token_loss_with_uneven_microbatch_counts(tmp_path):
         assert res["schedule"]["num_microbatches"] == MEGATRON_MICRO[rank][1]
         # Global counts as Megatron's finalize_model_grads sees them: 12 per step, 6 at the end.
         assert res["tokens"] == [12.0, 12.0, 12.0, 12.0, 6.0]
+        assert tg.rel_err(res["params"], truth) < tg.TOL, rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_signed_rebalance_reaches_a_megatron_core_loop_through_the_plugin(tmp_path):
+    """Megatron's loop takes its micro-batches from the plugin's ShareSampler, so a rebalance
+    command changes each replica's number of micro-batches at a step boundary; with per-token
+    loss the parameters stay those of one process on the whole batch."""
+    pytest.importorskip("megatron.core")
+    import time
+
+    from fleetwise.actuators import sign
+    from fleetwise.schemas import Ack, Command
+    from fleetwise.schemas import topics as T
+    from fleetwise.training.transport import LocalTransport
+
+    bus = LocalTransport(tmp_path / "bus")
+    now = time.time()
+    bus.publish(T.COMMANDS_TRAINING.name, "mg", sign(Command(
+        id="rb-mg", type="rebalance", ts=now, job="mg", reason="rank 0 slowed to 0.4", seq=1,
+        expires_ts=now + 600, params={"samples": {"0": 2, "1": 4, "2": 6}, "global_samples": 12}),
+        MEGATRON_KEYS))
+    results = tg.run_workers(_megatron_worker, tg.WORLD, tmp_path / "out", bus=str(tmp_path / "bus"))
+    done = [a for a in bus.poll(T.ACKS.name, "mg") if isinstance(a, Ack) and a.status == "done"]
+    assert [a.command_id for a in done] == ["rb-mg"]  # applied once, for the group
+    assert done[0].result["samples"] == {"0": 2, "1": 4, "2": 6}
+    at = done[0].step
+    assert 0 < at < tg.STEPS - 1
+    truth = tg.reference("mlp")
+    for rank, res in enumerate(results):
+        assert res["shares"][:at] == [[6, 2, 4]] * at
+        assert res["shares"][at:] == [[2, 4, 6]] * (tg.STEPS - at)
+        assert res["tokens"] == [12.0, 12.0, 12.0, 12.0, 6.0]  # the global batch, however split
+        # Megatron's num_microbatches per replica follows: ceil(share / its micro-batch size).
+        micro = MEGATRON_MICRO[rank][0]
+        assert res["microbatches"][:at] == [2] * at
+        assert res["microbatches"][at:-1] == [-(-(2 * rank + 2) // micro)] * (tg.STEPS - 1 - at)
         assert tg.rel_err(res["params"], truth) < tg.TOL, rank
 
 
