@@ -35,9 +35,9 @@ THERMAL_TAU_S = 40.0  # first-order lag of die temperature to a power step (our 
 # (first-order DVFS rule; used to trade clocks for power under caps and thermal limits).
 DVFS_EXPONENT = 2.5
 STEP_NOISE = 0.015  # per-step compute jitter (1-2%)
+BOOST_TEMP_COEF = 0.001  # clock share lost per C above 60 C
 # Windows that change a job's step records: a rank's speed, or the job's input or network.
 _STEP_WINDOWS = frozenset({"failslow", "thermal_throttle", "slow_input", "slow_network"})
-BOOST_TEMP_COEF = 0.001  # clock share lost per C above 60 C
 
 P = "DCGM_FI_DEV_"
 INT_KEYS_COMMON = (
