@@ -4,8 +4,8 @@ Ray Train runs for real on a local Ray (CPU, 127.0.0.1): a TorchTrainer whose wo
 the plan's shares trains to the same parameters as one process on the whole global batch.
 DeepSpeed runs its engine in a gloo group with per-rank micro-batches and the same
 weighting. Megatron: megatron-core's config objects and data samplers check the mapping, and
-its forward/backward steps train exactly with uneven micro-batch counts, also when a signed
-rebalance reaches the loop through the training plugin.
+its forward/backward steps train exactly with uneven micro-batch counts. Both loops also take
+a signed rebalance through the training plugin mid-run.
 Alpa's export is checked as data only (Alpa is archived; its jaxlib is not on PyPI).
 """
 
@@ -26,6 +26,8 @@ from fleetwise.actuators import Keyring  # noqa: E402
 from fleetwise.training import ShareSampler, WeightedHookState, weighted_comm_hook  # noqa: E402
 from fleetwise.training.frameworks import ray_train  # noqa: E402
 from fleetwise.training.frameworks.ray_train import assign_plan_ranks, plan_trainer  # noqa: E402
+
+PLUGIN_KEYS = Keyring.parse("k1=test-secret-one-0123456789")  # signs the commands, the plugin checks them
 
 
 def _map(shares: list[int]) -> dict[str, Any]:
@@ -175,7 +177,7 @@ def _ds_map() -> dict[str, Any]:
     return mb
 
 
-def _ds_worker(rank: int, world: int, stages: list[int]) -> dict[str, Any]:
+def _ds_worker(rank: int, world: int, stages: list[int], bus: str | None = None) -> dict[str, Any]:
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
 
@@ -201,15 +203,32 @@ def _ds_worker(rank: int, world: int, stages: list[int]) -> dict[str, Any]:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=tg.optimizer(model), config=config)
         sampler = ShareSampler(tg.N_SAMPLES, [r["samples"] for r in mb["replicas"]], rank, seed=3)
         micro = config["train_micro_batch_size_per_gpu"]
+        plugin = None
+        if bus is not None:  # rebalances come as signed commands, through the training plugin
+            from fleetwise.training.control import TrainingPlugin
+            from fleetwise.training.transport import LocalTransport
+
+            plugin = TrainingPlugin(job="ds", model=engine.module, optimizer=engine.optimizer,
+                                    sampler=sampler, transport=LocalTransport(bus), keys=PLUGIN_KEYS,
+                                    node="n0", gpu=rank, model_name="H100", telemetry=False)
+        shares_seen, micro_seen = [], []
         for step in range(tg.STEPS):
-            if step == tg.UNEVEN[1][0]:
+            if plugin is None and step == tg.UNEVEN[1][0]:
                 sampler.set_shares(tg.UNEVEN[1][1], step)  # a rebalance: rank 1 drops to zero samples
             total = sampler.global_samples(step)
+            shares_seen.append(list(sampler.shares_at(step)))
             # An empty share (rank 1 from step 2) runs one dummy micro-batch with weight 0.
-            for chunk, counted in micro_batches(sampler.indices(step), micro):
+            chunks = micro_batches(sampler.indices(step), micro)
+            micro_seen.append(len(chunks))
+            for chunk, counted in chunks:
                 weighted_backward(engine, tg.sample_loss(engine, x[chunk], y[chunk]), counted, total)
             engine.step()
-        results[stage] = {"params": tg.params(engine.module), "config": config}
+            if plugin is not None:
+                plugin.end_step(samples=len(sampler.indices(step)), micro_batch=micro)
+        if plugin is not None:
+            plugin.acks.flush()
+        results[stage] = {"params": tg.params(engine.module), "config": config, "shares": shares_seen,
+                          "microbatches": micro_seen}
     return results
 
 
@@ -240,6 +259,49 @@ def test_deepspeed_engine_uneven_micro_batches_equal_single_process(tmp_path):
             assert tg.rel_err(got["params"][used], truth) < 1e-5, (stage, rank)
     assert tg.rel_err(truth, init) > 1e-3
     assert tg.rel_err(results[0][0]["params"][used], _uniform_average_fp32()[used]) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_signed_rebalance_reaches_a_deepspeed_engine_loop_through_the_plugin(tmp_path):
+    """The DeepSpeed loop (ZeRO 1, unmanaged accumulation) takes its micro-batches from the
+    plugin's ShareSampler: a rebalance command changes each rank's accumulation count at a step
+    boundary, and the engine still trains to one process's parameters."""
+    pytest.importorskip("deepspeed")
+    import time
+
+    from fleetwise.actuators import sign
+    from fleetwise.schemas import Ack, Command
+    from fleetwise.schemas import topics as T
+    from fleetwise.training.transport import LocalTransport
+
+    bus = LocalTransport(tmp_path / "bus")
+    now = time.time()
+    bus.publish(T.COMMANDS_TRAINING.name, "ds", sign(Command(
+        id="rb-ds", type="rebalance", ts=now, job="ds", reason="rank 0 slowed to 0.4", seq=1,
+        expires_ts=now + 600, params={"samples": {"0": 2, "1": 4, "2": 6}, "global_samples": 12}),
+        PLUGIN_KEYS))
+    shm = Path("/dev/shm")
+    before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
+    try:
+        results = tg.run_workers(_ds_worker, tg.WORLD, tmp_path / "out", stages=[1],
+                                 bus=str(tmp_path / "bus"))
+    finally:
+        for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
+            leftover.unlink(missing_ok=True)
+    done = [a for a in bus.poll(T.ACKS.name, "ds") if isinstance(a, Ack) and a.status == "done"]
+    assert [a.command_id for a in done] == ["rb-ds"]
+    at = done[0].step
+    assert 0 < at < tg.STEPS - 1
+    used = slice(0, 4)  # as above: the never-used layer differs by design
+    truth = tg.reference("mlp", dtype=torch.float32)[used]
+    for rank, res in enumerate(results):
+        got = res[1]
+        assert got["shares"][:at] == [[6, 2, 4]] * at and got["shares"][at:] == [[2, 4, 6]] * (tg.STEPS - at)
+        micro = DS_MAP_MICRO[rank][0]
+        assert got["microbatches"][:at] == [DS_MAP_MICRO[rank][1]] * at
+        assert got["microbatches"][at:-1] == [-(-(2 * rank + 2) // micro)] * (tg.STEPS - 1 - at)
+        assert tg.rel_err(got["params"][used], truth) < 1e-5, rank
 
 
 def _uniform_average_fp32() -> list[Any]:
@@ -298,7 +360,6 @@ def _mixed_plan():
 # ---- Megatron-LM (megatron-core) -------------------------------------------------------------------
 
 MEGATRON_MICRO = [(3, 2), (1, 2), (2, 2)]  # (micro_batch_size, num_microbatches) per replica: 6, 2, 4
-MEGATRON_KEYS = Keyring.parse("k1=test-secret-one-0123456789")  # signs the rebalance, the plugin checks it
 
 
 class _MegatronMLP(tg.MLP):
@@ -343,7 +404,7 @@ def _megatron_worker(rank: int, world: int, bus: str | None = None) -> dict[str,
         from fleetwise.training.transport import LocalTransport
 
         plugin = TrainingPlugin(job="mg", model=model, optimizer=opt, sampler=sampler,
-                                transport=LocalTransport(bus), keys=MEGATRON_KEYS, node="n0", gpu=rank,
+                                transport=LocalTransport(bus), keys=PLUGIN_KEYS, node="n0", gpu=rank,
                                 model_name="H100", telemetry=False)
     tokens_seen, shares_seen, micro_seen = [], [], []
     for step in range(tg.STEPS):
@@ -405,7 +466,7 @@ def test_a_signed_rebalance_reaches_a_megatron_core_loop_through_the_plugin(tmp_
     bus.publish(T.COMMANDS_TRAINING.name, "mg", sign(Command(
         id="rb-mg", type="rebalance", ts=now, job="mg", reason="rank 0 slowed to 0.4", seq=1,
         expires_ts=now + 600, params={"samples": {"0": 2, "1": 4, "2": 6}, "global_samples": 12}),
-        MEGATRON_KEYS))
+        PLUGIN_KEYS))
     results = tg.run_workers(_megatron_worker, tg.WORLD, tmp_path / "out", bus=str(tmp_path / "bus"))
     done = [a for a in bus.poll(T.ACKS.name, "mg") if isinstance(a, Ack) and a.status == "done"]
     assert [a.command_id for a in done] == ["rb-mg"]  # applied once, for the group

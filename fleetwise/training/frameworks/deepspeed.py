@@ -18,7 +18,9 @@ gradient is the global-batch mean. `train_batch_size` is left out of the per-ran
 (DeepSpeed derives it per rank; it is only used for logging and sample counters).
 
 Tested here: the engine (ZeRO 0 and 1, CPU, gloo, 3 ranks) trains to the same parameters as
-one process on the whole batch (tests/test_training_frameworks.py). Not tested: ZeRO 2/3
+one process on the whole batch (tests/test_training_frameworks.py), also when a signed
+rebalance reaches the loop through `TrainingPlugin` mid-run (the accumulation count follows the
+new share; the micro-batch size stays the one given to `initialize`). Not tested: ZeRO 2/3
 and bf16/fp16 on GPUs, and the pipeline engine (which DeepSpeed does not allow with
 unmanaged accumulation; a pipelined plan keeps the common micro-batch).
 """
