@@ -122,6 +122,16 @@ class StragglerConfig:
     noise_slack_z: float = 1.3
     noise_limit_z: float = 6.0
     noise_floor: float = 0.004  # sigma floor (ln units): timers are not better than ~0.4%
+    # The target: a slowdown of `min_slowdown` found within `find_within_records` of the rank's
+    # records or `find_within_s` seconds, whichever is more. A job recording more often than
+    # that needs (one record per step: every 1-10 s) gets its slack floor raised toward the
+    # slowdown itself (ln 1/0.95 = 0.051), in proportion: evidence for 5% then still crosses the
+    # limit within the 60 s, while a rank a few percent slow for minutes (a hot GPU's clocks)
+    # no longer does, which at one record every 2 s it did several times an hour.
+    min_slowdown: float = 0.05
+    find_within_records: int = 5
+    find_within_s: float = 60.0
+    interval_alpha: float = 0.1  # EWMA weight of one step-group spacing in the job's interval
     noise_alpha: float = 0.05  # EWMA weight of one record in the noise estimate
     min_consecutive: int = 2  # records in a row beyond the slack before a raise
     clear_records: int = 4  # records whose mean deficit is under slack/2 before a clear
@@ -147,6 +157,17 @@ class StragglerConfig:
     baseline_groups: int = 30  # healthy step groups in the job's rolling baseline
     min_baseline: int = 5  # groups needed before job-wide judgements
     dtype: str = "bf16"
+
+
+def _slack_floor(cfg: StragglerConfig, interval: float | None) -> float:
+    """The CUSUM slack floor for a job whose step groups come every ``interval`` seconds."""
+    if interval is None:
+        return cfg.cusum_slack
+    share = cfg.find_within_records * interval / cfg.find_within_s
+    if share >= 1.0:
+        return cfg.cusum_slack
+    delta = -math.log(1.0 - cfg.min_slowdown)
+    return delta - (delta - cfg.cusum_slack) * share
 
 
 def _median(values: Iterable[float]) -> float:
@@ -477,7 +498,7 @@ class StragglerDetector:
         job.expected = fresh
         references = self._references(pool_costs, pool) if len(pool) >= cfg.min_ranks else {}
         sigma = max(cfg.noise_floor, _median(noises) * _ABS_DIFF_TO_SIGMA if noises else 0.0)
-        slack = max(cfg.cusum_slack, cfg.noise_slack_z * sigma)
+        slack = max(_slack_floor(cfg, job.next_group(ts, cfg.interval_alpha)), cfg.noise_slack_z * sigma)
         limit = max(cfg.cusum_limit, cfg.noise_limit_z * sigma)
         alike: dict[int, tuple[float, str]] = {}
         own: tuple[float, str] | None = None
@@ -724,7 +745,8 @@ class StragglerDetector:
             noise_before[g] = noise
             noise = keep_alpha * noise + alpha * jumps[g]
         sigma = np.maximum(cfg.noise_floor, _row_medians(noise_before) * _ABS_DIFF_TO_SIGMA)
-        slack = np.maximum(cfg.cusum_slack, cfg.noise_slack_z * sigma)
+        floors = [_slack_floor(cfg, job.next_group(t, cfg.interval_alpha)) for t in group_ts.tolist()]
+        slack = np.maximum(np.array(floors), cfg.noise_slack_z * sigma)
         limit = np.maximum(cfg.cusum_limit, cfg.noise_limit_z * sigma)
         max_increment = limit / cfg.min_consecutive
         above = deficits > slack[:, None]
@@ -1075,10 +1097,11 @@ class _RankState:
 class _JobState:
     """One job's detector state; ``to_state`` gives the saved JSON layout:
     ``{"ranks": {rank: ...}, "pending": {"step", "records": {rank: row}} | None, "expected": [rank],
-    "jobwide": {"base", "alert", "cause", "run", "clear"}, "last_ts": ts}`` (rank keys as strings in
-    JSON)."""
+    "jobwide": {"base", "alert", "cause", "run", "clear"}, "last_ts": ts, "group_ts": ts,
+    "interval": s}`` (rank keys as strings in JSON)."""
 
-    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline", "last_ts", "deferred")
+    __slots__ = ("ranks", "pending", "pending_step", "expected", "jobwide", "baseline", "last_ts", "deferred",
+                 "group_ts", "interval")
 
     def __init__(self) -> None:
         self.ranks: dict[int, _RankState] = {}
@@ -1091,6 +1114,17 @@ class _JobState:
         self.last_ts: float | None = None  # newest event time of the job's records (retiring)
         # complete step groups judged later in the same `process` call: (place, rank -> record)
         self.deferred: list[tuple[int, dict[int, Any]]] = []
+        self.group_ts: float | None = None  # the newest judged step group's time
+        self.interval: float | None = None  # EWMA of the spacing of its step groups, seconds
+
+    def next_group(self, ts: float, alpha: float) -> float | None:
+        """A step group at ``ts`` is judged: the job's group spacing (EWMA) with it."""
+        if self.group_ts is not None and ts > self.group_ts:
+            gap = ts - self.group_ts
+            self.interval = gap if self.interval is None else self.interval + alpha * (gap - self.interval)
+        if self.group_ts is None or ts > self.group_ts:
+            self.group_ts = ts
+        return self.interval
 
     def to_state(self) -> dict[str, Any]:
         pending = None
@@ -1098,7 +1132,8 @@ class _JobState:
             pending = {"step": self.pending_step,
                        "records": {rank: _row_state(rec) for rank, rec in self.pending.items()}}
         return {"ranks": {rank: rs.to_state() for rank, rs in self.ranks.items()}, "pending": pending,
-                "expected": self.expected, "jobwide": self.jobwide, "last_ts": self.last_ts}
+                "expected": self.expected, "jobwide": self.jobwide, "last_ts": self.last_ts,
+                "group_ts": self.group_ts, "interval": self.interval}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], keep_recent: int) -> _JobState:
@@ -1112,6 +1147,7 @@ class _JobState:
         job.jobwide = state["jobwide"]
         # (a state saved before jobs were retired has no last_ts: its ranks' newest record)
         job.last_ts = state.get("last_ts", max((rs.ts for rs in job.ranks.values()), default=None))
+        job.group_ts, job.interval = state.get("group_ts"), state.get("interval")  # (not saved before)
         return job
 
 
