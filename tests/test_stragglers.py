@@ -564,6 +564,18 @@ def test_a_thermal_ramp_is_found_without_model():
     assert alerts[0].ts <= T0 + 7200.0 + 1800.0
 
 
+def test_a_thermal_ramp_at_one_record_per_step_is_found_without_model():
+    # Records every 2 s: the slack is raised (few percent slow ranks must not accumulate), but
+    # the rank's own baseline follows only records within the job's noise, so the ramp's first
+    # minutes (under the raised slack) do not leak into it. To 0.9 over 20 minutes: 5% is
+    # reached at 7200 + 600 s.
+    records = ramped(make_steps(["h100-sxm"] * 8, hours=3, seed=39, noise=0.015, interval_s=2.0),
+                     2, 7200.0, 1200.0, 0.9)
+    alerts = rank_alerts(run(without_model(records)))
+    assert [p.rank for p in alerts] == [2]
+    assert alerts[0].ts <= T0 + 7200.0 + 600.0 + 60.0
+
+
 def test_models_learned_by_gpu_judge_as_models_in_the_records():
     # The join: (node, gpu) -> model from telemetry / inventory. Records without `model` then
     # give exactly what records with it give (NVML names resolve to the same catalog ids).
