@@ -350,6 +350,19 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
         assert _volume_for_path(spec, spec["containers"][0], env["FLEETWISE_POLICY"])["configMap"]["name"] \
             == "fw-fleetwise-policy", component
 
+    # Workers off, the consumer on: the policy still reaches the consumer (its fleet drain cap).
+    objs = render(helm, "--set", "worker.enabled=false", "--set-string", f"worker.policy={POLICY}")
+    assert not [o for o in by_kind(objs, "Deployment") if o["metadata"]["name"].endswith("-worker")]
+    assert parse_policy(one(objs, "ConfigMap", "-policy")["data"]["policy.yaml"]).rails.breaker_drains == 4
+    spec = pod_spec(one(objs, "Deployment", "-consumer"))
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert _volume_for_path(spec, spec["containers"][0], env["FLEETWISE_POLICY"])["configMap"]["name"] \
+        == "fw-fleetwise-policy"
+    # Nothing that reads it: no policy ConfigMap.
+    objs = render(helm, "--set", "worker.enabled=false", "--set", "consumer.enabled=false",
+                  "--set-string", f"worker.policy={POLICY}")
+    assert not [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("-policy")]
+
     # Without values the chart makes no Secret but still mounts the named one (the user's).
     objs = render(helm, "--set", "signing.secretName=my-keys")
     assert not by_kind(objs, "Secret")
