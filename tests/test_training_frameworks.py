@@ -28,6 +28,46 @@ from fleetwise.training.frameworks import ray_train  # noqa: E402
 from fleetwise.training.frameworks.ray_train import assign_plan_ranks, plan_trainer  # noqa: E402
 
 PLUGIN_KEYS = Keyring.parse("k1=test-secret-one-0123456789")  # signs the commands, the plugin checks them
+REBALANCE = {"samples": {"0": 2, "1": 4, "2": 6}, "global_samples": 12}  # from shares 6/2/4
+
+
+def _plugin(job: str, model: Any, optimizer: Any, sampler: Any, bus: str, rank: int) -> Any:
+    """A rank's training plugin on the file bus (commands only: no step telemetry)."""
+    from fleetwise.training.control import TrainingPlugin
+    from fleetwise.training.transport import LocalTransport
+
+    return TrainingPlugin(job=job, model=model, optimizer=optimizer, sampler=sampler,
+                          transport=LocalTransport(bus), keys=PLUGIN_KEYS, node="n0", gpu=rank,
+                          model_name="H100", telemetry=False)
+
+
+def _bus_with_rebalance(root: Path, job: str) -> Any:
+    """A file bus holding one signed `REBALANCE` for ``job``."""
+    import time
+
+    from fleetwise.actuators import sign
+    from fleetwise.schemas import Command
+    from fleetwise.schemas import topics as T
+    from fleetwise.training.transport import LocalTransport
+
+    bus = LocalTransport(root)
+    now = time.time()
+    bus.publish(T.COMMANDS_TRAINING.name, job, sign(Command(
+        id=f"rb-{job}", type="rebalance", ts=now, job=job, reason="rank 0 slowed to 0.4", seq=1,
+        expires_ts=now + 600, params=REBALANCE), PLUGIN_KEYS))
+    return bus
+
+
+def _applied_step(bus: Any, job: str) -> int:
+    """The step the group applied the rebalance at: one `done` ack, with the new shares."""
+    from fleetwise.schemas import Ack
+    from fleetwise.schemas import topics as T
+
+    done = [a for a in bus.poll(T.ACKS.name, job) if isinstance(a, Ack) and a.status == "done"]
+    assert [a.command_id for a in done] == [f"rb-{job}"]  # applied once, for the group
+    assert done[0].result["samples"] == REBALANCE["samples"]
+    assert 0 < done[0].step < tg.STEPS - 1
+    return done[0].step
 
 
 def _map(shares: list[int]) -> dict[str, Any]:
@@ -205,12 +245,7 @@ def _ds_worker(rank: int, world: int, stages: list[int], bus: str | None = None)
         micro = config["train_micro_batch_size_per_gpu"]
         plugin = None
         if bus is not None:  # rebalances come as signed commands, through the training plugin
-            from fleetwise.training.control import TrainingPlugin
-            from fleetwise.training.transport import LocalTransport
-
-            plugin = TrainingPlugin(job="ds", model=engine.module, optimizer=engine.optimizer,
-                                    sampler=sampler, transport=LocalTransport(bus), keys=PLUGIN_KEYS,
-                                    node="n0", gpu=rank, model_name="H100", telemetry=False)
+            plugin = _plugin("ds", engine.module, engine.optimizer, sampler, bus, rank)
         shares_seen, micro_seen = [], []
         for step in range(tg.STEPS):
             if plugin is None and step == tg.UNEVEN[1][0]:
@@ -268,19 +303,7 @@ def test_a_signed_rebalance_reaches_a_deepspeed_engine_loop_through_the_plugin(t
     plugin's ShareSampler: a rebalance command changes each rank's accumulation count at a step
     boundary, and the engine still trains to one process's parameters."""
     pytest.importorskip("deepspeed")
-    import time
-
-    from fleetwise.actuators import sign
-    from fleetwise.schemas import Ack, Command
-    from fleetwise.schemas import topics as T
-    from fleetwise.training.transport import LocalTransport
-
-    bus = LocalTransport(tmp_path / "bus")
-    now = time.time()
-    bus.publish(T.COMMANDS_TRAINING.name, "ds", sign(Command(
-        id="rb-ds", type="rebalance", ts=now, job="ds", reason="rank 0 slowed to 0.4", seq=1,
-        expires_ts=now + 600, params={"samples": {"0": 2, "1": 4, "2": 6}, "global_samples": 12}),
-        PLUGIN_KEYS))
+    bus = _bus_with_rebalance(tmp_path / "bus", "ds")
     shm = Path("/dev/shm")
     before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
     try:
@@ -289,10 +312,7 @@ def test_a_signed_rebalance_reaches_a_deepspeed_engine_loop_through_the_plugin(t
     finally:
         for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
             leftover.unlink(missing_ok=True)
-    done = [a for a in bus.poll(T.ACKS.name, "ds") if isinstance(a, Ack) and a.status == "done"]
-    assert [a.command_id for a in done] == ["rb-ds"]
-    at = done[0].step
-    assert 0 < at < tg.STEPS - 1
+    at = _applied_step(bus, "ds")
     used = slice(0, 4)  # as above: the never-used layer differs by design
     truth = tg.reference("mlp", dtype=torch.float32)[used]
     for rank, res in enumerate(results):
@@ -400,12 +420,7 @@ def _megatron_worker(rank: int, world: int, bus: str | None = None) -> dict[str,
 
     plugin = None
     if bus is not None:  # the training plugin in the loop: commands from the bus, at step boundaries
-        from fleetwise.training.control import TrainingPlugin
-        from fleetwise.training.transport import LocalTransport
-
-        plugin = TrainingPlugin(job="mg", model=model, optimizer=opt, sampler=sampler,
-                                transport=LocalTransport(bus), keys=PLUGIN_KEYS, node="n0", gpu=rank,
-                                model_name="H100", telemetry=False)
+        plugin = _plugin("mg", model, opt, sampler, bus, rank)
     tokens_seen, shares_seen, micro_seen = [], [], []
     for step in range(tg.STEPS):
         shares_seen.append(list(sampler.shares_at(step)))
@@ -454,25 +469,9 @@ def test_a_signed_rebalance_reaches_a_megatron_core_loop_through_the_plugin(tmp_
     command changes each replica's number of micro-batches at a step boundary; with per-token
     loss the parameters stay those of one process on the whole batch."""
     pytest.importorskip("megatron.core")
-    import time
-
-    from fleetwise.actuators import sign
-    from fleetwise.schemas import Ack, Command
-    from fleetwise.schemas import topics as T
-    from fleetwise.training.transport import LocalTransport
-
-    bus = LocalTransport(tmp_path / "bus")
-    now = time.time()
-    bus.publish(T.COMMANDS_TRAINING.name, "mg", sign(Command(
-        id="rb-mg", type="rebalance", ts=now, job="mg", reason="rank 0 slowed to 0.4", seq=1,
-        expires_ts=now + 600, params={"samples": {"0": 2, "1": 4, "2": 6}, "global_samples": 12}),
-        PLUGIN_KEYS))
+    bus = _bus_with_rebalance(tmp_path / "bus", "mg")
     results = tg.run_workers(_megatron_worker, tg.WORLD, tmp_path / "out", bus=str(tmp_path / "bus"))
-    done = [a for a in bus.poll(T.ACKS.name, "mg") if isinstance(a, Ack) and a.status == "done"]
-    assert [a.command_id for a in done] == ["rb-mg"]  # applied once, for the group
-    assert done[0].result["samples"] == {"0": 2, "1": 4, "2": 6}
-    at = done[0].step
-    assert 0 < at < tg.STEPS - 1
+    at = _applied_step(bus, "mg")
     truth = tg.reference("mlp")
     for rank, res in enumerate(results):
         assert res["shares"][:at] == [[6, 2, 4]] * at

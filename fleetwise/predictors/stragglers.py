@@ -122,6 +122,9 @@ class StragglerConfig:
     noise_slack_z: float = 1.3
     noise_limit_z: float = 6.0
     noise_floor: float = 0.004  # sigma floor (ln units): timers are not better than ~0.4%
+    noise_alpha: float = 0.05  # EWMA weight of one record in the noise estimate
+    min_consecutive: int = 2  # records in a row beyond the slack before a raise
+    clear_records: int = 4  # records whose mean deficit is under slack/2 before a clear
     # The target: a 5% slowdown found within `find_within_records` of the rank's records or
     # `find_within_s` seconds, whichever is more. A job recording more often than that needs
     # (one record per step: every 1-10 s) gets its slack floor raised, in proportion, toward the
@@ -134,9 +137,6 @@ class StragglerConfig:
     find_within_records: int = 5
     find_within_s: float = 60.0
     interval_alpha: float = 0.1  # EWMA weight of one step-group spacing in the job's interval
-    noise_alpha: float = 0.05  # EWMA weight of one record in the noise estimate
-    min_consecutive: int = 2  # records in a row beyond the slack before a raise
-    clear_records: int = 4  # records whose mean deficit is under slack/2 before a clear
     min_ranks: int = 3  # fewer fresh ranks than this: no cross-rank reference
     min_group: int = 4  # same-model peers needed to use them as the reference
     stale_s: float = 900.0  # a rank silent this long leaves the reference pool
@@ -1124,10 +1124,13 @@ class _JobState:
 
     def next_group(self, ts: float, alpha: float) -> float | None:
         """A step group at ``ts`` is judged: the job's group spacing (EWMA) with it."""
-        if self.group_ts is not None and ts > self.group_ts:
-            gap = ts - self.group_ts
-            self.interval = gap if self.interval is None else self.interval + alpha * (gap - self.interval)
         if self.group_ts is None or ts > self.group_ts:
+            if self.group_ts is not None:
+                gap = ts - self.group_ts
+                if self.interval is None:
+                    self.interval = gap
+                else:
+                    self.interval += alpha * (gap - self.interval)
             self.group_ts = ts
         return self.interval
 
