@@ -23,7 +23,7 @@ import json
 import time
 from collections import defaultdict
 
-from fleetwise.predictors.stragglers import StragglerDetector, score_stragglers
+from fleetwise.predictors.stragglers import StragglerConfig, StragglerDetector, score_stragglers
 from fleetwise.schemas import Prediction
 from fleetwise.sim.config import SimConfig
 from fleetwise.sim.simulator import FleetSimulator
@@ -122,8 +122,16 @@ def main() -> None:
                          "from node inventories (several: one row each, on the same trace)")
     ap.add_argument("--ramp-s", type=float, default=0.0, help="stragglers ramp in over this many s")
     ap.add_argument("--baseline", action="store_true", help="also score the NVRx-style relative score")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a StragglerConfig setting for this run (e.g. alike_tolerance=0.26; repeatable)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    settings = dict(item.split("=", 1) for item in args.set if "=" in item)
+    unknown = sorted(set(settings) - set(StragglerConfig.__dataclass_fields__)) or [
+        item for item in args.set if "=" not in item]
+    if unknown:
+        ap.error(f"--set: not FIELD=VALUE of StragglerConfig: {', '.join(unknown)}")
+    config = StragglerConfig(**{k: type(getattr(StragglerConfig, k))(v) for k, v in settings.items()})
 
     rows = []
     for seed in args.seeds:
@@ -136,7 +144,7 @@ def main() -> None:
         hours = job_hours(steps)
         without = [{k: v for k, v in s.items() if k != "model"} for s in steps]
         for field in args.model_field:
-            det = StragglerDetector()
+            det = StragglerDetector(config=config)
             if field == "join":
                 det.learn_models((inv["node"], g["index"], g["model"])
                                  for inv in inventory for g in inv["gpus"])
