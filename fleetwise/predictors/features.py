@@ -604,28 +604,39 @@ class GpuFeatureWindows:
             # rows are sorted by ts inside a slot: assign in reverse so the earliest wins
             self.open_hop[s[first[::-1]]] = hop[first[::-1]]
 
+        # Step i accumulates each GPU's i-th hop of this call (0: the hop open before it) and
+        # closes it where the GPU has rows in a later hop. A row's step is the count of hop
+        # changes before it in its GPU's rows (sorted by slot, ts: hops non-decreasing).
+        first = np.r_[True, s[1:] != s[:-1]]
+        change = np.where(first, hop != self.open_hop[s], np.r_[False, hop[1:] != hop[:-1]])
+        total = np.cumsum(change)
+        seg = np.cumsum(first) - 1
+        step = total - (total - change)[np.flatnonzero(first)][seg]
+        # The sample that closed a hop: the GPU's earliest arrival among its rows of later hops.
+        # A running min from the last row back; the offset puts each GPU's rows below every
+        # later GPU's, so the min starts afresh at each GPU's last row.
+        big = np.int64(pos.max()) + 1
+        later_min = np.minimum.accumulate((pos + seg * big)[::-1])[::-1] - seg * big
+        by_step = np.argsort(step, kind="stable")  # each step's rows stay sorted by slot, ts
+        bounds = np.searchsorted(step[by_step], np.arange(int(step.max()) + 2))
         out_slots, out_ts, out_feat, out_by = [], [], [], []
-        while len(s):
-            cur = hop == self.open_hop[s]
-            if cur.any():
-                self._accumulate(s[cur], t[cur], x[cur], in_order[cur])
+        for i in range(len(bounds) - 1):
+            rows = by_step[bounds[i]:bounds[i + 1]]
+            if len(rows):
+                self._accumulate(s[rows], t[rows], x[rows], in_order[rows])
                 if job_ranks is not None:
-                    self._note_jobs(s[cur], pos[cur], job_ranks)
-            rest = ~cur
-            if not rest.any():
+                    self._note_jobs(s[rows], pos[rows], job_ranks)
+            nxt = by_step[bounds[i + 1]:bounds[i + 2]] if i + 2 < len(bounds) else by_step[:0]
+            if len(nxt) == 0:
                 break
-            s, t, x, hop, in_order, pos = s[rest], t[rest], x[rest], hop[rest], in_order[rest], pos[rest]
-            starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
-            closing = s[starts]
-            cs, cts, cf = self._close(closing)
+            ns = s[nxt]
+            starts = nxt[np.r_[True, ns[1:] != ns[:-1]]]  # each closing GPU's first row
+            cs, cts, cf = self._close(s[starts])
             out_slots.append(cs)
             out_ts.append(cts)
             out_feat.append(cf)
-            # Kept rows of a GPU arrive in non-decreasing hops, so its earliest arrival among the
-            # remaining rows is the sample that closed the hop.
-            out_by.append(np.minimum.reduceat(pos, starts).astype(np.float64))
-            # next open hop per closing slot: its earliest remaining row (rows sorted by slot, ts)
-            self.open_hop[closing] = hop[starts]
+            out_by.append(later_min[starts].astype(np.float64))
+            self.open_hop[s[starts]] = hop[starts]
         if not out_slots:
             return empty
         out = np.concatenate(out_slots), np.concatenate(out_ts), np.vstack(out_feat)
