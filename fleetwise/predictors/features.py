@@ -639,6 +639,7 @@ class GpuFeatureWindows:
             self.open_hop[s[starts]] = hop[starts]
         if not out_slots:
             return empty
+        del x, t  # the sorted copies go before the hops are stacked (the call's peak memory)
         out = np.concatenate(out_slots), np.concatenate(out_ts), np.vstack(out_feat)
         self._peer_context(*out, np.concatenate(out_by))
         return out
