@@ -1319,8 +1319,8 @@ def score_stragglers(
     *,
     steps: Iterable[Mapping[str, Any] | TrainingStep] | None = None,
     min_slowdown: float = 0.05,
-    max_delay_steps: int = 5,
-    max_delay_s: float = 60.0,
+    max_delay_steps: int = StragglerConfig.find_within_records,  # the target, stated once
+    max_delay_s: float = StragglerConfig.find_within_s,
     grace_s: float = 600.0,
 ) -> dict[str, Any]:
     """Score straggler predictions against injected labels.
