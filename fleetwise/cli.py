@@ -29,6 +29,27 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+CATALOG_EXTRA_ENV = "FLEETWISE_CATALOG_EXTRA"
+
+
+@app.callback()
+def _site_catalog() -> None:
+    """Before any verb: a site's GPU rows, from the CSV files in FLEETWISE_CATALOG_EXTRA
+    (`os.pathsep`-separated; docs/deploy.md), join the catalog, so telemetry of GPUs the
+    package lacks is read rather than dead-lettered as an unknown model."""
+    import os
+
+    from fleetwise.catalog import CatalogError, add_gpus
+
+    for path in filter(None, os.environ.get(CATALOG_EXTRA_ENV, "").split(os.pathsep)):
+        try:
+            add_gpus(Path(path).read_text("utf-8"), path)
+        except OSError as exc:
+            fail(f"{CATALOG_EXTRA_ENV}: cannot read {path}: {exc.strerror or exc}")
+        except CatalogError as exc:
+            fail(f"{CATALOG_EXTRA_ENV}: {exc}")
+
+
 def print_json(data: object) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import io
 import json
 import pickle
+import re
 from importlib import resources
 
 import pytest
@@ -22,6 +24,7 @@ from fleetwise.catalog import (
     GpuSpec,
     UnknownGpuError,
     UnsupportedDtypeError,
+    add_gpus,
     all_gpus,
     catalog_rows,
     lookup,
@@ -414,3 +417,95 @@ def test_parse_gpu_counts_is_the_one_spec_parser():
         parse_gpu_counts("h100-smx:4")
     with pytest.raises(CatalogError, match="has no count"):
         parse_gpu_counts("h100-sxm")
+
+
+# --- a site's own rows (FLEETWISE_CATALOG_EXTRA) ------------------------------------------------
+
+_SITE_ROW = {  # a made-up GPU: the test is about the mechanism, not a part's figures
+    "id": "tx1-80gb", "name": "Testco TX1 80GB", "vendor": "NVIDIA", "family": "hopper", "year": "2025",
+    "memory_gb": "80", "memory_bw_tbs": "3.0", "bf16_tflops": "700", "fp16_tflops": "700",
+    "fp8_tflops": "1400", "fp32_tflops": "50", "nvlink_gbs": "400", "nvlink_domain": "8", "pcie_gen": "5",
+    "tdp_w": "650", "form_factor": "SXM", "aliases": "tx1", "nvml_names": "NVIDIA TX1 80GB HBM3",
+    "gfd_labels": "NVIDIA-TX1-80GB-HBM3", "source_url": "https://example.com/tx1-datasheet",
+    "estimate": "false", "notes": "test row",
+}  # fmt: skip
+
+
+def _site_csv(*rows: dict[str, str]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=gpus_mod._COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+@pytest.fixture
+def site_catalog():
+    """The catalog as packaged again after the test (site rows are process-wide)."""
+    yield
+    gpus_mod._SITE_SPECS.clear()
+    gpus_mod._catalog.cache_clear()
+    gpus_mod._resolve.cache_clear()
+    from fleetwise.predictors import stragglers
+
+    stragglers._model_id.cache_clear()
+
+
+def test_a_sites_rows_join_the_catalog_and_resolve_by_every_name(site_catalog) -> None:
+    with pytest.raises(UnknownGpuError):
+        lookup("NVIDIA TX1 80GB HBM3")
+    before = len(all_gpus())
+    added = add_gpus(_site_csv(_SITE_ROW), "site.csv")
+    assert [s.id for s in added] == ["tx1-80gb"]
+    assert len(all_gpus()) == before + 1
+    for name in ("NVIDIA TX1 80GB HBM3", "NVIDIA-TX1-80GB-HBM3-SHARED", "tx1", "Testco TX1 80GB"):
+        assert lookup(name).id == "tx1-80gb", name
+    assert lookup("tx1").tdp_w == 650 and lookup("h100-sxm").id == "h100-sxm"
+    assert add_gpus(_site_csv(_SITE_ROW), "site.csv") == ()  # the same file again: nothing new
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tdp_w": "650", "notes": "changed"}, "GPU id 'tx1-80gb' is in the catalog already"),
+        ({"id": "h100-sxm"}, "GPU id 'h100-sxm' is in the catalog already"),
+        ({"id": "tx2", "aliases": "", "nvml_names": "NVIDIA H100 80GB HBM3", "gfd_labels": ""},
+         "ambiguous GPU name 'NVIDIA H100 80GB HBM3'"),
+        ({"id": "tx3", "aliases": "", "nvml_names": "", "gfd_labels": "", "tdp_w": "lots"},
+         "site.csv line 2: tdp_w='lots' is not a number"),
+    ],
+)  # fmt: skip
+def test_a_sites_rows_add_gpus_and_never_change_or_shadow_one(site_catalog, change, message) -> None:
+    if change.get("notes") == "changed":
+        add_gpus(_site_csv(_SITE_ROW), "site.csv")
+    before = len(all_gpus())
+    with pytest.raises(CatalogError, match=re.escape(message)):
+        add_gpus(_site_csv({**_SITE_ROW, **change}), "site.csv")
+    assert len(all_gpus()) == before  # nothing of the refused file was added
+    assert lookup("NVIDIA H100 80GB HBM3").id == "h100-sxm"
+
+
+def test_replay_reads_a_site_gpu_from_the_catalog_file_named_in_the_environment(
+        site_catalog, tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"ts": 1764547200.0 + 60 * i, "node": "n1", "gpu": 0, "model": "NVIDIA TX1 80GB HBM3",
+                    "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60, "DCGM_FI_DEV_POWER_USAGE": 400.0}}) + "\n"
+        for i in range(30)))
+    args = ["replay", str(trace), "--out", str(tmp_path / "d.jsonl"), "--json"]
+    unknown = CliRunner().invoke(app, args)
+    assert unknown.exit_code == 0
+    assert json.loads(unknown.stdout)["samples"] == 0 and json.loads(unknown.stdout)["bad_lines"] == 30
+    site = tmp_path / "site.csv"
+    site.write_text(_site_csv(_SITE_ROW))
+    monkeypatch.setenv("FLEETWISE_CATALOG_EXTRA", str(site))
+    known = CliRunner().invoke(app, args)
+    assert known.exit_code == 0, known.output
+    assert json.loads(known.stdout)["samples"] == 30 and json.loads(known.stdout)["bad_lines"] == 0
+    monkeypatch.setenv("FLEETWISE_CATALOG_EXTRA", str(tmp_path / "missing.csv"))
+    missing = CliRunner().invoke(app, args)
+    assert missing.exit_code == 2 and "FLEETWISE_CATALOG_EXTRA: cannot read" in missing.output

@@ -392,6 +392,37 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
     assert vol["secret"]["secretName"] == "my-keys"
 
 
+def test_a_sites_catalog_rows_reach_the_agents_and_workers(helm: str, tmp_path: Path) -> None:
+    from fleetwise.catalog import gpus as gpus_mod
+
+    packaged = gpus_mod._catalog.__wrapped__().specs  # (read without the process's site rows)
+    row = [f"{v:g}" if isinstance(v, float) else str(v) for v in (
+        "tx1-80gb", "Testco TX1 80GB", "NVIDIA", "hopper", 2025, 80.0, 3.0, 700.0, 700.0, 1400.0, 50.0,
+        400.0, 8, 5, 650.0, "SXM", "tx1", "NVIDIA TX1 80GB HBM3", "NVIDIA-TX1-80GB-HBM3",
+        "https://example.com/tx1", "false", "test row")]
+    site = tmp_path / "site-gpus.csv"
+    site.write_text(",".join(gpus_mod._COLUMNS) + "\n" + ",".join(row) + "\n")
+    objs = render(helm, "--set-file", f"catalog.extraRows={site}")  # as docs/deploy.md says
+    text = one(objs, "ConfigMap", "-catalog")["data"]["gpus.csv"]
+    (spec,) = gpus_mod._parse_csv(text, "configmap")  # the file the components read parses
+    assert spec.id == "tx1-80gb" and spec.tdp_w == 650 and spec.id not in {s.id for s in packaged}
+    for kind, name in (("DaemonSet", "-agent"), ("Deployment", "-worker")):
+        w = one(objs, kind, name)
+        spec = pod_spec(w)
+        c = spec["containers"][0]
+        path = {e["name"]: e.get("value") for e in c["env"]}["FLEETWISE_CATALOG_EXTRA"]
+        assert _volume_for_path(spec, c, path)["configMap"]["name"] == "fw-fleetwise-catalog", name
+        assert Path(path).name == "gpus.csv"
+        assert w["spec"]["template"]["metadata"]["annotations"]["checksum/catalog"]  # rolls on change
+    consumer = pod_spec(one(objs, "Deployment", "-consumer"))["containers"][0]
+    assert "FLEETWISE_CATALOG_EXTRA" not in {e["name"] for e in consumer["env"]}  # resolves no models
+    # Unset: no ConfigMap, no variable.
+    objs = render(helm)
+    assert not [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("-catalog")]
+    for w in by_kind(objs, "DaemonSet") + by_kind(objs, "Deployment"):
+        assert "FLEETWISE_CATALOG_EXTRA" not in {e["name"] for e in pod_spec(w)["containers"][0]["env"]}
+
+
 # --------------------------------------------------------------------------- observability
 def test_dashboard_servicemonitor_and_rules(helm: str) -> None:
     objs = render(helm, *ALL_ON)

@@ -12,7 +12,8 @@ derived or announced-but-unshipped carry ``estimate=True``. Peak is never achiev
 (``NVIDIA-A100-SXM4-80GB-SHARED``, ``NVIDIA-A100-80GB-PCIe-MIG-1g.10gb``). A MIG or shared
 label resolves to its parent GPU.
 
-This module does no I/O beyond reading its own package data.
+This module does no I/O beyond reading its own package data: a site's rows for GPUs the
+package lacks come in as text (``add_gpus``; the CLI reads them from ``FLEETWISE_CATALOG_EXTRA``).
 """
 
 from __future__ import annotations
@@ -282,8 +283,8 @@ def _split(cell: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in cell.split(";") if part.strip())
 
 
-def _parse_row(line: int, raw: dict[str, str]) -> GpuSpec:
-    where = f"{_CSV_NAME} line {line}"
+def _parse_row(line: int, raw: dict[str, str], source: str = _CSV_NAME) -> GpuSpec:
+    where = f"{source} line {line}"
     missing = [c for c in _COLUMNS if raw.get(c) is None]
     if missing:
         raise CatalogError(f"{where}: missing columns {missing}")
@@ -421,14 +422,45 @@ def _candidates(name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((raw, unshared, unmig)))
 
 
+def _parse_csv(text: str, source: str) -> tuple[GpuSpec, ...]:
+    reader = csv.DictReader(io.StringIO(text))
+    if tuple(reader.fieldnames or ()) != _COLUMNS:
+        raise CatalogError(f"{source}: columns {reader.fieldnames} != expected {list(_COLUMNS)}")
+    return tuple(_parse_row(i, raw, source) for i, raw in enumerate(reader, start=2))
+
+
+# A site's own rows (`add_gpus`), after the packaged ones.
+_SITE_SPECS: list[GpuSpec] = []
+
+
 @cache
 def _catalog() -> _Catalog:
     text = resources.files(__package__ or "fleetwise.catalog").joinpath(_CSV_NAME).read_text("utf-8")
-    reader = csv.DictReader(io.StringIO(text))
-    if tuple(reader.fieldnames or ()) != _COLUMNS:
-        raise CatalogError(f"{_CSV_NAME}: columns {reader.fieldnames} != expected {list(_COLUMNS)}")
-    specs = tuple(_parse_row(i, raw) for i, raw in enumerate(reader, start=2))
-    return _Catalog(specs)
+    return _Catalog((*_parse_csv(text, _CSV_NAME), *_SITE_SPECS))
+
+
+def add_gpus(csv_text: str, source: str) -> tuple[GpuSpec, ...]:
+    """Add a site's catalog rows (CSV text with ``gpus.csv``'s columns, one sourced row per
+    GPU the packaged catalog lacks) for this process; returns the rows added.
+
+    The catalog is extended, never overridden: a row whose id is taken, or a name another row
+    already resolves, raises `CatalogError` naming `source` and the line, and nothing is added.
+    Adding a row that is already there, identical, is a no-op (so a process may add its file
+    twice)."""
+    have = _catalog().by_id
+    new = []
+    for spec in _parse_csv(csv_text, source):
+        if have.get(spec.id) == spec:
+            continue
+        if spec.id in have:
+            raise CatalogError(f"{source}: GPU id {spec.id!r} is in the catalog already (rows add GPUs, "
+                               "they do not change one)")
+        new.append(spec)
+    _Catalog((*_catalog().specs, *new))  # validates: ambiguous names raise here
+    _SITE_SPECS.extend(new)
+    _catalog.cache_clear()
+    _resolve.cache_clear()
+    return tuple(new)
 
 
 # --- public API ----------------------------------------------------------------------------

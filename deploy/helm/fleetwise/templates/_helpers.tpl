@@ -183,3 +183,25 @@ Ed25519 keys) in the place of keys when there is one, so it holds no key that si
 {{- define "fleetwise.jobNamespace" -}}
 {{- default .Release.Namespace .Values.consumer.jobNamespace -}}
 {{- end -}}
+
+{{- /* A site's catalog rows (`catalog.extraRows`), for the components that resolve GPU models. */ -}}
+{{- define "fleetwise.catalogEnv" -}}
+{{- if .Values.catalog.extraRows }}
+- name: FLEETWISE_CATALOG_EXTRA
+  value: /etc/fleetwise/catalog/gpus.csv
+{{- end }}
+{{- end -}}
+
+{{- define "fleetwise.catalogMount" -}}
+{{- if .Values.catalog.extraRows }}
+- {name: catalog, mountPath: /etc/fleetwise/catalog, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "fleetwise.catalogVolume" -}}
+{{- if .Values.catalog.extraRows }}
+- name: catalog
+  configMap:
+    name: {{ include "fleetwise.fullname" . }}-catalog
+{{- end }}
+{{- end -}}
