@@ -500,6 +500,9 @@ def test_replay_reads_a_site_gpu_from_the_catalog_file_named_in_the_environment(
     unknown = CliRunner().invoke(app, args)
     assert unknown.exit_code == 0
     assert json.loads(unknown.stdout)["samples"] == 0 and json.loads(unknown.stdout)["bad_lines"] == 30
+    listed = " ".join(CliRunner().invoke(app, args[:-1]).output.split())  # each bad line and why
+    assert "unknown GPU 'NVIDIA TX1 80GB HBM3'" in listed
+    assert "FLEETWISE_CATALOG_EXTRA" in listed  # what to do about it
     site = tmp_path / "site.csv"
     site.write_text(_site_csv(_SITE_ROW))
     monkeypatch.setenv("FLEETWISE_CATALOG_EXTRA", str(site))
