@@ -607,11 +607,11 @@ class GpuFeatureWindows:
         # Step i accumulates each GPU's i-th hop of this call (0: the hop open before it) and
         # closes it where the GPU has rows in a later hop. A row's step is the count of hop
         # changes before it in its GPU's rows (sorted by slot, ts: hops non-decreasing).
-        first = np.r_[True, s[1:] != s[:-1]]
-        change = np.where(first, hop != self.open_hop[s], np.r_[False, hop[1:] != hop[:-1]])
+        gpu_start = np.r_[True, s[1:] != s[:-1]]
+        change = np.where(gpu_start, hop != self.open_hop[s], np.r_[False, hop[1:] != hop[:-1]])
         total = np.cumsum(change)
-        seg = np.cumsum(first) - 1
-        step = total - (total - change)[np.flatnonzero(first)][seg]
+        seg = np.cumsum(gpu_start) - 1  # each row's GPU, numbered in slot order
+        step = total - (total - change)[np.flatnonzero(gpu_start)][seg]
         # The sample that closed a hop: the GPU's earliest arrival among its rows of later hops.
         # A running min from the last row back; the offset puts each GPU's rows below every
         # later GPU's, so the min starts afresh at each GPU's last row.
