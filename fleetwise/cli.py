@@ -837,6 +837,7 @@ def replay(
         "alerts": sum(1 for d in decisions if d.kind == "prediction" and d.alert),
         "commands": sum(1 for d in decisions if d.kind == "command"),
         "outputs": dict(summary.outputs), "out": str(out),
+        "step_groups_back_in_time": control.stragglers.groups_back_in_time if control.stragglers else 0,
     }
     if as_json:
         print_json(data)
@@ -845,6 +846,14 @@ def replay(
         err_console.print(f"[yellow]skipped[/] {source}: {reason}", highlight=False)
     if len(summary.bad_lines) > max_bad_lines:
         err_console.print(f"... and {len(summary.bad_lines) - max_bad_lines} more bad lines")
+    if data["step_groups_back_in_time"]:
+        err_console.print(
+            f"[yellow]warning:[/] {data['step_groups_back_in_time']} step groups began more than "
+            f"{control.stragglers.config.stale_s:g} s before their job's newest step record: the step "
+            "records are not in event-time order (a trace written rank by rank?). The straggler detector "
+            "compares a job's ranks step by step as the records come, so its findings on this trace are not "
+            "reliable: give the step records in time order (as recorded from the steps topic).",
+            highlight=False)
     console.print(
         f"replayed {data['lines']} lines: {data['samples']} GPU samples, {data['steps']} step records, "
         f"{data['bad_lines']} bad lines skipped; {data['predictions']} predictions "

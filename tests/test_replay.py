@@ -284,6 +284,25 @@ def test_replay_cli(small_trace, tmp_path):
     assert missing.exit_code == 2 and "trace not found" in missing.output
 
 
+def test_replay_cli_warns_when_step_records_are_not_in_time_order(tmp_path):
+    # 4 ranks x 40 steps a minute apart; written step by step, then rank by rank.
+    steps = [{"ts": 1764547200.0 + 60 * i, "job": "j", "rank": r, "node": "n0", "gpu": r, "step": i,
+              "step_time_s": 2.0, "compute_s": 1.5, "micro_batch": 4, "samples": 32}
+             for i in range(40) for r in range(4)]
+    runner = CliRunner()
+    found = {}
+    for name, records in (("time", steps), ("rank", sorted(steps, key=lambda s: (s["rank"], s["ts"])))):
+        trace = tmp_path / f"{name}.jsonl"
+        trace.write_text("".join(json.dumps(s) + "\n" for s in records))
+        args = ["replay", str(trace), "--out", str(tmp_path / "d.jsonl")]
+        data = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+        found[name] = (data["steps"], data["step_groups_back_in_time"], runner.invoke(app, args).output)
+    assert found["time"][:2] == (160, 0) and "not in event-time order" not in found["time"][2]
+    # ranks 1-3: every step more than 900 s (15 steps) older than rank 0's last, 24 each
+    assert found["rank"][:2] == (160, 3 * 24)
+    assert "not in event-time order" in " ".join(found["rank"][2].split())
+
+
 def test_replay_cli_writes_features_with_staggered_hops_unless_aligned_asked(small_trace, tmp_path):
     trace, _ = small_trace
     runner = CliRunner()

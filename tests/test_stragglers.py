@@ -84,6 +84,24 @@ def run(records: list[dict], detector: StragglerDetector | None = None) -> list:
     return det.process(records) + det.flush()
 
 
+def test_step_records_out_of_time_order_are_counted_for_the_caller_to_report():
+    # A trace written rank by rank: every rank's records after the previous rank's last. The
+    # detector compares a job's ranks step by step as the records come, so it cannot judge such
+    # a trace; it counts the groups that began long before the job's newest record instead.
+    records = make_steps(["h100-sxm"] * 4, hours=2, seed=3)
+    in_order = StragglerDetector()
+    run(records, in_order)
+    assert in_order.groups_back_in_time == 0
+    by_rank = sorted(records, key=lambda r: (r["rank"], r["ts"]))
+    detector = StragglerDetector()
+    run(by_rank, detector)
+    # Ranks 1-3 each start over from the first step, 2 h before rank 0's last record: each of
+    # their steps more than stale_s (900 s: 15 steps at 60 s) older than the newest record so
+    # far is counted, every other step not.
+    steps = len(records) // 4
+    assert detector.groups_back_in_time == 3 * (steps - 16)
+
+
 @pytest.mark.parametrize("proportional", [True, False])
 def test_a100_among_h100_is_not_flagged(proportional):
     models = ["h100-sxm"] * 14 + ["a100-sxm-80gb"] * 2

@@ -225,6 +225,10 @@ class StragglerDetector:
         self._gpu_models: dict[tuple[str, int], str] = {}
         self._layers: dict[str, dict[int, int]] = {}  # job -> rank -> layers it holds (pipelines)
         self._next_sweep = -math.inf  # event time of the next look for silent jobs (not state)
+        # Step groups that began more than stale_s before their job's newest record: the records
+        # are not in event-time order (e.g. a trace written rank by rank), and ranks compared
+        # step by step are then not compared at the same time. Counted for the caller to report.
+        self.groups_back_in_time = 0
 
     # ---- GPU models of the ranks ----
     def learn_models(self, gpus: Iterable[tuple[str, int, str]]) -> int:
@@ -291,6 +295,8 @@ class StragglerDetector:
                 reported = None
             if reported is None:  # a new step group
                 last = job.last_ts
+                if last is not None and rec.ts < last - stale_s:
+                    self.groups_back_in_time += 1
                 if last is not None and rec.ts - last > retire_s:
                     # Silent past retire_s: start over, as if the sweep below had retired it.
                     seq += 1
