@@ -1,0 +1,107 @@
+"""`fleetwise trace sort`: recordings merged into event-time order, so a replay reads them as
+the workers would have (the straggler detector compares ranks step by step as records come)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from fleetwise.cli import app
+from fleetwise.sim import FleetSimulator, SimConfig, write_trace
+from fleetwise.streams.trace_sort import line_ts, sort_traces
+
+T0 = 1764547200.0
+
+
+def _line(ts: object, tag: str) -> str:
+    return json.dumps({"ts": ts, "node": "n", "gpu": 0, "tag": tag}) + "\n"
+
+
+def test_lines_are_merged_by_ts_with_ties_in_input_order_through_spilled_runs(tmp_path) -> None:
+    a = tmp_path / "a.jsonl"
+    b = tmp_path / "b.jsonl.gz"
+    a.write_text(_line(T0 + 30, "a0") + _line(T0 + 10, "a1") + "{not json\n" + _line(T0 + 50, "a3")
+                 + _line("2025-12-01T00:00:20Z", "a4"))
+    with gzip.open(b, "wt") as fh:
+        fh.write(_line(T0 + 10, "b0") + _line(T0 + 40, "b1") + _line(int(T0) + 20, "b2"))
+    for run_lines in (1, 2, 100):  # spilled to 8, 4 and no temporary files
+        out = tmp_path / f"out{run_lines}.jsonl.gz"
+        summary = sort_traces([a, b], out, run_lines=run_lines)
+        with gzip.open(out, "rt") as fh:
+            lines = fh.read().splitlines(keepends=True)
+        tags = [json.loads(x)["tag"] if x.startswith("{\"") else x.strip() for x in lines]
+        # ties (10 s: a1 then b0; 20 s: a4 then b2) in input order; the unreadable line stays
+        # right after a1, the line before it in its file
+        assert tags == ["a1", "{not json", "b0", "a4", "b2", "a0", "b1", "a3"], run_lines
+        assert (summary.lines, summary.files, summary.unreadable_ts) == (8, 2, 1)
+        assert summary.out_of_order == 5  # a1, a4, b0, b1, b2: each older than a line before it
+        assert summary.runs == {1: 8, 2: 4, 100: 0}[run_lines]
+
+
+def test_a_trace_in_order_comes_out_byte_for_byte(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(_line(T0 + i // 3, str(i)) for i in range(50)))
+    summary = sort_traces([trace], tmp_path / "o.jsonl", run_lines=7)
+    assert (tmp_path / "o.jsonl").read_bytes() == trace.read_bytes() and summary.out_of_order == 0
+
+
+def test_line_ts_reads_what_the_records_read() -> None:
+    assert line_ts(b'{"ts": 1764547200}') == 1764547200.0
+    assert line_ts(b'{"node": "n", "ts": "2025-12-01T00:00:00+00:00"}') == 1764547200.0
+    assert line_ts(b'{"ts": "1764547200.5"}') == 1764547200.5
+    for bad in (b'{"ts": true}', b'{"ts": "yesterday"}', b'{"ts": "2025-12-01T00:00:00"}', b"[1]",
+                b'{"node": "n"}', b"nope"):
+        assert line_ts(bad) is None, bad
+
+
+def test_recordings_per_node_and_per_rank_sorted_replay_like_the_recording_in_order(tmp_path) -> None:
+    # A simulated fleet split as recorders write it: each node's GPU samples in a file, each
+    # rank's step records in a file. Replayed one file after another, the step records go back in
+    # time and the straggler findings differ; merged with `trace sort`, the decisions are the
+    # original's.
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:16,a100-sxm-80gb:16", days=0.5, seed=5,
+                                   straggler_rate_per_1000_gpu_days=2000.0))
+    original = tmp_path / "t.jsonl"
+    write_trace(sim, original)
+    files: dict[str, list[str]] = {}
+    for line in original.read_text().splitlines(keepends=True):
+        record = json.loads(line)
+        name = f"{record['job']}-{record['rank']}" if "step_time_s" in record else record["node"]
+        files.setdefault(name, []).append(line)
+    nodes = []
+    for name, lines in sorted(files.items(), reverse=True):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(lines))
+        nodes.append(path)
+    runner = CliRunner()
+
+    def replay(*traces: Path) -> tuple[dict, str]:
+        out = tmp_path / "d.jsonl"
+        result = runner.invoke(app, ["replay", *map(str, traces), "--out", str(out), "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout), out.read_text()
+
+    want, decisions = replay(original)
+    assert want["step_groups_back_in_time"] == 0 and want["alerts"] > 0
+    unsorted, unsorted_decisions = replay(*nodes)
+    assert unsorted["step_groups_back_in_time"] > 0 and unsorted_decisions != decisions
+    merged = tmp_path / "merged.jsonl.gz"
+    sorted_ = runner.invoke(app, ["trace", "sort", *map(str, nodes), "--out", str(merged), "--json",
+                                  "--run-lines", "5000"])
+    assert sorted_.exit_code == 0, sorted_.output
+    assert json.loads(sorted_.stdout)["lines"] == want["lines"]
+    got, merged_decisions = replay(merged)
+    assert got["step_groups_back_in_time"] == 0 and merged_decisions == decisions
+
+
+def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_line(T0, "x"))
+    same = CliRunner().invoke(app, ["trace", "sort", str(trace), "--out", str(trace)])
+    assert same.exit_code == 2 and "is one of the traces" in " ".join(same.output.split())
+    assert trace.read_text() == _line(T0, "x")
+    missing = CliRunner().invoke(app, ["trace", "sort", str(tmp_path / "nope.jsonl"), "--out", "o.jsonl"])
+    assert missing.exit_code == 2 and "trace not found" in missing.output
