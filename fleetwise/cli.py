@@ -703,7 +703,10 @@ def trace_sort(
         fail(f"--run-lines must be at least 1, got {run_lines}")
     if any(out.resolve() == t.resolve() for t in traces):
         fail(f"--out {out} is one of the traces: write the sorted trace to a new file")
-    summary = sort_traces(traces, out, run_lines=run_lines)
+    try:
+        summary = sort_traces(traces, out, run_lines=run_lines)
+    except OSError as exc:  # an unwritable --out, a full disk, an unreadable trace
+        fail(f"trace sort: {exc.strerror or exc}: {exc.filename or out}")
     data = {"lines": summary.lines, "files": summary.files, "out_of_order": summary.out_of_order,
             "unreadable_ts": summary.unreadable_ts, "runs": summary.runs, "out": str(out)}
     if as_json:

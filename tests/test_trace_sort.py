@@ -105,3 +105,6 @@ def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_p
     assert trace.read_text() == _line(T0, "x")
     missing = CliRunner().invoke(app, ["trace", "sort", str(tmp_path / "nope.jsonl"), "--out", "o.jsonl"])
     assert missing.exit_code == 2 and "trace not found" in missing.output
+    unwritable = str(tmp_path / "no" / "o.jsonl")
+    nowhere = CliRunner().invoke(app, ["trace", "sort", str(trace), "--out", unwritable])
+    assert nowhere.exit_code == 2 and "No such file or directory" in " ".join(nowhere.output.split())
