@@ -699,6 +699,7 @@ def trace_sort(
     from fleetwise.streams.trace_sort import sort_traces
 
     _existing(traces, "trace")
+    _writable(out, "--out")
     if run_lines < 1:
         fail(f"--run-lines must be at least 1, got {run_lines}")
     if any(out.resolve() == t.resolve() for t in traces):
@@ -819,6 +820,12 @@ def _existing(paths: list[Path], what: str) -> list[Path]:
     return paths
 
 
+def _writable(path: Path | None, what: str) -> None:
+    """Refuse an output whose folder does not exist before the work, not after it."""
+    if path is not None and not path.parent.is_dir():
+        fail(f"{what} {path}: folder {path.parent} does not exist")
+
+
 @app.command()
 def replay(
     traces: list[Path] = typer.Argument(..., help="Recorded telemetry: .jsonl or .jsonl.gz files."),
@@ -851,6 +858,8 @@ def replay(
     _existing(traces, "trace")
     if inventory is not None:
         _existing([inventory], "inventory")
+    for path, what in ((out, "--out"), (features, "--features"), (report, "--report"), (audit, "--audit")):
+        _writable(path, what)
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     if acks not in ("simulated", "none"):

@@ -107,4 +107,6 @@ def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_p
     assert missing.exit_code == 2 and "trace not found" in missing.output
     unwritable = str(tmp_path / "no" / "o.jsonl")
     nowhere = CliRunner().invoke(app, ["trace", "sort", str(trace), "--out", unwritable])
-    assert nowhere.exit_code == 2 and "No such file or directory" in " ".join(nowhere.output.split())
+    assert nowhere.exit_code == 2 and "does not exist" in " ".join(nowhere.output.split())
+    replay = CliRunner().invoke(app, ["replay", str(trace), "--out", unwritable])  # before the work
+    assert replay.exit_code == 2 and "does not exist" in " ".join(replay.output.split())
