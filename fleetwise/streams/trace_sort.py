@@ -6,7 +6,7 @@ count in that order too. Recordings are not always in that order: per-node files
 after another, a generator that writes rank by rank. This merges any number of trace files
 into one, ordered by `ts` (Unix seconds or RFC 3339, as the records read it); lines with the
 same `ts` keep their input order (file by file, line by line), so a file already in order comes
-out byte for byte.
+out byte for byte (but for blank lines, which are dropped, and a newline after the last line).
 
 Memory is bounded: runs of `run_lines` lines are sorted in memory and written to temporary
 files, then merged (an external merge sort). A line whose `ts` cannot be read (not JSON, no
