@@ -393,9 +393,9 @@ def test_secrets_are_mounted_not_inlined(helm: str) -> None:
 
 
 def test_a_sites_catalog_rows_reach_the_agents_and_workers(helm: str, tmp_path: Path) -> None:
+    from fleetwise.catalog import all_gpus
     from fleetwise.catalog import gpus as gpus_mod
 
-    packaged = gpus_mod._catalog.__wrapped__().specs  # (read without the process's site rows)
     row = [f"{v:g}" if isinstance(v, float) else str(v) for v in (
         "tx1-80gb", "Testco TX1 80GB", "NVIDIA", "hopper", 2025, 80.0, 3.0, 700.0, 700.0, 1400.0, 50.0,
         400.0, 8, 5, 650.0, "SXM", "tx1", "NVIDIA TX1 80GB HBM3", "NVIDIA-TX1-80GB-HBM3",
@@ -405,7 +405,7 @@ def test_a_sites_catalog_rows_reach_the_agents_and_workers(helm: str, tmp_path: 
     objs = render(helm, "--set-file", f"catalog.extraRows={site}")  # as docs/deploy.md says
     text = one(objs, "ConfigMap", "-catalog")["data"]["gpus.csv"]
     (spec,) = gpus_mod._parse_csv(text, "configmap")  # the file the components read parses
-    assert spec.id == "tx1-80gb" and spec.tdp_w == 650 and spec.id not in {s.id for s in packaged}
+    assert spec.id == "tx1-80gb" and spec.tdp_w == 650 and spec.id not in {s.id for s in all_gpus()}
     for kind, name in (("DaemonSet", "-agent"), ("Deployment", "-worker")):
         w = one(objs, kind, name)
         spec = pod_spec(w)

@@ -21,6 +21,7 @@ import math
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import IO
 
@@ -28,6 +29,7 @@ import msgspec
 from isal import igzip
 
 from fleetwise.schemas._base import _parse_ts
+from fleetwise.streams.embedded import read_text_blocks
 
 RUN_LINES = 500_000  # lines sorted in memory at a time (~0.8 GB of 1.3 KB sample lines at most)
 
@@ -62,11 +64,13 @@ def _open_out(path: Path) -> IO[bytes]:
 
 
 def _lines(path: Path) -> Iterator[bytes]:
-    opener = igzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        for line in fh:
+    for block in read_text_blocks(path):
+        for line in block.splitlines(keepends=True):
             if line.strip():
                 yield line if line.endswith(b"\n") else line + b"\n"
+
+
+_ORDER = itemgetter(0, 1)  # (ts, input index)
 
 
 def _keyed(paths: Iterable[Path], summary: SortSummary) -> Iterator[tuple[float, int, bytes]]:
@@ -91,7 +95,7 @@ def _keyed(paths: Iterable[Path], summary: SortSummary) -> Iterator[tuple[float,
 
 
 def _write_run(run: list[tuple[float, int, bytes]], directory: str) -> Path:
-    run.sort(key=lambda item: (item[0], item[1]))
+    run.sort(key=_ORDER)
     with tempfile.NamedTemporaryFile("wb", dir=directory, suffix=".run", delete=False) as fh:
         for ts, seq, line in run:
             fh.write(b"%r\t%d\t" % (ts, seq) + line)
@@ -119,15 +123,10 @@ def sort_traces(paths: Iterable[Path], out: Path, *, run_lines: int = RUN_LINES,
             if len(run) >= run_lines:
                 runs.append(_write_run(run, directory))
                 run = []
-        summary.runs = len(runs)
         if runs and run:
             runs.append(_write_run(run, directory))
-            summary.runs = len(runs)
+        summary.runs = len(runs)
+        ordered = heapq.merge(*map(_read_run, runs), key=_ORDER) if runs else sorted(run, key=_ORDER)
         with _open_out(out) as fh:
-            if not runs:
-                run.sort(key=lambda item: (item[0], item[1]))
-                fh.writelines(line for _, _, line in run)
-            else:
-                merged = heapq.merge(*(_read_run(r) for r in runs), key=lambda item: (item[0], item[1]))
-                fh.writelines(line for _, _, line in merged)
+            fh.writelines(line for _, _, line in ordered)
     return summary
