@@ -1421,12 +1421,12 @@ _TOPIC_PREFIX = typer.Option("", "--topic-prefix", envvar="FLEETWISE_TOPIC_PREFI
 def _operator_ts(ts: str | None) -> float:
     import time
 
-    from fleetwise.schemas._base import _parse_ts
+    from fleetwise.schemas import parse_timestamp
 
     if ts is None:
         return time.time()
     try:
-        return float(_parse_ts(ts))
+        return parse_timestamp(ts)
     except ValueError as exc:
         fail(f"--ts: {exc}")
 

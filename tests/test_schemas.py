@@ -25,6 +25,7 @@ from fleetwise.schemas import (
     RankPlan,
     TrainingStep,
     describe_error,
+    parse_timestamp,
     topic,
 )
 from fleetwise.schemas.export import RECORD_TYPES, write_json_schemas
@@ -48,6 +49,16 @@ def test_design_sample_parses_and_rfc3339_ts():
     assert s.metrics["DCGM_FI_DEV_GPU_TEMP"] == 61.0
 
 
+def test_parse_timestamp_is_the_records_rule():
+    assert parse_timestamp("2025-11-30T08:00:00+00:00") == 1764489600.0
+    assert parse_timestamp(" 1764489600.5 ") == 1764489600.5
+    assert parse_timestamp(1764489600) == 1764489600.0
+    for bad, says in [(None, "not None"), (True, "boolean"), ([1], r"not \[1\]"), ("nan", "finite"),
+                      (float("inf"), "finite"), ("30 Nov", "RFC 3339")]:
+        with pytest.raises(ValueError, match=says):
+            parse_timestamp(bad)
+
+
 @pytest.mark.parametrize(
     ("patch", "field", "bad"),
     [
@@ -55,6 +66,8 @@ def test_design_sample_parses_and_rfc3339_ts():
         ({"node": ""}, "node", "''"),
         ({"ts": "yesterday"}, "ts", "yesterday"),
         ({"ts": "2025-11-30T08:00:00"}, "ts", "UTC offset"),
+        ({"ts": "nan"}, "ts", "finite"),
+        ({"ts": " inf"}, "ts", "finite"),
         ({"metrics": {"DCGM_FI_DEV_GPU_TEMP": "hot"}}, "metrics.DCGM_FI_DEV_GPU_TEMP", "hot"),
         ({"metrics": {"DCGM_FI_DEV_GPU_TEMP": float("inf")}}, "metrics.DCGM_FI_DEV_GPU_TEMP", "inf"),
     ],

@@ -20,6 +20,7 @@ import numpy as np
 
 from fleetwise.predictors.failure import MODEL_FEATURES, AlertPolicy, FailureModel
 from fleetwise.predictors.features import FEATURE_NAMES, N_INPUT, GpuFeatureWindows, sample_row
+from fleetwise.schemas import parse_timestamp
 
 HORIZON_H = 48.0  # predict failures within 2 days: long enough for the 12 h lead target
 REPAIR_WINDOW_H = 24.0  # after a failure the GPU is out (or replaced); its hops are not scored
@@ -294,14 +295,6 @@ def labels_from_records(records: Iterable[dict[str, Any]], source: str = "labels
     (FAILURE_XIDS). Records of one GPU within MERGE_H hours are one failure, at the earliest.
     Without a precursor start the failure is `precursor_unknown`: training uses every hop of
     the horizon before it as positive, scoring counts it among all failures."""
-    from fleetwise.schemas._base import _parse_ts  # the records' own timestamp rules
-
-    def parse_ts(value: Any) -> float:
-        out = _parse_ts(value)
-        if not isinstance(out, float):
-            raise TypeError("not a number or string")
-        return out
-
     out: list[dict[str, Any]] = []
     fails: list[dict[str, Any]] = []
     for i, rec in enumerate(records, start=1):
@@ -319,7 +312,7 @@ def labels_from_records(records: Iterable[dict[str, Any]], source: str = "labels
             if rec.get(name) is None:
                 raise LabelError(f"{where}: '{name}' is required")
         try:
-            ts = parse_ts(rec["ts"])
+            ts = parse_timestamp(rec["ts"])
         except (TypeError, ValueError) as exc:
             raise LabelError(f"{where}: 'ts' {rec['ts']!r} is not Unix seconds or RFC 3339 ({exc})") from None
         if not isinstance(rec["node"], str) or not rec["node"]:
@@ -337,7 +330,7 @@ def labels_from_records(records: Iterable[dict[str, Any]], source: str = "labels
         label.pop("event", None)
         label["_merge"] = kind is None  # operator records merge; simulator labels stay as they are
         if label.get("precursor_start_ts") is not None:
-            label["precursor_start_ts"] = parse_ts(label["precursor_start_ts"])
+            label["precursor_start_ts"] = parse_timestamp(label["precursor_start_ts"])
         elif not label.get("abrupt"):
             label["precursor_start_ts"] = None
             label["precursor_unknown"] = True

@@ -1,6 +1,12 @@
 """Record types (pydantic v2) and the topic registry: the contracts between components."""
 
-from fleetwise.schemas._base import Record, Timestamp, describe_error, is_dcgm_blank
+from fleetwise.schemas._base import (
+    Record,
+    Timestamp,
+    describe_error,
+    is_dcgm_blank,
+    parse_timestamp,
+)
 from fleetwise.schemas.decisions import (
     Ack,
     AuditEvent,
@@ -21,5 +27,6 @@ __all__ = [
     "Ack", "AuditEvent", "Command", "DeadLetter", "FeatureVector", "GpuInventory", "GpuSample",
     "JobConstraints", "JobEnd", "JobIntent", "ModelShape", "Nic", "NodeBatch", "NodeInventory",
     "OperatorAction", "Plan", "Prediction", "RankPlan", "Record", "Signal", "TOPICS", "Timestamp",
-    "Topic", "TrainingStep", "describe_error", "is_dcgm_blank", "plans_message", "topic",
+    "Topic", "TrainingStep", "describe_error", "is_dcgm_blank", "parse_timestamp", "plans_message",
+    "topic",
 ]

@@ -36,9 +36,13 @@ def _parse_ts(value: Any) -> Any:
     if isinstance(value, str):
         text = value.strip()
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             pass
+        else:
+            if not math.isfinite(number):
+                raise ValueError(f"timestamp must be finite, got {value!r}")
+            return number
         if text.endswith(("Z", "z")):
             text = text[:-1] + "+00:00"
         try:
@@ -53,6 +57,17 @@ def _parse_ts(value: Any) -> Any:
             raise ValueError(f"timestamp must be finite, got {value!r}")
         return float(value)
     return value
+
+
+def parse_timestamp(value: Any) -> float:
+    """A record's `ts` as Unix seconds: the rule every record's timestamp field applies.
+
+    Raises ValueError for anything but finite Unix seconds or an RFC 3339 string with an offset.
+    """
+    out = _parse_ts(value)
+    if not isinstance(out, float):
+        raise ValueError(f"timestamp must be Unix seconds or an RFC 3339 string, not {value!r}")
+    return out
 
 
 Timestamp = Annotated[float, BeforeValidator(_parse_ts)]

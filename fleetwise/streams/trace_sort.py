@@ -28,7 +28,7 @@ from typing import IO
 import msgspec
 from isal import igzip
 
-from fleetwise.schemas._base import _parse_ts
+from fleetwise.schemas import parse_timestamp
 from fleetwise.streams.embedded import read_text_blocks
 
 RUN_LINES = 500_000  # lines sorted in memory at a time (~0.8 GB of 1.3 KB sample lines at most)
@@ -44,10 +44,9 @@ _STAMP = msgspec.json.Decoder(_Stamp)
 def line_ts(line: bytes) -> float | None:
     """The event time of a trace line (None when the line has no readable `ts`)."""
     try:
-        value = _parse_ts(_STAMP.decode(line).ts)
+        return parse_timestamp(_STAMP.decode(line).ts)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, OverflowError):
         return None
-    return value if isinstance(value, float) and math.isfinite(value) else None
 
 
 @dataclass
