@@ -882,7 +882,7 @@ def replay(
         "alerts": sum(1 for d in decisions if d.kind == "prediction" and d.alert),
         "commands": sum(1 for d in decisions if d.kind == "command"),
         "outputs": dict(summary.outputs), "out": str(out),
-        "step_groups_back_in_time": control.stragglers.groups_back_in_time if control.stragglers else 0,
+        "step_groups_back_in_time": summary.step_groups_back_in_time,
     }
     if as_json:
         print_json(data)

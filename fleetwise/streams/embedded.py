@@ -115,6 +115,9 @@ class ReplaySummary:
     steps: int = 0
     bad_lines: list[tuple[str, str]] = field(default_factory=list)  # (file:line, reason)
     outputs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Step groups that began more than the detector's stale_s before their job's newest record:
+    # the step records were not in event-time order, and the straggler findings are unreliable.
+    step_groups_back_in_time: int = 0
 
     @property
     def decisions(self) -> int:
@@ -339,6 +342,8 @@ class EmbeddedRuntime:
         self._publish(self.control.flush())
         self.summary.samples = self.control.counts["samples_in"]
         self.summary.steps = self.control.counts["steps_in"]
+        if self.control.stragglers is not None:
+            self.summary.step_groups_back_in_time = self.control.stragglers.groups_back_in_time
         return self.summary
 
     def decisions(self) -> list[Prediction | Command]:
