@@ -443,8 +443,7 @@ def _site_csv(*rows: dict[str, str]) -> str:
 def site_catalog():
     """The catalog as packaged again after the test (site rows are process-wide)."""
     yield
-    gpus_mod._SITE_SPECS.clear()
-    gpus_mod._catalog.cache_clear()
+    gpus_mod._IN_USE.clear()
     gpus_mod._resolve.cache_clear()
     from fleetwise.predictors import stragglers
 

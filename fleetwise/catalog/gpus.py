@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 from importlib import resources
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -430,13 +430,14 @@ def _parse_csv(text: str, source: str) -> tuple[GpuSpec, ...]:
 
 
 # A site's own rows (`add_gpus`), after the packaged ones.
-_SITE_SPECS: list[GpuSpec] = []
+_IN_USE: list[_Catalog] = []  # the catalog this process reads: the packaged rows, then a site's
 
 
-@cache
 def _catalog() -> _Catalog:
-    text = resources.files(__package__ or "fleetwise.catalog").joinpath(_CSV_NAME).read_text("utf-8")
-    return _Catalog((*_parse_csv(text, _CSV_NAME), *_SITE_SPECS))
+    if not _IN_USE:
+        text = resources.files(__package__ or "fleetwise.catalog").joinpath(_CSV_NAME).read_text("utf-8")
+        _IN_USE.append(_Catalog(_parse_csv(text, _CSV_NAME)))
+    return _IN_USE[0]
 
 
 def add_gpus(csv_text: str, source: str) -> tuple[GpuSpec, ...]:
@@ -456,9 +457,8 @@ def add_gpus(csv_text: str, source: str) -> tuple[GpuSpec, ...]:
             raise CatalogError(f"{source}: GPU id {spec.id!r} is in the catalog already (rows add GPUs, "
                                "they do not change one)")
         new.append(spec)
-    _Catalog((*_catalog().specs, *new))  # validates: ambiguous names raise here
-    _SITE_SPECS.extend(new)
-    _catalog.cache_clear()
+    extended = _Catalog((*_catalog().specs, *new))  # validates: ambiguous names raise here
+    _IN_USE[0] = extended
     _resolve.cache_clear()
     return tuple(new)
 
