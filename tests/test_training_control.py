@@ -509,5 +509,5 @@ def test_a_pipeline_restore_under_other_boundaries_without_rebuild_names_the_pro
     with pytest.raises(ValueError, match=r"saved with stage layers \{'0': \[0, 3\]\}.*no rebuild callback"):
         plugin((0, 2)).restore()
     built = []
-    restored = plugin((0, 2), rebuild=lambda span: built.append(span) or (stage, opt))
-    assert restored.restore() == 0 and built == [(0, 3)] and restored.layers == (0, 3)
+    restored = plugin((0, 2), rebuild=lambda span, layout: built.append((span, layout)) or (stage, opt))
+    assert restored.restore() == 0 and built == [((0, 3), {0: (0, 3)})] and restored.layers == (0, 3)

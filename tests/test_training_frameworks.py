@@ -5,7 +5,8 @@ the plan's shares trains to the same parameters as one process on the whole glob
 DeepSpeed runs its engine in a gloo group with per-rank micro-batches and the same
 weighting. Megatron: megatron-core's config objects and data samplers check the mapping, and
 its forward/backward steps train exactly with uneven micro-batch counts. Both loops also take
-a signed rebalance through the training plugin mid-run.
+a signed rebalance through the training plugin mid-run. DeepSpeed's pipeline engine runs on
+a plan's stage boundaries, and a rebalance's `layers` move them in the running engine.
 Alpa's export is checked as data only (Alpa is archived; its jaxlib is not on PyPI).
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +44,8 @@ def _plugin(job: str, model: Any, optimizer: Any, sampler: Any, bus: str, rank: 
                           model_name="H100", telemetry=False)
 
 
-def _bus_with_rebalance(root: Path, job: str) -> Any:
-    """A file bus holding one signed `REBALANCE` for ``job``."""
+def _bus_with_rebalance(root: Path, job: str, params: dict[str, Any] = REBALANCE) -> Any:
+    """A file bus holding one signed rebalance (`REBALANCE` unless `params`) for ``job``."""
     import time
 
     from fleetwise.actuators import sign
@@ -54,7 +57,7 @@ def _bus_with_rebalance(root: Path, job: str) -> Any:
     now = time.time()
     bus.publish(T.COMMANDS_TRAINING.name, job, sign(Command(
         id=f"rb-{job}", type="rebalance", ts=now, job=job, reason="rank 0 slowed to 0.4", seq=1,
-        expires_ts=now + 600, params=REBALANCE), PLUGIN_KEYS))
+        expires_ts=now + 600, params=params), PLUGIN_KEYS))
     return bus
 
 
@@ -267,18 +270,25 @@ def _ds_worker(rank: int, world: int, stages: list[int], bus: str | None = None)
     return results
 
 
+@contextmanager
+def _removing_deepspeed_shm() -> Iterator[None]:
+    """DeepSpeed's CPU accelerator leaves shared-memory buffers behind: remove the new ones."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
+    try:
+        yield
+    finally:
+        for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
+            leftover.unlink(missing_ok=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deepspeed_engine_uneven_micro_batches_equal_single_process(tmp_path):
     pytest.importorskip("deepspeed")
     stages = [0, 1]
-    shm = Path("/dev/shm")
-    before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
-    try:
+    with _removing_deepspeed_shm():
         results = tg.run_workers(_ds_worker, tg.WORLD, tmp_path, stages=stages)
-    finally:  # DeepSpeed's CPU accelerator leaves shared-memory buffers behind
-        for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
-            leftover.unlink(missing_ok=True)
     # fp32 (DeepSpeed does not reduce float64): agreement to fp32 rounding, while the
     # 1/dp average DeepSpeed does by default lands far away (the weighting is what matters).
     # The MLP's last two tensors are its never-used layer: DeepSpeed gives it zero gradients
@@ -304,14 +314,9 @@ def test_a_signed_rebalance_reaches_a_deepspeed_engine_loop_through_the_plugin(t
     boundary, and the engine still trains to one process's parameters."""
     pytest.importorskip("deepspeed")
     bus = _bus_with_rebalance(tmp_path / "bus", "ds")
-    shm = Path("/dev/shm")
-    before = set(shm.glob("deepspeed_*")) if shm.is_dir() else set()
-    try:
+    with _removing_deepspeed_shm():
         results = tg.run_workers(_ds_worker, tg.WORLD, tmp_path / "out", stages=[1],
                                  bus=str(tmp_path / "bus"))
-    finally:
-        for leftover in (set(shm.glob("deepspeed_*")) if shm.is_dir() else set()) - before:
-            leftover.unlink(missing_ok=True)
     at = _applied_step(bus, "ds")
     used = slice(0, 4)  # as above: the never-used layer differs by design
     truth = tg.reference("mlp", dtype=torch.float32)[used]
@@ -322,6 +327,131 @@ def test_a_signed_rebalance_reaches_a_deepspeed_engine_loop_through_the_plugin(t
         assert got["microbatches"][:at] == [DS_MAP_MICRO[rank][1]] * at
         assert got["microbatches"][at:-1] == [-(-(2 * rank + 2) // micro)] * (tg.STEPS - 1 - at)
         assert tg.rel_err(got["params"][used], truth) < 1e-5, rank
+
+
+# ---- DeepSpeed's pipeline engine: the plan's stage boundaries, moved by a rebalance ------------
+
+PIPE_STEPS, PIPE_MICRO, PIPE_GAS = 10, 2, 4  # steps; micro-batch size; micro-batches per step
+# The module: an input layer, 4 planned layers, a head. The plan's layout counts the 4:
+PIPE_LAYOUT = {0: (0, 0), 1: (1, 3)}  # stage 0: input + layer 0; stage 1: layers 1-3 + head
+PIPE_RESPLIT = {"0": [0, 2], "1": [3, 3]}  # the rebalance: layers 1-2 move to stage 0
+
+
+def _pipe_layers() -> list[Any]:
+    torch.manual_seed(5)  # every rank and the reference build the same layers
+    planned = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(4)]
+    return [torch.nn.Linear(6, 6), *planned, torch.nn.Linear(6, 6)]
+
+
+def _pipe_data() -> list[list[tuple[Any, Any]]]:
+    g = torch.Generator().manual_seed(9)
+    return [[(torch.randn(PIPE_MICRO, 6, generator=g), torch.randn(PIPE_MICRO, 6, generator=g))
+             for _ in range(PIPE_GAS)] for _ in range(PIPE_STEPS)]
+
+
+def _pipe_loss(out: Any, target: Any) -> Any:
+    return (out - target).pow(2).mean()
+
+
+def _pipe_optimizer(params: Any) -> Any:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # momentum: state that must move too
+
+
+def _ds_pipe_worker(rank: int, world: int, bus: str, ckpt: str) -> dict[str, Any]:
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+
+    from fleetwise.training.control import TrainingPlugin
+    from fleetwise.training.frameworks.deepspeed import PipelineStages
+    from fleetwise.training.transport import LocalTransport
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_batch_size": PIPE_MICRO * PIPE_GAS, "train_micro_batch_size_per_gpu": PIPE_MICRO,
+              "gradient_accumulation_steps": PIPE_GAS, "steps_per_print": 10**6}
+    stages = PipelineStages(_pipe_layers(), PIPE_LAYOUT, config, optimizer=_pipe_optimizer,
+                            leading=1, trailing=1, loss_fn=_pipe_loss)
+    batch = PIPE_MICRO * PIPE_GAS  # one data-parallel replica: every stage reads the whole batch
+    sampler = ShareSampler(PIPE_STEPS * batch, [batch] + [0] * (world - 1), rank)
+    plugin = TrainingPlugin(job="dspipe", model=stages.engine.module, optimizer=stages.engine.optimizer,
+                            sampler=sampler, transport=LocalTransport(bus), keys=PLUGIN_KEYS, node="n0",
+                            gpu=rank, model_name="H100", telemetry=False, checkpoint_dir=ckpt,
+                            sync_every=2, stage=stages.stage, layers=stages.layers,
+                            rebuild=stages.rebuild)
+    losses, held = [], []
+    for micro_batches in _pipe_data():
+        engine = stages.engine  # a re-split replaces it
+        losses.append(float(engine.train_batch(data_iter=iter(micro_batches))))
+        held.append(sorted({int(name.split(".")[0]) for name, _ in engine.module.named_parameters()}))
+        plugin.end_step(samples=batch if rank == 0 else 0)
+    plugin.acks.flush()
+    return {"losses": losses, "held": held, "layers": plugin.layers}
+
+
+def _pipe_reference() -> list[float]:
+    """One process, the whole model, the same micro-batches and accumulation: each step's mean loss."""
+    model = torch.nn.Sequential(*_pipe_layers())
+    opt = _pipe_optimizer(model.parameters())
+    out = []
+    for micro_batches in _pipe_data():
+        opt.zero_grad()
+        total = 0.0
+        for x, y in micro_batches:
+            loss = _pipe_loss(model(x), y) / PIPE_GAS
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        out.append(total)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rebalance_moves_the_stage_boundaries_of_a_deepspeed_pipeline_engine(tmp_path):
+    """DeepSpeed's pipeline engine on the plan's boundaries (not its own partitioning); a signed
+    rebalance with `layers` moves two layers to stage 0 at a step boundary, in the running
+    processes, and the losses stay those of one process training the whole model (momentum
+    included: the optimizer state moved with its layers)."""
+    pytest.importorskip("deepspeed")
+    from fleetwise.schemas import Ack
+    from fleetwise.schemas import topics as T
+
+    bus = _bus_with_rebalance(tmp_path / "bus", "dspipe", {"layers": PIPE_RESPLIT})
+    with _removing_deepspeed_shm():
+        results = tg.run_workers(_ds_pipe_worker, 2, tmp_path / "out", bus=str(tmp_path / "bus"),
+                                 ckpt=str(tmp_path / "ckpt"))
+    done = [a for a in bus.poll(T.ACKS.name, "dspipe") if isinstance(a, Ack) and a.status == "done"]
+    assert [a.command_id for a in done] == ["rb-dspipe"] and done[0].result["layers"] == PIPE_RESPLIT
+    at = done[0].step
+    assert 2 <= at <= 4  # at a boundary (sync_every=2) near the start: most steps run re-split
+    # Module layers (the planned ones shifted by the input layer): 0-1 | 2-5, then 0-3 | 4-5.
+    held = {0: [[0, 1]] * at + [[0, 1, 2, 3]] * (PIPE_STEPS - at),
+            1: [[2, 3, 4, 5]] * at + [[4, 5]] * (PIPE_STEPS - at)}
+    for rank, res in enumerate(results):
+        assert res["held"] == held[rank], rank
+        assert res["layers"] == tuple(PIPE_RESPLIT[str(rank)])
+    reference = _pipe_reference()
+    assert reference[-1] < 0.8 * reference[0]  # it trains
+    for rank, res in enumerate(results):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], reference, strict=True))
+        assert diff < 1e-5, (rank, res["losses"], reference)
+
+
+def test_pipeline_stage_bounds_take_a_plans_layout_and_name_what_is_wrong():
+    from fleetwise.training.frameworks.deepspeed import PipelineStages, stage_bounds
+
+    assert stage_bounds({0: (0, 0), 1: (1, 3)}, 4) == [0, 1, 4]
+    assert stage_bounds({"1": [2, 3], "0": [0, 1]}, 4) == [0, 2, 4]  # a rebalance's JSON form
+    # An embedding before the planned layers and a head after them stay with the end stages.
+    assert stage_bounds({0: (0, 0), 1: (1, 2), 2: (3, 3)}, 7, leading=2, trailing=1) == [0, 3, 5, 7]
+    with pytest.raises(ValueError, match="last planned layer is 2 .6 module layers, 2 before and 1"):
+        stage_bounds({0: (0, 3)}, 6, leading=2, trailing=1)
+    for layout, says in [({0: (0, 1), 1: (3, 3)}, "stage 1 holds 3-3"), ({0: (0, 1)}, "end at layer 1"),
+                         ({1: (0, 3)}, "0..n-1"), ({0: (0, 2), 1: (3, 2)}, "stage 1 holds 3-2"),
+                         ({0: "x"}, "integers")]:
+        with pytest.raises(ValueError, match=says):
+            stage_bounds(layout, 4)
+    with pytest.raises(ValueError, match="ZeRO stage 0 .the config has 1"):
+        PipelineStages([], {0: (0, 0)}, {"zero_optimization": {"stage": 1}})
 
 
 def _uniform_average_fp32() -> list[Any]:

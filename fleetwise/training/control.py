@@ -211,6 +211,9 @@ class TrainingPlugin:
     (default `keyring_from_env()`); `sync_every`: boundaries between command checks (1: every
     step); `checkpoint_every`: periodic checkpoints for failure recovery (0: none);
     `clock`: the time commands' expiry is judged by and records carry (wall time live).
+    `stage`, `layers`, `rebuild`: a pipeline stage's index, its layers (first, last; inclusive)
+    and `rebuild(layers, layout) -> (module, optimizer)`, which builds this stage for new
+    boundaries (`layout`: {stage: (first, last)} of every stage) when a rebalance moves them.
     """
 
     def __init__(
@@ -236,7 +239,7 @@ class TrainingPlugin:
         group: Any = None,
         stage: int | None = None,
         layers: tuple[int, int] | None = None,
-        rebuild: Callable[[tuple[int, int]], tuple[Any, Any]] | None = None,
+        rebuild: Callable[[tuple[int, int], Mapping[int, tuple[int, int]]], tuple[Any, Any]] | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -447,7 +450,7 @@ class TrainingPlugin:
         whichever stage saved it), and train on. Returns the checkpoint's URI."""
         saved = {str(s): list(r) for s, r in sorted(layout.items())}
         where = self.checkpoint(extra={"layers": saved})
-        model, optimizer = self.rebuild(layout[self.stage])  # type: ignore[misc,index]
+        model, optimizer = self.rebuild(layout[self.stage], dict(layout))  # type: ignore[misc,index]
         elastic.load_checkpoint(elastic.path_of(where), model, optimizer, group=self.group)
         self.model, self.optimizer, self.layout = model, optimizer, dict(layout)
         return where
@@ -562,7 +565,7 @@ class TrainingPlugin:
                 raise ValueError(f"{path} was saved with stage layers {saved}; this group's stages are "
                                  f"{ {str(k): list(v) for k, v in sorted(self.layout.items())} } and the "
                                  "plugin has no rebuild callback for other boundaries")
-            self.model, self.optimizer = self.rebuild(layout[self.stage])  # type: ignore[index]
+            self.model, self.optimizer = self.rebuild(layout[self.stage], dict(layout))  # type: ignore[index]
             self.layout = layout
         meta = elastic.load_checkpoint(path, self.model, self.optimizer, group=self.group)
         self.step = int(meta["step"])

@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             counts = scaled_shares([1] * world, {}, ns.pipeline_layers)
             spans = [(sum(counts[:r]), sum(counts[:r + 1]) - 1) for r in range(world)]
 
-        def rebuild(span: tuple[int, int]) -> tuple[Any, Any]:
+        def rebuild(span: tuple[int, int], layout: Any = None) -> tuple[Any, Any]:
             stage = make_stage(span[0], span[1], ns.pipeline_layers, seed=ns.seed)
             return stage, _optimizer(stage, ns.lr)
 

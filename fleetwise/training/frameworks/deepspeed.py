@@ -21,20 +21,30 @@ Tested here: the engine (ZeRO 0 and 1, CPU, gloo, 3 ranks) trains to the same pa
 one process on the whole batch (tests/test_training_frameworks.py), also when a signed
 rebalance reaches the loop through `TrainingPlugin` mid-run (the accumulation count follows the
 new share; the micro-batch size stays the one given to `initialize`). Not tested: ZeRO 2/3
-and bf16/fp16 on GPUs, and the pipeline engine (which DeepSpeed does not allow with
-unmanaged accumulation; a pipelined plan keeps the common micro-batch).
+and bf16/fp16 on GPUs.
+
+Pipelines: DeepSpeed's pipeline engine needs managed accumulation, so a pipelined plan keeps
+the common micro-batch (`rank_config` refuses it). `PipelineStages` runs the engine with the
+plan's stage boundaries instead of DeepSpeed's own partitioning, and moves them when a
+rebalance's `layers` asks (the training plugin's `rebuild`): every stage checkpoints, builds
+a new `PipelineModule` and engine for the new boundaries and loads its layers, with their
+optimizer state, by name (a PipelineModule names a layer's parameters by its global index,
+`7.weight`, whichever stage holds it). Tested on CPU with gloo (two stages, SGD with momentum):
+the losses equal one process's on the whole model before and after a re-split.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import cache
 from typing import Any
 
 from fleetwise.training.sampler import MicrobatchMap, load_microbatch_map
 
-__all__ = ["micro_batches", "micro_weight", "rank_config", "weighted_backward"]
+__all__ = ["PipelineStages", "micro_batches", "micro_weight", "rank_config", "stage_bounds",
+           "weighted_backward"]
 
 
 def rank_config(
@@ -103,3 +113,134 @@ def weighted_backward(engine: Any, loss: Any, micro_samples: float, global_sampl
     `engine.step()` once after the rank's last micro-batch of the step.
     """
     return engine.backward(loss * micro_weight(micro_samples, global_samples), scale_wrt_gas=False)
+
+
+def stage_bounds(layout: Mapping[Any, Sequence[int]], num_layers: int, *, leading: int = 0,
+                 trailing: int = 0) -> list[int]:
+    """A plan's layout ({stage: (first, last)}, inclusive, as its ranks and a rebalance's `layers`
+    give it) as DeepSpeed's `PipelineModule.parts`: stage s holds module layers
+    parts[s]..parts[s+1]-1 of `num_layers`.
+
+    The plan counts the model's repeated layers; the module may have `leading` layers before
+    them (an embedding) and `trailing` after (a final norm, the head), which stay with the first
+    and the last stage. Raises ValueError unless the stages are 0..n-1 holding contiguous,
+    non-empty runs of every planned layer in stage order."""
+    spans = _spans(layout)
+    planned = num_layers - leading - trailing
+    if sorted(spans) != list(range(len(spans))) or not spans:
+        raise ValueError(f"layout: stages must be 0..n-1, got {sorted(spans)}")
+    at = 0
+    parts = [0]
+    for s in sorted(spans):
+        first, last = spans[s]
+        if first != at or last < first:
+            raise ValueError(f"layout: stage {s} holds {first}-{last}; stages must hold contiguous, "
+                             f"non-empty runs of layers from 0 in stage order")
+        at = last + 1
+        parts.append(leading + at)
+    if at != planned:
+        raise ValueError(f"layout: the stages end at layer {at - 1}, the model's last planned layer is "
+                         f"{planned - 1} ({num_layers} module layers, {leading} before and {trailing} "
+                         "after the planned ones)")
+    parts[-1] = num_layers
+    return parts
+
+
+def _spans(layout: Mapping[Any, Sequence[int]]) -> dict[int, tuple[int, int]]:
+    try:
+        return {int(k): (int(v[0]), int(v[1])) for k, v in layout.items()}
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"layout: expected {{stage: (first, last)}} integers, got {layout!r}") from None
+
+
+@cache
+def _planned_module_class() -> type:
+    from deepspeed.pipe import PipelineModule
+
+    class PlannedPipelineModule(PipelineModule):  # type: ignore[misc]
+        """A PipelineModule whose stage boundaries are given (`parts`), not partitioned by DeepSpeed."""
+
+        def __init__(self, *args: Any, parts: Sequence[int], **kwargs: Any) -> None:
+            self._planned_parts = list(parts)
+            super().__init__(*args, **kwargs)
+
+        def _partition_layers(self, method: str = "uniform") -> None:  # DeepSpeed's hook
+            self.parts = list(self._planned_parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return PlannedPipelineModule
+
+
+class PipelineStages:
+    """A DeepSpeed pipeline engine on a plan's stage boundaries, which a rebalance can move.
+
+    `layers`: the model's layers in order, as `PipelineModule` takes them (`LayerSpec` builds
+    only a stage's own layers; modules given built are shared by every build). `layout`:
+    {stage: (first, last)} (a plan's ranks' `stage` and `layers`). `config`: the DeepSpeed
+    config (`fleetwise.planner.exports.deepspeed_config`), ZeRO stage 0. `optimizer`: builds the
+    stage's optimizer from its parameters (None: the config's `optimizer` section). `leading`
+    / `trailing`: module layers before the plan's first layer (an embedding) and after its last
+    (final norm, head); they stay with the first / last stage. Other keywords go to
+    `PipelineModule` (`loss_fn`, `topology`, `activation_checkpoint_interval`,
+    ...).
+
+    Train with `engine` (re-read it after each step: a re-split replaces it) and give the
+    training plugin `stage`, `layers` and `rebuild`:
+
+        stages = PipelineStages(layers, layout, config, optimizer=lambda p: SGD(p, lr=0.1),
+                                loss_fn=loss)
+        plugin = TrainingPlugin(model=stages.engine.module, optimizer=stages.engine.optimizer,
+                                stage=stages.stage, layers=stages.layers, rebuild=stages.rebuild, ...)
+        loss = stages.engine.train_batch(data_iter=...); plugin.end_step(samples=...)
+    """
+
+    def __init__(self, layers: Sequence[Any], layout: Mapping[int, Sequence[int]],
+                 config: Mapping[str, Any], *,
+                 optimizer: Callable[[Iterable[Any]], Any] | None = None, leading: int = 0,
+                 trailing: int = 0, **module_kwargs: Any) -> None:
+        zero = int((config.get("zero_optimization") or {}).get("stage", 0))
+        if zero:
+            # The plugin moves layers through torch.distributed.checkpoint, which reads a torch
+            # optimizer's state by parameter name; ZeRO keeps it in DeepSpeed's own partitions.
+            raise ValueError(f"PipelineStages needs ZeRO stage 0 (the config has {zero}): stage "
+                             "boundaries move with the optimizer state found by parameter name")
+        self._layers = list(layers)
+        self._config = dict(config)
+        self._optimizer = optimizer
+        self._extra = {"leading": leading, "trailing": trailing}
+        self._module_kwargs = module_kwargs
+        self.layout: dict[int, tuple[int, int]] = {}
+        self.engine: Any = None
+        self._build(layout)
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return int(self.engine.stage_id)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """This rank's planned layers (first, last; inclusive)."""
+        return self.layout[self.stage]
+
+    def rebuild(self, layers: tuple[int, int], layout: Mapping[int, Sequence[int]]) -> tuple[Any, Any]:
+        """The training plugin's callback: this stage built for `layout`; its (module, optimizer)
+        for the plugin to load from the re-split's checkpoint. `engine` is the new one after."""
+        self._build(layout)
+        if self.layers != tuple(layers):
+            raise ValueError(f"rebuild: the plugin asked for layers {tuple(layers)}, the layout gives "
+                             f"stage {self.stage} {self.layers}")
+        return self.engine.module, self.engine.optimizer
+
+    def _build(self, layout: Mapping[int, Sequence[int]]) -> None:
+        import deepspeed
+
+        parts = stage_bounds(layout, len(self._layers), **self._extra)
+        module = _planned_module_class()(layers=self._layers, num_stages=len(parts) - 1, parts=parts,
+                                         **self._module_kwargs)
+        optimizer = self._optimizer(module.parameters()) if self._optimizer is not None else None
+        params = None if optimizer is not None else module.parameters()
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                                    model_parameters=params, config=self._config)
+        self.layout = _spans(layout)
