@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+import fleetwise.kube.consumer as consumer_module
 from fleetwise.actuators import Keyring, generate_ed25519_entries, operator_keyring, sign
 from fleetwise.actuators.config import Rails
 from fleetwise.kube.consumer import (
@@ -489,10 +490,12 @@ def test_wake_does_not_uncordon_a_drained_node(cluster):
     assert cluster.node(node).spec.unschedulable is True  # a drain's cordon stays
 
 
-def test_the_consumer_holds_the_fleet_drain_cap_counted_on_the_cluster(cluster):
+def test_the_consumer_holds_the_fleet_drain_cap_counted_on_the_cluster(cluster, monkeypatch):
     """Drains from several workers arrive at the one consumer: at the cap a new drain is
     rejected with the reason and changes nothing; a drain of a GPU already out is not new; a
-    restarted consumer counts from the cluster; a return frees the cap."""
+    restarted consumer counts from the cluster; a return frees the cap. The nodes are counted
+    a page at a time (one node per page here)."""
+    monkeypatch.setattr(consumer_module, "NODE_PAGE", 1)
     nodes = list(cluster.add_nodes(["h100-sxm", "h100-sxm", "b200"]))
     rails = Rails(max_drained_gpus_fleet=2, max_drained_share_fleet=1.0)
     consumer = KubeConsumer(ClientApi(cluster.kube.api_client()), KEYS, namespace=cluster.ns,

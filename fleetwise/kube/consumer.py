@@ -94,6 +94,7 @@ ANN_MOVES = "fleetwise.io/consolidation"
 ANN_GANG_LEFT = "fleetwise.io/gang-left"  # JSON list of pods the gang no longer counts
 ANN_LAST_SEQ = "fleetwise.io/last-seq"  # the job's last applied command seq (on its PodGroup)
 KEEP_IDS = 32  # command ids remembered per object
+NODE_PAGE = 500  # nodes per list call when counting drained GPUs (a large cluster is never held whole)
 EVENT_NAMESPACE = "default"  # where `kubectl describe node` looks for a Node's events
 KUBE_TYPES = frozenset({"drain", "resize", "migrate", "consolidate"})
 
@@ -755,9 +756,17 @@ class ClientApi:
                 "resourceVersion": n.metadata.resource_version}
 
     def drained_gpus(self) -> tuple[int, int]:
-        nodes = self.core.list_node().items
-        return count_drained({"annotations": n.metadata.annotations or {}, "gpus": _gpu_capacity(n)}
-                             for n in nodes)
+        def nodes() -> Iterator[dict[str, Any]]:
+            token = None
+            while True:  # pages of NODE_PAGE (limit / continue: one snapshot, as kubectl lists)
+                page = self.core.list_node(limit=NODE_PAGE, _continue=token)
+                for n in page.items:
+                    yield {"annotations": n.metadata.annotations or {}, "gpus": _gpu_capacity(n)}
+                token = page.metadata._continue
+                if not token:
+                    return
+
+        return count_drained(nodes())
 
     def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
         names = set(nodes)
