@@ -746,3 +746,21 @@ def test_plan_figure_renders_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     big = build_plan([("b200", 4, 5)] * 8 + [("h100-sxm", 4, 3)] * 8, [8, 8, 8, 8], tp=2)
     assert _png(plan_figure(big, None), tmp_path / "big.png").stat().st_size > 10_000
+
+
+def test_stage_spans_is_the_one_check_of_a_stage_layout():
+    from fleetwise.planner.stages import stage_spans
+
+    assert stage_spans({"1": [2, 3], "0": [0, 1]}, last=3) == {0: (0, 1), 1: (2, 3)}
+    assert stage_spans({0: (4, 9)}, first=4) == {0: (4, 9)}  # the end unchecked without `last`
+    for layout, kw, says in [
+        ({0: (0, 1), 1: (3, 3)}, {}, "stage 1 holds layers 3-3; .* from 0 in stage order"),
+        ({0: (1, 3)}, {"first": 0, "last": 3}, "stage 0 holds layers 1-3; .* from 0 to 3"),
+        ({0: (0, 1)}, {"last": 3}, "the stages end at layer 1, the model's last is 3"),
+        ({0: (0, 1), 2: (2, 3)}, {}, r"stages \[0, 2\] do not cover 0..1"),
+        ({}, {}, "do not cover"),
+        ({0: (0, "x")}, {}, "integers"),
+        ({0: (0,)}, {}, "integers"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            stage_spans(layout, **kw)

@@ -300,7 +300,7 @@ def test_a_rebalance_moves_pipeline_stage_boundaries_in_the_running_job_and_a_re
             "--num-samples", "2048"]
     first = _run_group(tmp_path, ["--steps", "12", *args], send, job="pp")
     acks = {(a.command_id, a.status): a for a in bus.poll(T.ACKS.name, "pp")}
-    assert "stage 1 holds 2-3" in acks["rb-gap", "failed"].detail
+    assert "stage 1 holds layers 2-3" in acks["rb-gap", "failed"].detail
     done = acks["rb-split", "done"]
     assert done.result["layers"] == {"0": [0, 0], "1": [1, 3]}
     assert done.result["checkpoint_uri"].startswith("file:")

@@ -443,11 +443,11 @@ def test_pipeline_stage_bounds_take_a_plans_layout_and_name_what_is_wrong():
     assert stage_bounds({"1": [2, 3], "0": [0, 1]}, 4) == [0, 2, 4]  # a rebalance's JSON form
     # An embedding before the planned layers and a head after them stay with the end stages.
     assert stage_bounds({0: (0, 0), 1: (1, 2), 2: (3, 3)}, 7, leading=2, trailing=1) == [0, 3, 5, 7]
-    with pytest.raises(ValueError, match="last planned layer is 2 .6 module layers, 2 before and 1"):
+    with pytest.raises(ValueError, match="the model's last is 2 .of 6 module layers, 2 before and 1"):
         stage_bounds({0: (0, 3)}, 6, leading=2, trailing=1)
-    for layout, says in [({0: (0, 1), 1: (3, 3)}, "stage 1 holds 3-3"), ({0: (0, 1)}, "end at layer 1"),
-                         ({1: (0, 3)}, "0..n-1"), ({0: (0, 2), 1: (3, 2)}, "stage 1 holds 3-2"),
-                         ({0: "x"}, "integers")]:
+    for layout, says in [({0: (0, 1), 1: (3, 3)}, "stage 1 holds layers 3-3"),
+                         ({0: (0, 1)}, "end at layer 1"), ({1: (0, 3)}, "do not cover 0..0"),
+                         ({0: (0, 2), 1: (3, 2)}, "stage 1 holds layers 3-2"), ({0: "x"}, "integers")]:
         with pytest.raises(ValueError, match=says):
             stage_bounds(layout, 4)
     with pytest.raises(ValueError, match="ZeRO stage 0 .the config has 1"):

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
+from fleetwise.planner.stages import stage_spans
 from fleetwise.schemas import ModelShape, Plan, RankPlan
 
 __all__ = [
@@ -109,22 +110,13 @@ def stage_layer_counts(plan: Plan, num_layers: int | None = None) -> list[int]:
                 f"stage {rank.stage} holds layers {list(seen)} on one replica and {[first, last]} "
                 f"on rank {rank.rank}; Megatron needs the same layer split on every replica"
             )
-    if sorted(by_stage) != list(range(plan.pp)):
-        raise ExportError(f"stages {sorted(by_stage)} do not cover 0..{plan.pp - 1}")
-    counts = []
-    expected_first = 0
-    for stage in range(plan.pp):
-        first, last = by_stage[stage]
-        if first != expected_first:
-            raise ExportError(
-                f"stage {stage} starts at layer {first}, expected {expected_first} "
-                "(stages must be contiguous)"
-            )
-        counts.append(last - first + 1)
-        expected_first = last + 1
-    if num_layers is not None and expected_first != num_layers:
-        raise ExportError(f"stages hold layers 0..{expected_first - 1} but the model has {num_layers}")
-    return counts
+    try:
+        spans = stage_spans(by_stage, last=None if num_layers is None else num_layers - 1)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if len(spans) != plan.pp:
+        raise ExportError(f"stages {sorted(spans)} do not cover 0..{plan.pp - 1}")
+    return [last - first + 1 for first, last in (spans[stage] for stage in range(plan.pp))]
 
 
 def common_micro_batch(plan: Plan) -> int:

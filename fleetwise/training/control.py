@@ -40,6 +40,7 @@ from typing import Any
 
 from fleetwise.actuators.signing import Keyring, verify_command
 from fleetwise.planner.shares import proportional_shares
+from fleetwise.planner.stages import stage_spans
 from fleetwise.schemas import Ack, Command
 from fleetwise.schemas import topics as T
 from fleetwise.streams.keys import keyring_from_env
@@ -425,23 +426,15 @@ class TrainingPlugin:
                              "has no checkpoint_dir")
         if not isinstance(spec, Mapping):
             raise ValueError(f"layers: expected {{stage: [first, last]}}, got {spec!r}")
-        try:
-            layout = {int(k): (int(v[0]), int(v[1])) for k, v in spec.items() if len(v) == 2}
-        except (TypeError, ValueError, KeyError):
-            raise ValueError(f"layers: expected {{stage: [first, last]}} integers, got {spec!r}") from None
-        if len(layout) != len(spec) or set(layout) != set(self.layout):
-            raise ValueError(f"layers: stages {sorted(spec)} are not this job's stages {sorted(self.layout)}")
         first = min(f for f, _ in self.layout.values())
         last = max(b for _, b in self.layout.values())
-        at = first
-        for s in sorted(layout):
-            a, b = layout[s]
-            if a != at or b < a:
-                raise ValueError(f"layers: stage {s} holds {a}-{b}; stages must hold contiguous, "
-                                 f"non-empty runs from {first} to {last} in stage order")
-            at = b + 1
-        if at != last + 1:
-            raise ValueError(f"layers: the stages end at layer {at - 1}, the model's last is {last}")
+        try:
+            layout = stage_spans(spec, first=first, last=last)
+        except ValueError as exc:
+            raise ValueError(f"layers: {exc}") from None
+        if set(layout) != set(self.layout):
+            raise ValueError(f"layers: stages {sorted(layout)} are not this job's stages "
+                             f"{sorted(self.layout)}")
         return layout
 
     def _resplit(self, layout: dict[int, tuple[int, int]]) -> str:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
+from fleetwise.planner.stages import stage_spans
 from fleetwise.training.sampler import MicrobatchMap, load_microbatch_map
 
 __all__ = ["PipelineStages", "micro_batches", "micro_weight", "rank_config", "stage_bounds",
@@ -125,32 +126,13 @@ def stage_bounds(layout: Mapping[Any, Sequence[int]], num_layers: int, *, leadin
     them (an embedding) and `trailing` after (a final norm, the head), which stay with the first
     and the last stage. Raises ValueError unless the stages are 0..n-1 holding contiguous,
     non-empty runs of every planned layer in stage order."""
-    spans = _spans(layout)
-    planned = num_layers - leading - trailing
-    if sorted(spans) != list(range(len(spans))) or not spans:
-        raise ValueError(f"layout: stages must be 0..n-1, got {sorted(spans)}")
-    at = 0
-    parts = [0]
-    for s in sorted(spans):
-        first, last = spans[s]
-        if first != at or last < first:
-            raise ValueError(f"layout: stage {s} holds {first}-{last}; stages must hold contiguous, "
-                             f"non-empty runs of layers from 0 in stage order")
-        at = last + 1
-        parts.append(leading + at)
-    if at != planned:
-        raise ValueError(f"layout: the stages end at layer {at - 1}, the model's last planned layer is "
-                         f"{planned - 1} ({num_layers} module layers, {leading} before and {trailing} "
-                         "after the planned ones)")
-    parts[-1] = num_layers
-    return parts
-
-
-def _spans(layout: Mapping[Any, Sequence[int]]) -> dict[int, tuple[int, int]]:
     try:
-        return {int(k): (int(v[0]), int(v[1])) for k, v in layout.items()}
-    except (TypeError, ValueError, IndexError):
-        raise ValueError(f"layout: expected {{stage: (first, last)}} integers, got {layout!r}") from None
+        spans = stage_spans(layout, last=num_layers - leading - trailing - 1)
+    except ValueError as exc:
+        raise ValueError(f"layout: {exc} (of {num_layers} module layers, {leading} before and "
+                         f"{trailing} after the planned ones)") from None
+    ends = [leading + spans[s][1] + 1 for s in sorted(spans)]
+    return [0, *ends[:-1], num_layers]
 
 
 @cache
@@ -243,4 +225,4 @@ class PipelineStages:
         params = None if optimizer is not None else module.parameters()
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                                     model_parameters=params, config=self._config)
-        self.layout = _spans(layout)
+        self.layout = stage_spans(layout)
