@@ -164,8 +164,7 @@ class PipelineStages:
     stage's optimizer from its parameters (None: the config's `optimizer` section). `leading`
     / `trailing`: module layers before the plan's first layer (an embedding) and after its last
     (final norm, head); they stay with the first / last stage. Other keywords go to
-    `PipelineModule` (`loss_fn`, `topology`, `activation_checkpoint_interval`,
-    ...).
+    `PipelineModule` (`loss_fn`, `topology`, `activation_checkpoint_interval`, ...).
 
     Train with `engine` (re-read it after each step: a re-split replaces it) and give the
     training plugin `stage`, `layers` and `rebuild`:
