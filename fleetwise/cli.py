@@ -847,6 +847,11 @@ def replay(
                              "the trace, other commands expire and are reported."),
     audit: Path | None = typer.Option(None, "--audit", help="Also write the audit events (rails that "
                                       "held a command back, expiries, approvals) as JSON lines."),
+    in_time_order: bool = typer.Option(False, "--sort/--file-order", help="Merge the traces' lines "
+                                       "into event-time order first (as `fleetwise trace sort`, spilling "
+                                       "to temporary files), for recordings written per node or per rank; "
+                                       "bad lines are then named by their place in the merged order. "
+                                       "Default: each file in turn, line by line."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
                                              "as the model's policy says; the packaged model: both)."),
@@ -870,7 +875,7 @@ def replay(
     control = ControlPlane(config)
     with replay_process():
         runtime = run_replay(traces, out, inventory=inventory, features=features, control=control,
-                             simulate_acks=acks == "simulated", audit=audit)
+                             simulate_acks=acks == "simulated", audit=audit, in_time_order=in_time_order)
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:
@@ -897,7 +902,7 @@ def replay(
             f"{control.stragglers.config.stale_s:g} s before their job's newest step record: the step "
             "records are not in event-time order (a trace written rank by rank?). The straggler detector "
             "compares a job's ranks step by step as the records come, so its findings on this trace are not "
-            "reliable: give the step records in time order (`fleetwise trace sort`).",
+            "reliable: give the step records in time order (`--sort`, or `fleetwise trace sort`).",
             highlight=False)
     console.print(
         f"replayed {data['lines']} lines: {data['samples']} GPU samples, {data['steps']} step records, "

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fleetwise.cli import app
 from fleetwise.sim import FleetSimulator, SimConfig, write_trace
-from fleetwise.streams.trace_sort import line_ts, sort_traces
+from fleetwise.streams.trace_sort import line_ts, sort_traces, text_blocks
 
 T0 = 1764547200.0
 
@@ -60,8 +60,8 @@ def test_line_ts_reads_what_the_records_read() -> None:
 def test_recordings_per_node_and_per_rank_sorted_replay_like_the_recording_in_order(tmp_path) -> None:
     # A simulated fleet split as recorders write it: each node's GPU samples in a file, each
     # rank's step records in a file. Replayed one file after another, the step records go back in
-    # time and the straggler findings differ; merged with `trace sort`, the decisions are the
-    # original's.
+    # time and the straggler findings differ; merged with `trace sort` (or `replay --sort`), the
+    # decisions are the original's.
     sim = FleetSimulator(SimConfig(gpus="h100-sxm:16,a100-sxm-80gb:16", days=0.5, seed=5,
                                    straggler_rate_per_1000_gpu_days=2000.0))
     original = tmp_path / "t.jsonl"
@@ -78,9 +78,9 @@ def test_recordings_per_node_and_per_rank_sorted_replay_like_the_recording_in_or
         nodes.append(path)
     runner = CliRunner()
 
-    def replay(*traces: Path) -> tuple[dict, str]:
+    def replay(*traces: Path, order: str = "--file-order") -> tuple[dict, str]:
         out = tmp_path / "d.jsonl"
-        result = runner.invoke(app, ["replay", *map(str, traces), "--out", str(out), "--json"])
+        result = runner.invoke(app, ["replay", *map(str, traces), "--out", str(out), "--json", order])
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout), out.read_text()
 
@@ -95,6 +95,10 @@ def test_recordings_per_node_and_per_rank_sorted_replay_like_the_recording_in_or
     assert json.loads(sorted_.stdout)["lines"] == want["lines"]
     got, merged_decisions = replay(merged)
     assert got["step_groups_back_in_time"] == 0 and merged_decisions == decisions
+    # The same merge inside the replay (`--sort`): no file written, the same decisions.
+    inline, inline_decisions = replay(*nodes, order="--sort")
+    assert inline["lines"] == want["lines"] and inline["step_groups_back_in_time"] == 0
+    assert inline_decisions == decisions
 
 
 def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_path) -> None:
@@ -110,3 +114,13 @@ def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_p
     assert nowhere.exit_code == 2 and "does not exist" in " ".join(nowhere.output.split())
     replay = CliRunner().invoke(app, ["replay", str(trace), "--out", unwritable])  # before the work
     assert replay.exit_code == 2 and "does not exist" in " ".join(replay.output.split())
+
+
+def test_text_blocks_join_whole_lines_up_to_the_block_size() -> None:
+    lines = [b"%d\n" % i for i in range(1000)]
+    blocks = list(text_blocks(lines, block_bytes=100))
+    assert b"".join(blocks) == b"".join(lines)
+    assert all(b.endswith(b"\n") for b in blocks)
+    # each block closes at the first line that takes it to 100 bytes (lines here are <= 4 bytes)
+    assert all(100 <= len(b) < 104 for b in blocks[:-1]) and 0 < len(blocks[-1]) < 104
+    assert list(text_blocks([])) == []

@@ -39,6 +39,7 @@ BLOCK_LINES = 8192
 # Bytes of (decompressed) trace read at a time: a block of GPU sample and step lines is
 # decoded in one msgspec call, never split into lines.
 READ_BYTES = 1 << 20
+SORTED_SOURCE = "<traces in time order>"  # bad lines' source in a replay of merged traces
 
 
 class EventBus:
@@ -401,6 +402,7 @@ def replay(
     features: Path | None = None,
     simulate_acks: bool = True,
     audit: Path | None = None,
+    in_time_order: bool = False,
 ) -> EmbeddedRuntime:
     """Run the whole control plane over recorded telemetry; write decisions as JSON lines.
 
@@ -410,15 +412,24 @@ def replay(
 
     `simulate_acks`: consumers answer every command (`SimulatedConsumers`), so drains follow
     their checkpoints and resizes their drains; off, commands go unanswered and expire (acks
-    recorded in the trace itself are read either way). `audit`: write the audit events."""
+    recorded in the trace itself are read either way). `audit`: write the audit events.
+    `in_time_order`: merge the traces' lines into event-time order first (`trace_sort`), for
+    recordings written per node or per rank; bad lines are then named by their place in the
+    merged order (SORTED_SOURCE:N)."""
     if control is None:
         control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
     consumers = SimulatedConsumers(control.config.keyring) if simulate_acks else None
     runtime = EmbeddedRuntime(control, consumers=consumers)
     if inventory is not None:
         runtime.feed_text_blocks(read_text_blocks(inventory), str(inventory))
-    for path in traces:
-        runtime.feed_text_blocks(read_text_blocks(path), str(path))
+    if in_time_order:
+        from fleetwise.streams.trace_sort import sorted_lines, text_blocks
+
+        with sorted_lines(traces) as lines:
+            runtime.feed_text_blocks(text_blocks(lines), SORTED_SOURCE)
+    else:
+        for path in traces:
+            runtime.feed_text_blocks(read_text_blocks(path), str(path))
     runtime.finish()
     if out is not None:
         with open(out, "w") as fh:

@@ -20,6 +20,7 @@ import heapq
 import math
 import tempfile
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -29,7 +30,7 @@ import msgspec
 from isal import igzip
 
 from fleetwise.schemas import parse_timestamp
-from fleetwise.streams.embedded import read_text_blocks
+from fleetwise.streams.embedded import READ_BYTES, read_text_blocks
 
 RUN_LINES = 500_000  # lines sorted in memory at a time (~0.8 GB of 1.3 KB sample lines at most)
 
@@ -108,12 +109,14 @@ def _read_run(path: Path) -> Iterator[tuple[float, int, bytes]]:
             yield float(ts), int(seq), line
 
 
-def sort_traces(paths: Iterable[Path], out: Path, *, run_lines: int = RUN_LINES,
-                tmp_dir: Path | None = None) -> SortSummary:
-    """Write the lines of `paths` to `out` (.gz: compressed) in event-time order."""
+@contextmanager
+def sorted_lines(paths: Iterable[Path], *, run_lines: int = RUN_LINES, tmp_dir: Path | None = None,
+                 summary: SortSummary | None = None) -> Iterator[Iterator[bytes]]:
+    """The lines of `paths` in event-time order, while the context is open (the runs spilled
+    to a temporary folder, removed on exit). Reads every input line before it yields."""
     if run_lines < 1:
         raise ValueError(f"run_lines must be at least 1, got {run_lines}")
-    summary = SortSummary()
+    summary = summary if summary is not None else SortSummary()
     with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="fleetwise-sort-") as directory:
         runs: list[Path] = []
         run: list[tuple[float, int, bytes]] = []
@@ -126,6 +129,29 @@ def sort_traces(paths: Iterable[Path], out: Path, *, run_lines: int = RUN_LINES,
             runs.append(_write_run(run, directory))
         summary.runs = len(runs)
         ordered = heapq.merge(*map(_read_run, runs), key=_ORDER) if runs else sorted(run, key=_ORDER)
-        with _open_out(out) as fh:
-            fh.writelines(line for _, _, line in ordered)
+        yield (line for _, _, line in ordered)
+
+
+def sort_traces(paths: Iterable[Path], out: Path, *, run_lines: int = RUN_LINES,
+                tmp_dir: Path | None = None) -> SortSummary:
+    """Write the lines of `paths` to `out` (.gz: compressed) in event-time order."""
+    summary = SortSummary()
+    with sorted_lines(paths, run_lines=run_lines, tmp_dir=tmp_dir, summary=summary) as lines, \
+            _open_out(out) as fh:
+        fh.writelines(lines)
     return summary
+
+
+def text_blocks(lines: Iterable[bytes], block_bytes: int = READ_BYTES) -> Iterator[bytes]:
+    """Lines (each ending in a newline) joined into blocks of about `block_bytes`, as
+    `read_text_blocks` gives a file's text to the replay."""
+    held: list[bytes] = []
+    size = 0
+    for line in lines:
+        held.append(line)
+        size += len(line)
+        if size >= block_bytes:
+            yield b"".join(held)
+            held, size = [], 0
+    if held:
+        yield b"".join(held)
