@@ -1,4 +1,4 @@
-"""Put replay traces in event-time order: `fleetwise trace sort`.
+"""Put replay traces in event-time order: `fleetwise trace sort`, `fleetwise replay --sort`.
 
 A replay reads its lines in the order given, as the workers read a topic: the straggler
 detector compares a job's ranks step by step as the records come, and the fleet-wide rails
