@@ -124,3 +124,20 @@ def test_text_blocks_join_whole_lines_up_to_the_block_size() -> None:
     # each block closes at the first line that takes it to 100 bytes (lines here are <= 4 bytes)
     assert all(100 <= len(b) < 104 for b in blocks[:-1]) and 0 < len(blocks[-1]) < 104
     assert list(text_blocks([])) == []
+
+
+def test_replay_sort_names_a_bad_line_by_its_place_in_the_merged_order(tmp_path) -> None:
+    from fleetwise.streams.embedded import SORTED_SOURCE, replay
+
+    sample = {"node": "n", "gpu": 0, "model": "NVIDIA H100 80GB HBM3",
+              "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60}}
+    late, early = tmp_path / "late.jsonl", tmp_path / "early.jsonl"
+    late.write_text(json.dumps({**sample, "ts": T0 + 120}) + "\n")
+    early.write_text(json.dumps({**sample, "ts": T0}) + "\n" + "{not json\n"
+                     + json.dumps({**sample, "ts": T0 + 60}) + "\n")
+    runtime = replay([late, early], in_time_order=True)
+    # merged: T0, the bad line (after the line before it in its file), T0 + 60, T0 + 120
+    assert [s for s, _ in runtime.summary.bad_lines] == [f"{SORTED_SOURCE}:2"]
+    assert runtime.summary.samples == 3
+    in_files = replay([late, early])
+    assert [s for s, _ in in_files.summary.bad_lines] == [f"{early}:2"]
