@@ -691,7 +691,8 @@ def trace_sort(
     traces: list[Path] = typer.Argument(..., help="Trace files (.jsonl or .jsonl.gz), in any order."),
     out: Path = typer.Option(..., "--out", help="The merged trace, in event-time order (.gz: compressed)."),
     run_lines: int = typer.Option(500_000, help="Lines sorted in memory at a time (the rest spill "
-                                  "to temporary files: ~0.8 GB of memory for 1.3 KB lines)."),
+                                  "to compressed temporary files in $TMPDIR, ~10% of the text's "
+                                  "size: ~0.8 GB of memory for 1.3 KB lines)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Merge trace files into one in event-time order (per-node recordings, a trace written rank

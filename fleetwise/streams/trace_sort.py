@@ -96,15 +96,17 @@ def _keyed(paths: Iterable[Path], summary: SortSummary) -> Iterator[tuple[float,
 
 def _write_run(run: list[tuple[float, int, bytes]], directory: str) -> Path:
     run.sort(key=_ORDER)
-    with tempfile.NamedTemporaryFile("wb", dir=directory, suffix=".run", delete=False) as fh:
-        for ts, seq, line in run:
-            fh.write(b"%r\t%d\t" % (ts, seq) + line)
-        return Path(fh.name)
+    # Compressed (ISA-L, level 1: ~10x smaller for ~0.5 s of CPU per 300 MB), so a month's
+    # runs need a few GB of temporary space, not the traces' uncompressed size.
+    fd, name = tempfile.mkstemp(dir=directory, suffix=".run.gz")
+    with open(fd, "wb") as raw, igzip.open(raw, "wb", compresslevel=1) as fh:
+        fh.writelines(b"%r\t%d\t%b" % item for item in run)
+    return Path(name)
 
 
 def _read_run(path: Path) -> Iterator[tuple[float, int, bytes]]:
-    with open(path, "rb") as fh:
-        for raw in fh:
+    for block in read_text_blocks(path):  # a run's lines come from _lines: each ends its line
+        for raw in block.splitlines(keepends=True):
             ts, seq, line = raw.split(b"\t", 2)
             yield float(ts), int(seq), line
 
