@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from test_kube_consumer import cluster  # noqa: F401 - a fixture (nodes on the real API server)
 from test_streams_kafka import (  # noqa: F401 - `namespace` is a fixture
     START_TS,
     TICK_S,
@@ -18,7 +19,7 @@ from test_streams_kafka import (  # noqa: F401 - `namespace` is a fixture
     produce,
 )
 
-from fleetwise.actuators import Keyring, verify_command
+from fleetwise.actuators import Keyring, sign, verify_command
 from fleetwise.schemas import Ack, Command
 from fleetwise.schemas import topics as T
 from fleetwise.streams.kafka_io import consume_until, produce_records, record_key, topic_name
@@ -274,3 +275,96 @@ async def test_two_workers_keep_one_fleet_drain_cap_by_reading_each_others_comma
     assert held == {f"node-{n:03d}" for n in range(1, 16)}
     sent = await consume_until(kafka_bootstrap, [topic_name(T.COMMANDS_KUBE, prefix)], timeout_s=10, idle_s=3)
     assert [(c["node"], c["type"]) for c in (json.loads(m.value) for m in sent)] == [("node-000", "drain")]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_two_workers_and_the_kube_consumer_never_drain_past_the_fleet_cap_on_the_cluster(
+    kafka_bootstrap: str, namespace, cluster, tmp_path,  # noqa: F811 - fixtures imported above
+):
+    """End to end, with a race the workers' own count cannot always see: fleet cap 1, two
+    workers holding half the partitions each, the same fatal XID on every GPU 1 of 16 nodes at
+    once (so each worker may decide a drain before it has read the other's), and the kube
+    consumer carrying out drains on the API server. However many drains the workers send, the
+    cluster ends with exactly one GPU drained: one drain `done`, any other `rejected` by the
+    consumer's count of the cluster; every other XID is held back by the workers' cap; a late
+    drain from another sender is refused by the consumer too."""
+    import asyncio
+    import threading
+
+    from fleetwise.actuators.config import Rails
+    from fleetwise.kube.consumer import ClientApi, KubeConsumer, count_drained
+    from fleetwise.training.transport import KafkaTransport
+
+    prefix, new_worker = namespace
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rails: {max_drained_gpus_fleet: 1, breaker_drains: 100, stale_after_s: 86400}\n")
+    workers = [new_worker("--policy", str(policy)).start() for _ in range(2)]
+    nodes = list(cluster.add_nodes(["h100-sxm"] * 16))
+    # The consumer judges expiry by its clock: the recording's end, as wall time would be live.
+    consumer = KubeConsumer(ClientApi(cluster.kube.api_client()), Keyring(), namespace=cluster.ns,
+                            rails=Rails(max_drained_gpus_fleet=1), clock=lambda: START_TS + 140 * TICK_S)
+    transport = KafkaTransport(kafka_bootstrap, prefix=prefix, from_beginning=True)
+    stop = threading.Event()
+    carrying = threading.Thread(target=consumer.run, args=(transport, stop, 0.1), daemon=True)
+    carrying.start()
+    try:
+        wait_until_all_hold_partitions(workers)
+        both = Workers(workers)
+        batches = node_batches(16, 2, 140, seed=3)
+        for b in batches:
+            b["node"] = nodes[int(b["node"][-3:])]
+            for s in b["samples"]:
+                s["node"] = b["node"]
+                fatal = s["gpu"] == 1 and s["ts"] >= START_TS + 15 * TICK_S
+                s["metrics"]["DCGM_FI_DEV_XID_ERRORS"] = 48 if fatal else 0
+        await produce(kafka_bootstrap, prefix, [encode(b) for b in batches])
+
+        def settled(messages: list) -> bool:
+            drains, finals, held = set(), set(), set()
+            for m in messages:
+                record = json.loads(m.value)
+                if m.topic == topic_name(T.COMMANDS_KUBE, prefix) and record["type"] == "drain":
+                    drains.add(record["id"])
+                elif m.topic == topic_name(T.ACKS, prefix) and record["by"] == "kube-consumer" \
+                        and record["status"] in ("done", "rejected", "failed"):
+                    finals.add(record["command_id"])
+                elif m.topic == topic_name(T.AUDIT, prefix) and record.get("event") == "fleet_drain_cap":
+                    held.add(record["node"])
+            return both.check_alive() and bool(drains) and drains <= finals and len(held) + len(drains) >= 16
+
+        topics = [topic_name(t, prefix) for t in (T.COMMANDS_KUBE, T.ACKS, T.AUDIT)]
+        try:
+            got = await consume_until(kafka_bootstrap, topics, timeout_s=120, until=settled)
+        except TimeoutError as exc:
+            pytest.fail(f"the drains did not settle: {exc}\n{both.log_tail()}")
+        # Whether the workers raced or not, one more drain from a sender that has not read the
+        # others (a third worker, say) reaches the consumer, which counts the cluster and refuses it.
+        late = sign(Command(id="drain-late-sender", type="drain", ts=START_TS + 100 * TICK_S, node=nodes[15],
+                            gpu=0, reason="a worker that had not read the others' drains",
+                            expires_ts=START_TS + 100 * TICK_S + 3600), Keyring())
+        transport.publish(T.COMMANDS_KUBE.name, nodes[15], late)
+        answer = await consume_until(
+            kafka_bootstrap, [topic_name(T.ACKS, prefix)], timeout_s=60,
+            until=lambda ms: any(json.loads(m.value)["command_id"] == late.id
+                                 and json.loads(m.value)["status"] != "received" for m in ms))
+    finally:
+        stop.set()
+        await asyncio.to_thread(carrying.join, 10)
+        transport.close()
+    records = [(m.topic, json.loads(m.value)) for m in got]
+    drains = [r for t, r in records if t == topic_name(T.COMMANDS_KUBE, prefix) and r["type"] == "drain"]
+    acks = {r["command_id"]: r for t, r in records
+            if t == topic_name(T.ACKS, prefix) and r["by"] == "kube-consumer" and r["status"] != "received"}
+    statuses = sorted(acks[d["id"]]["status"] for d in drains)
+    details = [acks[d["id"]].get("detail") for d in drains]
+    assert statuses == ["done"] + ["rejected"] * (len(drains) - 1), details
+    refused = [acks[d["id"]] for d in drains if acks[d["id"]]["status"] == "rejected"]
+    assert all("fleet drain cap" in a["detail"] for a in refused), refused
+    (late_ack,) = [a for a in map(json.loads, (m.value for m in answer))
+                   if a["command_id"] == late.id and a["status"] != "received"]
+    assert late_ack["status"] == "rejected" and late_ack["detail"].startswith(
+        "fleet drain cap: 1 of 128 GPUs on the cluster are drained (cap 1)"), late_ack
+    on_cluster = [{"annotations": cluster.node(n).metadata.annotations or {}, "gpus": 8} for n in nodes]
+    assert count_drained(on_cluster) == (1, 128)  # one GPU out, whichever worker's drain it was
+    print(f"drain commands the workers sent: {len(drains)} (2: both decided before reading the other's)")
