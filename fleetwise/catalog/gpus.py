@@ -429,8 +429,9 @@ def _parse_csv(text: str, source: str) -> tuple[GpuSpec, ...]:
     return tuple(_parse_row(i, raw, source) for i, raw in enumerate(reader, start=2))
 
 
-# A site's own rows (`add_gpus`), after the packaged ones.
-_IN_USE: list[_Catalog] = []  # the catalog this process reads: the packaged rows, then a site's
+# The catalog this process reads (one slot, filled on first use): the packaged rows, then a
+# site's own (`add_gpus` replaces it with the extended catalog it validated).
+_IN_USE: list[_Catalog] = []
 
 
 def _catalog() -> _Catalog:
