@@ -436,6 +436,42 @@ def test_a_rebalance_moves_the_stage_boundaries_of_a_deepspeed_pipeline_engine(t
         assert diff < 1e-5, (rank, res["losses"], reference)
 
 
+def _ds_refused_rebuild_worker(rank: int, world: int) -> dict[str, Any]:
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+
+    from fleetwise.training.frameworks.deepspeed import PipelineStages
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_batch_size": PIPE_MICRO, "train_micro_batch_size_per_gpu": PIPE_MICRO,
+              "gradient_accumulation_steps": 1, "steps_per_print": 10**6}
+    stages = PipelineStages(_pipe_layers(), {0: (0, 3)}, config, optimizer=_pipe_optimizer,
+                            leading=1, trailing=1, loss_fn=_pipe_loss)
+    engine, refused = stages.engine, []
+    for layers, layout in [((0, 2), {0: (0, 3)}), ((0, 1), {0: (0, 1), 1: (2, 3)}),
+                           ((0, 3), {0: (0, 4)})]:
+        try:
+            stages.rebuild(layers, layout)
+        except ValueError as exc:
+            refused.append(str(exc))
+    return {"refused": refused, "same_engine": stages.engine is engine, "layout": stages.layout}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_refused_pipeline_rebuild_leaves_the_running_engine(tmp_path):
+    """A layout the running pipeline cannot take (other layers for this stage, another stage
+    count, a wrong layer count) is refused with the reason before anything is built."""
+    pytest.importorskip("deepspeed")
+    with _removing_deepspeed_shm():
+        (res,) = tg.run_workers(_ds_refused_rebuild_worker, 1, tmp_path)
+    assert res["same_engine"] and res["layout"] == {0: (0, 3)}
+    assert res["refused"][0] == "rebuild: the plugin asked for layers (0, 2), the layout gives stage 0 (0, 3)"
+    assert res["refused"][1] == "rebuild: the layout has 2 stages, the running pipeline 1"
+    assert "the stages end at layer 4, the model's last is 3" in res["refused"][2]
+    assert len(res["refused"]) == 3
+
+
 def test_pipeline_stage_bounds_take_a_plans_layout_and_name_what_is_wrong():
     from fleetwise.training.frameworks.deepspeed import PipelineStages, stage_bounds
 

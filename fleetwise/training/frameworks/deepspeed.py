@@ -207,11 +207,19 @@ class PipelineStages:
 
     def rebuild(self, layers: tuple[int, int], layout: Mapping[int, Sequence[int]]) -> tuple[Any, Any]:
         """The training plugin's callback: this stage built for `layout`; its (module, optimizer)
-        for the plugin to load from the re-split's checkpoint. `engine` is the new one after."""
-        self._build(layout)
-        if self.layers != tuple(layers):
+        for the plugin to load from the re-split's checkpoint. `engine` is the new one after;
+        a refused layout (ValueError) leaves the running engine as it was."""
+        stage = self.stage  # the topology, so a rank's stage, stays; only the boundaries move
+        stage_bounds(layout, len(self._layers), **self._extra)  # the module's layers, all of them
+        spans = stage_spans(layout)
+        if len(spans) != len(self.layout):
+            raise ValueError(f"rebuild: the layout has {len(spans)} stages, the running pipeline "
+                             f"{len(self.layout)}")
+        wanted = spans[stage]
+        if wanted != tuple(layers):
             raise ValueError(f"rebuild: the plugin asked for layers {tuple(layers)}, the layout gives "
-                             f"stage {self.stage} {self.layers}")
+                             f"stage {stage} {wanted}")
+        self._build(layout)
         return self.engine.module, self.engine.optimizer
 
     def _build(self, layout: Mapping[int, Sequence[int]]) -> None:
