@@ -851,7 +851,7 @@ def replay(
     in_time_order: bool = typer.Option(False, "--sort/--file-order", help="Merge the traces' lines "
                                        "into event-time order first (as `fleetwise trace sort`, spilling "
                                        "to temporary files), for recordings written per node or per rank; "
-                                       "bad lines are then named by their place in the merged order. "
+                                       "bad lines are still named by their file and line. "
                                        "Default: each file in turn, line by line."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fleetwise.cli import app
 from fleetwise.sim import FleetSimulator, SimConfig, write_trace
-from fleetwise.streams.trace_sort import line_ts, sort_traces, text_blocks
+from fleetwise.streams.trace_sort import MergedLineNames, line_ts, sort_traces
 
 T0 = 1764547200.0
 
@@ -116,28 +116,69 @@ def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_p
     assert replay.exit_code == 2 and "does not exist" in " ".join(replay.output.split())
 
 
-def test_text_blocks_join_whole_lines_up_to_the_block_size() -> None:
+def test_merged_text_blocks_join_whole_lines_and_name_them_until_released() -> None:
     lines = [b"%d\n" % i for i in range(1000)]
-    blocks = list(text_blocks(lines, block_bytes=100))
+    names = MergedLineNames(["a.jsonl", "b.jsonl"])
+    origins = [(i % 2) << 40 | (i // 2 + 1) for i in range(1000)]  # alternate files, as merged
+    blocks = list(names.text_blocks(zip(origins, lines, strict=True), block_bytes=100))
     assert b"".join(blocks) == b"".join(lines)
     assert all(b.endswith(b"\n") for b in blocks)
     # each block closes at the first line that takes it to 100 bytes (lines here are <= 4 bytes)
     assert all(100 <= len(b) < 104 for b in blocks[:-1]) and 0 < len(blocks[-1]) < 104
-    assert list(text_blocks([])) == []
+    assert [names.name(n) for n in (1, 2, 3, 1000)] == ["a.jsonl:1", "b.jsonl:1", "a.jsonl:2", "b.jsonl:500"]
+    names.release(500)
+    assert names.name(500) == "b.jsonl:250" and names.name(499) == "<traces in time order>:499"
+    names.release(2000)
+    assert names.name(1000) == "<traces in time order>:1000"
+    assert list(MergedLineNames([]).text_blocks([])) == []
 
 
-def test_replay_sort_names_a_bad_line_by_its_place_in_the_merged_order(tmp_path) -> None:
-    from fleetwise.streams.embedded import SORTED_SOURCE, replay
+def test_replay_sort_names_a_bad_line_by_its_file_and_line(tmp_path) -> None:
+    from fleetwise.streams.embedded import replay
 
     sample = {"node": "n", "gpu": 0, "model": "NVIDIA H100 80GB HBM3",
               "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60}}
     late, early = tmp_path / "late.jsonl", tmp_path / "early.jsonl"
     late.write_text(json.dumps({**sample, "ts": T0 + 120}) + "\n")
-    early.write_text(json.dumps({**sample, "ts": T0}) + "\n" + "{not json\n"
-                     + json.dumps({**sample, "ts": T0 + 60}) + "\n")
+    early.write_text(json.dumps({**sample, "ts": T0}) + "\n\n" + "{not json\n"
+                     + json.dumps({**sample, "ts": T0 + 60, "gpu": "x"}) + "\n")
     runtime = replay([late, early], in_time_order=True)
-    # merged: T0, the bad line (after the line before it in its file), T0 + 60, T0 + 120
-    assert [s for s, _ in runtime.summary.bad_lines] == [f"{SORTED_SOURCE}:2"]
-    assert runtime.summary.samples == 3
+    # merged: T0, the bad JSON (after the line before it in its file), T0 + 60 (a bad gpu), T0 + 120
+    assert [s for s, _ in runtime.summary.bad_lines] == [f"{early}:3", f"{early}:4"]
+    assert runtime.summary.samples == 2
     in_files = replay([late, early])
-    assert [s for s, _ in in_files.summary.bad_lines] == [f"{early}:2"]
+    assert [s for s, _ in in_files.summary.bad_lines] == [f"{early}:3", f"{early}:4"]
+
+
+def test_replay_sort_names_bad_lines_in_their_files_across_spilled_runs(tmp_path, monkeypatch) -> None:
+    """Many files written per GPU, merged through runs on disk and replayed in blocks and
+    chunks smaller than the stream: every bad line is named by its own file and line."""
+    from fleetwise.streams import embedded, trace_sort
+
+    monkeypatch.setattr(trace_sort, "RUN_LINES", 97)
+    monkeypatch.setattr(embedded, "CHUNK", 64)
+    spilled = []
+    write_run = trace_sort._write_run
+    monkeypatch.setattr(trace_sort, "_write_run", lambda run, d: spilled.append(1) or write_run(run, d))
+    files, bad = [], []
+    for gpu in range(4):
+        path = tmp_path / f"gpu{gpu}.jsonl"
+        lines = []
+        for i in range(300):
+            sample = {"ts": T0 + 60 * i, "node": "n0", "gpu": gpu, "model": "NVIDIA H100 80GB HBM3",
+                      "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60 + i % 5}}
+            if (i + gpu) % 41 == 0:
+                sample["metrics"]["DCGM_FI_DEV_GPU_TEMP"] = "hot"
+                bad.append(f"{path}:{len(lines) + 1}")
+            lines.append(json.dumps(sample))
+            if i % 50 == 7:
+                lines.append("")  # blank lines count in the numbering, as in the file
+        path.write_text("\n".join(lines) + "\n")
+        files.append(path)
+    sorted_run = embedded.replay(files, in_time_order=True)
+    named = [s for s, _ in sorted_run.summary.bad_lines]
+    assert sorted(named) == sorted(bad) and len(bad) > 20 and len(spilled) > 10
+    assert sorted_run.summary.samples == 4 * 300 - len(bad)
+    assert sorted(s for s, _ in embedded.replay(files).summary.bad_lines) == sorted(bad)
+
+

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, islice
 from operator import not_
 from pathlib import Path
+from typing import Protocol
 
 from isal import igzip
 
@@ -39,7 +40,32 @@ BLOCK_LINES = 8192
 # Bytes of (decompressed) trace read at a time: a block of GPU sample and step lines is
 # decoded in one msgspec call, never split into lines.
 READ_BYTES = 1 << 20
-SORTED_SOURCE = "<traces in time order>"  # bad lines' source in a replay of merged traces
+SORTED_SOURCE = "<traces in time order>"  # a merged line's name once its origin is released
+
+
+class LineNames(Protocol):
+    """What the replay calls a line of its input in a dead letter's `source`."""
+
+    def name(self, lineno: int) -> str:
+        """The name of line `lineno` (1-based) of the input."""
+        ...
+
+    def release(self, below: int) -> None:
+        """Lines before `below` will not be named again."""
+        ...
+
+
+@dataclass(frozen=True)
+class FileLineNames:
+    """A file's lines: "path:N"."""
+
+    path: str
+
+    def name(self, lineno: int) -> str:
+        return f"{self.path}:{lineno}"
+
+    def release(self, below: int) -> None:
+        pass
 
 
 class EventBus:
@@ -191,11 +217,11 @@ class EmbeddedRuntime:
     def feed(self, topic: str, records: list[Item]) -> None:
         self._publish(self.control.handle(topic, records))
 
-    def feed_lines(self, lines: Iterable[bytes], source: str) -> None:
+    def feed_lines(self, lines: Iterable[bytes], source: str | LineNames) -> None:
         """Replay lines in file order: `feed_line_blocks`."""
         self.feed_line_blocks(_blocks(lines), source)
 
-    def feed_text_blocks(self, blocks: Iterable[bytes], source: str) -> None:
+    def feed_text_blocks(self, blocks: Iterable[bytes], source: str | LineNames) -> None:
         """Replay a file's text, given in blocks of whole lines (`read_text_blocks`), in file order.
 
         A block of GPU sample and step lines only is decoded in one call, without splitting
@@ -215,7 +241,7 @@ class EmbeddedRuntime:
 
         self.feed_line_blocks(chain.from_iterable(map(decoded, blocks)), source)
 
-    def feed_line_blocks(self, blocks: Iterable[list[bytes] | TraceBlock], source: str) -> None:
+    def feed_line_blocks(self, blocks: Iterable[list[bytes] | TraceBlock], source: str | LineNames) -> None:
         """Replay lines (samples, batches, steps, inventories, plans) in file order, given in
         lists of consecutive lines (with or without their newline) or decoded (`TraceBlock`).
 
@@ -227,7 +253,9 @@ class EmbeddedRuntime:
         The two topics are independent, as on Kafka, where each has its own consumer. Any
         other line first flushes both buffers (step records too), then goes alone. A block of
         GPU and step lines only is sorted into the buffers with C-level slices; one with any
-        other line (or a blank one) goes line by line."""
+        other line (or a blank one) goes line by line. `source`: a file's path (bad lines are
+        named "path:N") or the lines' names (`LineNames`)."""
+        names = FileLineNames(source) if isinstance(source, str) else source
         gpu_lines: list[bytes] = []  # lines not decoded yet
         step_lines: list[bytes] = []
         gpu_items: list[Item] = []  # decoded, not handed over yet
@@ -243,11 +271,12 @@ class EmbeddedRuntime:
             for topic, held, items, kind in ((T.TELEMETRY_GPU.name, gpu_lines, gpu_items, True),
                                              (T.TELEMETRY_STEPS.name, step_lines, step_items, False)):
                 if held:
-                    sources = LineSources(source, first, kinds, kind)
+                    sources = LineSources(names, first, kinds, kind)
                     items.extend(self.control.decode_lines(topic, held, sources))
                     held.clear()
             first += len(kinds)
             kinds = []
+            names.release(first)
 
         def flush(steps: bool = True) -> None:
             nonlocal buffered, gpu_items, step_items
@@ -324,7 +353,7 @@ class EmbeddedRuntime:
                     kinds.append(None)
                     continue
                 flush()  # the lines before this one, then this one alone
-                for record in self._decode_line(line.rstrip(b"\r\n"), f"{source}:{lineno}"):
+                for record in self._decode_line(line.rstrip(b"\r\n"), names.name(lineno)):
                     self.feed(_topic_of(record), [record])
                 first = lineno + 1
         flush()
@@ -360,11 +389,11 @@ class EmbeddedRuntime:
 
 
 class LineSources(Sequence[str]):
-    """"file:line" of each buffered line of one topic, made only when one is asked for (errors):
+    """The name of each buffered line of one topic, made only when one is asked for (errors):
     from the kinds of consecutive lines from line `first` on, the lines of kind `kind`."""
 
-    def __init__(self, path: str, first: int, kinds: list[bool | None], kind: bool) -> None:
-        self.path, self.first, self.kinds, self.kind = path, first, kinds, kind
+    def __init__(self, names: LineNames, first: int, kinds: list[bool | None], kind: bool) -> None:
+        self.names, self.first, self.kinds, self.kind = names, first, kinds, kind
         self.count = kinds.count(kind)
         self._linenos: list[int] | None = None
 
@@ -374,7 +403,7 @@ class LineSources(Sequence[str]):
     def __getitem__(self, i: int) -> str:  # type: ignore[override]
         if self._linenos is None:
             self._linenos = [self.first + j for j, k in enumerate(self.kinds) if k is self.kind]
-        return f"{self.path}:{self._linenos[i]}"
+        return self.names.name(self._linenos[i])
 
 
 def _topic_of(record: Record) -> str:
@@ -414,8 +443,7 @@ def replay(
     their checkpoints and resizes their drains; off, commands go unanswered and expire (acks
     recorded in the trace itself are read either way). `audit`: write the audit events.
     `in_time_order`: merge the traces' lines into event-time order first (`trace_sort`), for
-    recordings written per node or per rank; bad lines are then named by their place in the
-    merged order (SORTED_SOURCE:N)."""
+    recordings written per node or per rank; bad lines are still named by their file and line."""
     if control is None:
         control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
     consumers = SimulatedConsumers(control.config.keyring) if simulate_acks else None
@@ -423,10 +451,12 @@ def replay(
     if inventory is not None:
         runtime.feed_text_blocks(read_text_blocks(inventory), str(inventory))
     if in_time_order:
-        from fleetwise.streams.trace_sort import sorted_lines, text_blocks
+        from fleetwise.streams.trace_sort import MergedLineNames, sorted_lines
 
+        traces = list(traces)
+        names = MergedLineNames(traces)
         with sorted_lines(traces) as lines:
-            runtime.feed_text_blocks(text_blocks(lines), SORTED_SOURCE)
+            runtime.feed_text_blocks(names.text_blocks(lines), names)
     else:
         for path in traces:
             runtime.feed_text_blocks(read_text_blocks(path), str(path))

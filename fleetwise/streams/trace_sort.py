@@ -7,6 +7,8 @@ after another, a generator that writes rank by rank. This merges any number of t
 into one, ordered by `ts` (Unix seconds or RFC 3339, as the records read it); lines with the
 same `ts` keep their input order (file by file, line by line), so a file already in order comes
 out byte for byte (but for blank lines, which are dropped, and a newline after the last line).
+Each line keeps its origin (file and line number) through the sort, so a replay of the merged
+lines names a bad line where it is in its own file (`MergedLineNames`).
 
 Memory is bounded: runs of `run_lines` lines are sorted in memory and written to temporary
 files, then merged (an external merge sort). A line whose `ts` cannot be read (not JSON, no
@@ -19,7 +21,8 @@ from __future__ import annotations
 import heapq
 import math
 import tempfile
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import itemgetter
@@ -30,9 +33,13 @@ import msgspec
 from isal import igzip
 
 from fleetwise.schemas import parse_timestamp
-from fleetwise.streams.embedded import READ_BYTES, read_text_blocks
+from fleetwise.streams.embedded import READ_BYTES, SORTED_SOURCE, read_text_blocks
 
 RUN_LINES = 500_000  # lines sorted in memory at a time (~0.8 GB of 1.3 KB sample lines at most)
+# A line's origin is one integer, (input file index) << _LINE_BITS | (its line number there):
+# ordered as the input is, so it also breaks ties between equal timestamps.
+_LINE_BITS = 40
+_LINE_MASK = (1 << _LINE_BITS) - 1
 
 
 class _Stamp(msgspec.Struct):
@@ -63,24 +70,35 @@ def _open_out(path: Path) -> IO[bytes]:
     return igzip.open(path, "wb") if path.suffix == ".gz" else open(path, "wb")
 
 
-def _lines(path: Path) -> Iterator[bytes]:
-    for block in read_text_blocks(path):
-        for line in block.splitlines(keepends=True):
+def origin_of(origin: int) -> tuple[int, int]:
+    """(input file index, line number in it) of a sorted line's origin."""
+    return origin >> _LINE_BITS, origin & _LINE_MASK
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line ending in a newline) of the file's non-blank lines; numbered as the
+    replay numbers them (lines end at a newline; blank lines count)."""
+    lineno = 0
+    for block in read_text_blocks(path):  # whole lines; the last may lack its newline
+        lines = block.split(b"\n")
+        if not lines[-1]:
+            lines.pop()
+        for line in lines:
+            lineno += 1
             if line.strip():
-                yield line if line.endswith(b"\n") else line + b"\n"
+                yield lineno, line + b"\n"
 
 
-_ORDER = itemgetter(0, 1)  # (ts, input index)
+_ORDER = itemgetter(0, 1)  # (ts, origin)
 
 
 def _keyed(paths: Iterable[Path], summary: SortSummary) -> Iterator[tuple[float, int, bytes]]:
-    """(ts, input index, line) for every line, in input order."""
-    seq = 0
+    """(ts, origin, line) for every line, in input order."""
     newest = -math.inf
-    for path in paths:
+    for index, path in enumerate(paths):
         summary.files += 1
         last = -math.inf  # an unreadable line sorts right after the line before it in its file
-        for line in _lines(path):
+        for lineno, line in _lines(path):
             ts = line_ts(line)
             if ts is None:
                 summary.unreadable_ts += 1
@@ -89,9 +107,8 @@ def _keyed(paths: Iterable[Path], summary: SortSummary) -> Iterator[tuple[float,
                 summary.out_of_order += 1
             last = ts
             newest = max(newest, ts)
-            yield ts, seq, line
-            seq += 1
-    summary.lines = seq
+            summary.lines += 1
+            yield ts, index << _LINE_BITS | lineno, line
 
 
 def _write_run(run: list[tuple[float, int, bytes]], directory: str) -> Path:
@@ -112,10 +129,12 @@ def _read_run(path: Path) -> Iterator[tuple[float, int, bytes]]:
 
 
 @contextmanager
-def sorted_lines(paths: Iterable[Path], *, run_lines: int = RUN_LINES, tmp_dir: Path | None = None,
-                 summary: SortSummary | None = None) -> Iterator[Iterator[bytes]]:
-    """The lines of `paths` in event-time order, while the context is open (the runs spilled
-    to a temporary folder, removed on exit). Reads every input line before it yields."""
+def sorted_lines(paths: Iterable[Path], *, run_lines: int | None = None, tmp_dir: Path | None = None,
+                 summary: SortSummary | None = None) -> Iterator[Iterator[tuple[int, bytes]]]:
+    """(origin, line) of the lines of `paths` in event-time order, while the context is open
+    (the runs spilled to a temporary folder, removed on exit); `origin_of` reads an origin.
+    Reads every input line before it yields."""
+    run_lines = RUN_LINES if run_lines is None else run_lines
     if run_lines < 1:
         raise ValueError(f"run_lines must be at least 1, got {run_lines}")
     summary = summary if summary is not None else SortSummary()
@@ -131,29 +150,57 @@ def sorted_lines(paths: Iterable[Path], *, run_lines: int = RUN_LINES, tmp_dir: 
             runs.append(_write_run(run, directory))
         summary.runs = len(runs)
         ordered = heapq.merge(*map(_read_run, runs), key=_ORDER) if runs else sorted(run, key=_ORDER)
-        yield (line for _, _, line in ordered)
+        yield ((origin, line) for _, origin, line in ordered)
 
 
-def sort_traces(paths: Iterable[Path], out: Path, *, run_lines: int = RUN_LINES,
+def sort_traces(paths: Iterable[Path], out: Path, *, run_lines: int | None = None,
                 tmp_dir: Path | None = None) -> SortSummary:
     """Write the lines of `paths` to `out` (.gz: compressed) in event-time order."""
     summary = SortSummary()
     with sorted_lines(paths, run_lines=run_lines, tmp_dir=tmp_dir, summary=summary) as lines, \
             _open_out(out) as fh:
-        fh.writelines(lines)
+        fh.writelines(line for _, line in lines)
     return summary
 
 
-def text_blocks(lines: Iterable[bytes], block_bytes: int = READ_BYTES) -> Iterator[bytes]:
-    """Lines (each ending in a newline) joined into blocks of about `block_bytes`, as
-    `read_text_blocks` gives a file's text to the replay."""
-    held: list[bytes] = []
-    size = 0
-    for line in lines:
-        held.append(line)
-        size += len(line)
-        if size >= block_bytes:
+class MergedLineNames:
+    """"file:line" of the lines of a merged stream (`sorted_lines`) by their place in it, as
+    the replay asks for them (`fleetwise.streams.embedded.LineNames`). `text_blocks` gives the
+    stream to the replay and keeps each line's origin until the replay releases it: memory for
+    the lines it has not decoded yet, not for the stream."""
+
+    def __init__(self, paths: Sequence[Path | str]) -> None:
+        self.paths = [str(p) for p in paths]
+        self._origins = array("q")  # origins of the lines from line number `_first` on
+        self._first = 1
+
+    def text_blocks(self, lines: Iterable[tuple[int, bytes]],
+                    block_bytes: int = READ_BYTES) -> Iterator[bytes]:
+        """The (origin, line) pairs' lines (each ending in a newline) joined into blocks of
+        about `block_bytes`, as `read_text_blocks` gives a file's text to the replay."""
+        held: list[bytes] = []
+        size = 0
+        origins = self._origins
+        for origin, line in lines:
+            held.append(line)
+            origins.append(origin)
+            size += len(line)
+            if size >= block_bytes:
+                yield b"".join(held)
+                held, size = [], 0
+        if held:
             yield b"".join(held)
-            held, size = [], 0
-    if held:
-        yield b"".join(held)
+
+    def name(self, lineno: int) -> str:
+        i = lineno - self._first
+        if 0 <= i < len(self._origins):
+            index, line = origin_of(self._origins[i])
+            return f"{self.paths[index]}:{line}"
+        return f"{SORTED_SOURCE}:{lineno}"  # released already: only its place in the stream
+
+    def release(self, below: int) -> None:
+        """The replay will not ask for lines before `below` again."""
+        drop = min(below - self._first, len(self._origins))
+        if drop > 0:
+            del self._origins[:drop]
+            self._first += drop
