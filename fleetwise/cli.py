@@ -710,13 +710,18 @@ def trace_sort(
     except OSError as exc:  # an unwritable --out, a full disk, an unreadable trace
         fail(f"trace sort: {exc.strerror or exc}: {exc.filename or out}")
     data = {"lines": summary.lines, "files": summary.files, "out_of_order": summary.out_of_order,
-            "unreadable_ts": summary.unreadable_ts, "runs": summary.runs, "out": str(out)}
+            "unreadable_ts": summary.unreadable_ts, "unreadable_first": summary.unreadable_first,
+            "runs": summary.runs, "out": str(out)}
     if as_json:
         print_json(data)
         return
     console.print(f"sorted {data['lines']} lines from {data['files']} files ({data['out_of_order']} were "
                   f"older than a line before them; {data['unreadable_ts']} without a readable ts kept in "
-                  f"place) -> {out}")
+                  f"place) -> {out}", soft_wrap=True)
+    if summary.unreadable_first:
+        more = summary.unreadable_ts - len(summary.unreadable_first)
+        console.print("without a readable ts: " + ", ".join(summary.unreadable_first)
+                      + (f" and {more} more" if more else ""), soft_wrap=True)
 
 
 # ---- sim -------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_lines_are_merged_by_ts_with_ties_in_input_order_through_spilled_runs(tm
         # right after a1, the line before it in its file
         assert tags == ["a1", "{not json", "b0", "a4", "b2", "a0", "b1", "a3"], run_lines
         assert (summary.lines, summary.files, summary.unreadable_ts) == (8, 2, 1)
+        assert summary.unreadable_first == [f"{a}:3"]
         assert summary.out_of_order == 5  # a1, a4, b0, b1, b2: each older than a line before it
         assert summary.runs == {1: 8, 2: 4, 100: 0}[run_lines]
 
@@ -99,6 +100,20 @@ def test_recordings_per_node_and_per_rank_sorted_replay_like_the_recording_in_or
     inline, inline_decisions = replay(*nodes, order="--sort")
     assert inline["lines"] == want["lines"] and inline["step_groups_back_in_time"] == 0
     assert inline_decisions == decisions
+
+
+def test_trace_sort_names_the_first_lines_without_a_readable_ts(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    bad = "".join(f"{{not json {i}\n" for i in range(7))
+    trace.write_text(_line(T0, "x") + "\n" + bad + _line(T0 + 1, "y"))
+    out = CliRunner().invoke(app, ["trace", "sort", str(trace), "--out", str(tmp_path / "o.jsonl")])
+    assert out.exit_code == 0, out.output
+    named = ", ".join(f"{trace}:{n}" for n in range(3, 8))  # line 2 is blank
+    assert f"without a readable ts: {named} and 2 more" in out.output
+    as_json = CliRunner().invoke(app, ["trace", "sort", str(trace), "--out", str(tmp_path / "o.jsonl"),
+                                       "--json"])
+    data = json.loads(as_json.stdout)
+    assert data["unreadable_ts"] == 7 and data["unreadable_first"] == [f"{trace}:{n}" for n in range(3, 8)]
 
 
 def test_trace_sort_refuses_to_overwrite_its_input_and_names_missing_files(tmp_path) -> None:

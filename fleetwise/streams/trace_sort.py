@@ -24,7 +24,7 @@ import tempfile
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 from typing import IO
@@ -40,6 +40,7 @@ RUN_LINES = 500_000  # lines sorted in memory at a time (~0.8 GB of 1.3 KB sampl
 # ordered as the input is, so it also breaks ties between equal timestamps.
 _LINE_BITS = 40
 _LINE_MASK = (1 << _LINE_BITS) - 1
+UNREADABLE_NAMED = 5  # lines without a readable ts named in the summary (all are counted)
 
 
 class _Stamp(msgspec.Struct):
@@ -64,6 +65,7 @@ class SortSummary:
     runs: int = 0  # sorted runs written to temporary files (0: sorted in memory)
     out_of_order: int = 0  # lines older than a line before them in the input order
     unreadable_ts: int = 0  # lines kept in place after the line before them in their file
+    unreadable_first: list[str] = field(default_factory=list)  # "file:line" of the first few
 
 
 def _open_out(path: Path) -> IO[bytes]:
@@ -102,6 +104,8 @@ def _keyed(paths: Iterable[Path], summary: SortSummary) -> Iterator[tuple[float,
             ts = line_ts(line)
             if ts is None:
                 summary.unreadable_ts += 1
+                if len(summary.unreadable_first) < UNREADABLE_NAMED:
+                    summary.unreadable_first.append(f"{path}:{lineno}")
                 ts = last
             elif ts < newest:
                 summary.out_of_order += 1
