@@ -13,6 +13,7 @@ one that never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -49,6 +50,7 @@ from fleetwise.streams.kafka_io import (
     produce_records,
     topic_name,
 )
+from tests.kafka_broker import KAFKA_SH
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "NVIDIA H100 80GB HBM3"
@@ -890,6 +892,51 @@ async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_l
         assert worker.metric("fleetwise_deadletter_total", reason=category) == 1, category
     assert worker.metric("fleetwise_messages_in_total", topic=T.TELEMETRY_GPU.name) == len(messages)
     assert worker.metric("fleetwise_decisions_out_total", kind="features") == n_features
+
+
+def _produce_quota(bootstrap: str, client_id: str, bytes_per_s: int | None) -> None:
+    """Set (None: remove) the broker's produce quota of one client id, with Kafka's own
+    ConfigCommand (`kafka-configs.sh`): the broker then throttles that client's writes."""
+    libs = subprocess.run(["bash", str(KAFKA_SH), "fetch"], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    change = (["--add-config", f"producer_byte_rate={bytes_per_s}"] if bytes_per_s is not None
+              else ["--delete-config", "producer_byte_rate"])
+    subprocess.run(["java", "-cp", f"{libs}/*", "kafka.admin.ConfigCommand", "--bootstrap-server", bootstrap,
+                    "--alter", *change, "--entity-type", "clients", "--entity-name", client_id],
+                   capture_output=True, text=True, check=True, timeout=120)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_worker_whose_writes_are_throttled_keeps_one_checkpoint_in_flight_and_loses_nothing(
+    kafka_bootstrap: str, namespace
+) -> None:
+    """The broker throttles the worker's produce (a quota on its client id) while input keeps
+    coming: checkpoint writes take seconds, steps come due every second. A checkpoint waits
+    while one is in flight (the idle timer's save of everything too), so encoded snapshots do
+    not queue in the worker's memory; once the quota is lifted the outputs are the embedded
+    runtime's."""
+    prefix, new_worker = namespace
+    client = f"fw-throttled-{uuid.uuid4().hex[:8]}"
+    messages = [encode(b) for b in node_batches(nodes=8, gpus=8, ticks=300, seed=19)]
+    expected = embedded_outputs(messages)[T.FEATURES.name]
+    _produce_quota(kafka_bootstrap, client, 30_000)
+    try:
+        worker = new_worker(env={"BROKER_CLIENT_ID": client}).start()
+        pending: list[float] = []
+        pieces = [messages[i:i + 160] for i in range(0, len(messages), 160)]
+        for piece in pieces:
+            await produce(kafka_bootstrap, prefix, piece)
+            for _ in range(8):
+                with contextlib.suppress(OSError):  # /metrics not up yet
+                    pending.append(worker.metric("fleetwise_checkpoint_writes_pending"))
+                worker.check_alive()
+                time.sleep(0.25)
+        assert pending and max(pending) <= 1, pending
+        assert pending.count(1) > len(pending) / 2, pending  # the quota made writes slow
+    finally:
+        _produce_quota(kafka_bootstrap, client, None)
+    await assert_features_like_embedded(kafka_bootstrap, prefix, expected, [worker], timeout_s=180)
 
 
 @pytest.mark.kafka

@@ -1083,9 +1083,12 @@ def make_app(
 
     async def write_and_ack(snapshot: Snapshot, offsets: dict[Any, list[int]],
                             previous: asyncio.Task | None) -> None:
-        if previous is not None:
-            await previous  # entries of a partition reach the changelog in snapshot order
-        await processor.write(snapshot)
+        try:
+            if previous is not None:
+                await previous  # entries of a partition reach the changelog in snapshot order
+            await processor.write(snapshot)
+        finally:
+            M.CHECKPOINT_WRITES.dec()
         consumer = app.consumer
         assigned = consumer.assignment()
         for tp, tp_offsets in offsets.items():
@@ -1111,6 +1114,7 @@ def make_app(
         if previous is not None and previous.done():
             previous.result()  # a failed write raises here: the worker stops, a restart resumes
             previous = None
+        M.CHECKPOINT_WRITES.inc()
         task = asyncio.ensure_future(write_and_ack(snapshot, offsets, previous))
         task.add_done_callback(_log_failed_checkpoint)
         writing.append(task)
@@ -1129,6 +1133,9 @@ def make_app(
         snapshot = processor.snapshot([partition])
         start_write(snapshot, take_ackable(snapshot, {partition}))
 
+    def write_in_flight() -> bool:
+        return bool(writing) and not writing[-1].done()
+
     def checkpoint_all() -> None:
         """Save every changed partition and ack every input now (idle). Call with `lock` held."""
         round_left.clear()
@@ -1146,7 +1153,7 @@ def make_app(
             # One write in flight at most: while the broker is slower than the steps come due,
             # a step waits (its partition's inputs stay held) rather than queue one encoded
             # snapshot per step behind the last (a worker behind the broker grew ~14 MB/min).
-            if time.monotonic() - last_step[0] >= step_s[0] and (not writing or writing[-1].done()):
+            if time.monotonic() - last_step[0] >= step_s[0] and not write_in_flight():
                 checkpoint_step()
         _update_lag(app, {tp: rs[-1].offset for tp, rs in batches})
 
@@ -1169,7 +1176,10 @@ def make_app(
     @app.timer(interval=checkpoint_interval_s)
     async def checkpoint_when_idle() -> None:
         async with lock:
-            if held and time.monotonic() - last_step[0] >= checkpoint_interval_s:
+            # Idle, or the steps are waiting behind a slow write: in the second case a save of
+            # everything would queue behind that write too, once per interval (a worker whose
+            # changelog writes were slow grew ~10 MB/min that way). The next step takes it.
+            if held and time.monotonic() - last_step[0] >= checkpoint_interval_s and not write_in_flight():
                 checkpoint_all()
 
     @app.task

@@ -49,6 +49,11 @@ WINDOW_STATE_BYTES = Gauge(
     "fleetwise_window_state_bytes",
     "JSON size of the processor state last saved to the changelogged table, summed over keys",
 )
+CHECKPOINT_WRITES = Gauge(
+    "fleetwise_checkpoint_writes_pending",
+    "checkpoint writes started and not yet acknowledged by the broker (at most 1: a checkpoint "
+    "waits while one is in flight)",
+)
 # Buckets span a co-located broker (ms) to a backed-up worker (tens of s); the issue's
 # latency target is p99 < 500 ms, so the buckets are dense around it.
 PROCESSING_LATENCY = Histogram(
