@@ -1083,12 +1083,9 @@ def make_app(
 
     async def write_and_ack(snapshot: Snapshot, offsets: dict[Any, list[int]],
                             previous: asyncio.Task | None) -> None:
-        try:
-            if previous is not None:
-                await previous  # entries of a partition reach the changelog in snapshot order
-            await processor.write(snapshot)
-        finally:
-            M.CHECKPOINT_WRITES.dec()
+        if previous is not None:
+            await previous  # entries of a partition reach the changelog in snapshot order
+        await processor.write(snapshot)
         consumer = app.consumer
         assigned = consumer.assignment()
         for tp, tp_offsets in offsets.items():
@@ -1117,6 +1114,7 @@ def make_app(
         M.CHECKPOINT_WRITES.inc()
         task = asyncio.ensure_future(write_and_ack(snapshot, offsets, previous))
         task.add_done_callback(_log_failed_checkpoint)
+        task.add_done_callback(lambda _: M.CHECKPOINT_WRITES.dec())  # also when cancelled
         writing.append(task)
 
     def checkpoint_step() -> None:

@@ -193,7 +193,7 @@ class PipelineStages:
         self._module_kwargs = module_kwargs
         self.layout: dict[int, tuple[int, int]] = {}
         self.engine: Any = None
-        self._build(layout)
+        self._build(*self._checked(layout))
 
     @property
     def stage(self) -> int:
@@ -210,8 +210,7 @@ class PipelineStages:
         for the plugin to load from the re-split's checkpoint. `engine` is the new one after;
         a refused layout (ValueError) leaves the running engine as it was."""
         stage = self.stage  # the topology, so a rank's stage, stays; only the boundaries move
-        stage_bounds(layout, len(self._layers), **self._extra)  # the module's layers, all of them
-        spans = stage_spans(layout)
+        parts, spans = self._checked(layout)
         if len(spans) != len(self.layout):
             raise ValueError(f"rebuild: the layout has {len(spans)} stages, the running pipeline "
                              f"{len(self.layout)}")
@@ -219,17 +218,20 @@ class PipelineStages:
         if wanted != tuple(layers):
             raise ValueError(f"rebuild: the plugin asked for layers {tuple(layers)}, the layout gives "
                              f"stage {stage} {wanted}")
-        self._build(layout)
+        self._build(parts, spans)
         return self.engine.module, self.engine.optimizer
 
-    def _build(self, layout: Mapping[int, Sequence[int]]) -> None:
+    def _checked(self, layout: Mapping[int, Sequence[int]]) -> tuple[list[int], dict[int, tuple[int, int]]]:
+        """(PipelineModule parts, {stage: (first, last)}) of a layout of every module layer."""
+        return stage_bounds(layout, len(self._layers), **self._extra), stage_spans(layout)
+
+    def _build(self, parts: list[int], spans: dict[int, tuple[int, int]]) -> None:
         import deepspeed
 
-        parts = stage_bounds(layout, len(self._layers), **self._extra)
         module = _planned_module_class()(layers=self._layers, num_stages=len(parts) - 1, parts=parts,
                                          **self._module_kwargs)
         optimizer = self._optimizer(module.parameters()) if self._optimizer is not None else None
         params = None if optimizer is not None else module.parameters()
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                                     model_parameters=params, config=self._config)
-        self.layout = stage_spans(layout)
+        self.layout = spans
