@@ -248,6 +248,9 @@ def plan_cmd(
         None, "--microbatch-map", help="Write the per-rank micro-batch map (JSON) for the training plugin."
     ),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Search every candidate (slower)."),
+    max_gpus: int | None = typer.Option(
+        None, "--max-gpus", min=1, help="The most GPUs the job may grow to when GPUs free up (carried "
+        "in the plan as constraints.max_gpus; default: it keeps its planned size)."),
 ) -> None:
     """Plan a training job over a (mixed) set of GPUs and print or export the plan."""
     import shlex
@@ -262,6 +265,7 @@ def plan_cmd(
         ray_scaling_config,
     )
     from fleetwise.planner.render import plan_figure, plan_summary, plan_table
+    from fleetwise.schemas import JobConstraints
 
     fmt = output_format.strip().lower()
     if fmt not in PLAN_FORMATS:
@@ -280,6 +284,7 @@ def plan_cmd(
         recompute=recompute,
         job=job or shape.name,
         exhaustive=exhaustive,
+        constraints=JobConstraints(max_gpus=max_gpus) if max_gpus is not None else None,
     )
     try:
         plan = plan_job(request, cluster)
@@ -287,6 +292,8 @@ def plan_cmd(
         fail(f"no plan fits: {exc}")
     except ValueError as exc:
         fail(str(exc))
+    if max_gpus is not None and max_gpus < len(plan.ranks):
+        fail(f"--max-gpus: {max_gpus} is below the {len(plan.ranks)} GPUs the plan uses")
 
     try:
         if fmt == "table":
@@ -537,7 +544,7 @@ kube_app = typer.Typer(help="Kubernetes / KAI Scheduler: render objects, run the
 app.add_typer(kube_app, name="kube")
 
 
-def _kube_plan_file(path: Path):  # -> Plan
+def _plan_file(path: Path):  # -> Plan
     """A plan as `fleetwise plan --format json` prints it."""
     from pydantic import ValidationError
 
@@ -549,6 +556,30 @@ def _kube_plan_file(path: Path):  # -> Plan
         return Plan.model_validate(data)
     except ValidationError as exc:
         fail(f"--plan: {path} is not a plan: {describe_error(exc)}")
+
+
+def _plan_or_intent(plan_file: Path | None, intent_file: Path | None, gpus: str | None,
+                    job: str | None):  # -> tuple[Plan, str, str]
+    """The plan of `--plan`, or `--intent` planned over `--gpus` (exactly one of the two); with
+    the job's name (`--job`, else the plan's / intent's) and its KAI queue."""
+    from fleetwise.planner import InfeasiblePlanError, plan_job, request_for_intent
+
+    if (plan_file is None) == (intent_file is None):
+        fail("give exactly one of --plan PLAN.json or --intent JOB.yaml")
+    if job is not None and not job.strip():
+        fail("--job must not be empty")
+    if intent_file is not None:
+        if gpus is None:
+            fail("--intent needs --gpus (the GPUs to plan the job over)")
+        intent = _place_intent(intent_file, "--intent")
+        try:
+            plan = plan_job(request_for_intent(intent), _plan_cluster(gpus))
+        except (InfeasiblePlanError, ValueError) as exc:
+            fail(f"--intent {intent_file}: no plan fits: {exc}")
+        return plan, job or intent.job, intent.queue
+    assert plan_file is not None
+    plan = _plan_file(plan_file)
+    return plan, job or plan.job, "default"
 
 
 @kube_app.command("render")
@@ -586,25 +617,9 @@ def kube_render_cmd(
         render_queues,
         render_topology,
     )
-    from fleetwise.planner import InfeasiblePlanError, plan_job, request_for_intent
     from fleetwise.planner.exports import ExportError
 
-    if (plan_file is None) == (intent_file is None):
-        fail("give exactly one of --plan PLAN.json or --intent JOB.yaml")
-    if intent_file is not None:
-        if gpus is None:
-            fail("--intent needs --gpus (the GPUs to plan the job over)")
-        intent = _place_intent(intent_file, "--intent")
-        request = request_for_intent(intent)
-        try:
-            plan = plan_job(request, _plan_cluster(gpus))
-        except (InfeasiblePlanError, ValueError) as exc:
-            fail(f"--intent {intent_file}: no plan fits: {exc}")
-        name, default_queue = job or intent.job, intent.queue
-    else:
-        assert plan_file is not None
-        plan = _kube_plan_file(plan_file)
-        name, default_queue = job or plan.job, "default"
+    plan, name, default_queue = _plan_or_intent(plan_file, intent_file, gpus, job)
     quotas: dict[str, float] = {}
     for item in team_queues:
         team, sep, value = item.partition("=")
@@ -1483,6 +1498,36 @@ def gpu_return(
 
 job_app = typer.Typer(help="The jobs the control plane knows.", no_args_is_help=True)
 app.add_typer(job_app, name="job")
+
+
+@job_app.command("start")
+def job_start(
+    plan_file: Path | None = typer.Option(
+        None, "--plan", help="The job's plan (fleetwise plan --format json)."),
+    intent_file: Path | None = typer.Option(
+        None, "--intent", help="A job intent (YAML/JSON, as for `fleetwise place`); planned over --gpus, "
+        "its constraints (max_gpus: how far the job may grow) carried in the plan."),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="With --intent: 'h100-sxm:16,b200:16' or an inventory."),
+    job: str | None = typer.Option(None, "--job", help="Job name (default: the plan's / intent's)."),
+    bootstrap: str | None = typer.Option(None, "--bootstrap", envvar="FLEETWISE_BOOTSTRAP",
+                                         help="Kafka bootstrap; without it the plan is printed as one "
+                                         "line (append it to a replay trace)."),
+    topic_prefix: str = _TOPIC_PREFIX,
+) -> None:
+    """Start a job for the control plane: its plan under the job's key on the compacted
+    fleetwise.plans (the workers learn its ranks, shares, layers and intent from it). A new plan
+    under the same name replaces the old one; `fleetwise job end` withdraws it."""
+    from fleetwise.schemas import topics as T
+
+    plan, name, _queue = _plan_or_intent(plan_file, intent_file, gpus, job)
+    plan = plan.model_copy(update={"job": name})
+    if bootstrap is None:
+        print(plan.to_json())
+        return
+    topic = _publish(bootstrap, T.PLANS, topic_prefix, plan, plan.job)
+    console.print(f"started job {plan.job} ({len(plan.ranks)} GPUs): plan on {topic} on {bootstrap}",
+                  highlight=False)
 
 
 @job_app.command("end")

@@ -709,3 +709,111 @@ def test_operator_verbs_sign_with_the_operators_key_from_the_environment():
     assert verify_operator(OperatorAction.model_validate_json(approve.output.strip()), operator_keyring())
     bad = CliRunner().invoke(app, ["approve", "drain-n1-3"], env={"FLEETWISE_OPERATOR_KEYS": "short=abc"})
     assert bad.exit_code != 0 and "operator keys: key 'short'" in bad.output
+
+
+# -- growth to the intent's maximum ------------------------------------------------------------
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def node(name: str, model: str = H100, gpus: int = 4, ts: float = T0,
+         site: str | None = None) -> NodeInventory:
+    return NodeInventory(ts=ts, node=name, site=site,
+                         gpus=[GpuInventory(index=g, model=model) for g in range(gpus)])
+
+
+def intent_plan(job: str, invs: list[NodeInventory], **constraints):
+    """A plan over the nodes' GPUs, made as `fleetwise job start --intent` makes it (the intent's
+    constraints carried in the plan)."""
+    from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
+    from fleetwise.schemas import JobConstraints
+
+    c = JobConstraints(**constraints) if constraints else None
+    dp = sum(len(i.gpus) for i in invs)
+    return plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job=job, constraints=c,
+                                strategy=(1, 1, dp)), cluster_from_inventory(invs))
+
+
+def test_a_job_grows_to_its_intents_maximum_when_gpus_join_and_no_further():
+    n1 = node("n1")
+    policy = ActionPolicy()
+    policy.process([n1, intent_plan("llm", [n1], max_gpus=8)])
+    grow = commands(policy.process([node("n2", ts=T0 + 100)]))
+    assert [c.type for c in grow] == ["resize"]
+    p = grow[0].params
+    assert p["join"] == [["n2", g] for g in range(4)] and p["world_size"] == 8
+    assert sum(p["samples"].values()) == 64
+    assert p["strategy"]["dp"] * p["strategy"]["tp"] * p["strategy"]["pp"] == 8
+    assert p["predicted_step_s"]["after"] < p["predicted_step_s"]["before"] / 1.05
+    assert "inventory of n2: llm grows from 4 to 8 GPUs (its intent allows 8)" in grow[0].reason
+    assert verify(grow[0]) and grow[0].seq == 1
+    # Until its ack the job runs its old plan: a node joining meanwhile is not taken as well.
+    assert commands(policy.process([node("n3", ts=T0 + 150)])) == []
+    policy.process([ack(grow[0], "done", ts=T0 + 200)])
+    assert len(policy.jobs["llm"].plan["ranks"]) == 8  # the plan follows the ack
+    assert policy.jobs["llm"].plan["constraints"]["max_gpus"] == 8  # ... and keeps its intent
+    assert commands(policy.process([node("n4", ts=T0 + 300)])) == []  # at its maximum: no further
+
+
+def test_a_job_without_an_intents_maximum_keeps_its_planned_size():
+    n1 = node("n1")
+    for plan in (intent_plan("llm", [n1]), intent_plan("llm", [n1], max_gpus=4)):
+        policy = ActionPolicy()
+        policy.process([n1, plan])
+        assert commands(policy.process([node("n2", ts=T0 + 100)])) == []
+
+
+def test_growth_takes_only_gpus_the_intent_allows_and_only_when_it_pays():
+    n1 = node("n1")
+    policy = ActionPolicy()
+    policy.process([n1, intent_plan("llm", [n1], max_gpus=8, gpu_types=["h100-sxm"], sites=["eu"])])
+    assert commands(policy.process([node("a1", model="NVIDIA A100-SXM4-80GB", site="eu", ts=T0 + 1)])) == []
+    assert commands(policy.process([node("h-us", site="us", ts=T0 + 2)])) == []
+    grow = commands(policy.process([node("h-eu", site="eu", ts=T0 + 3)]))
+    assert [c.params["join"] for c in grow] == [[["h-eu", g] for g in range(4)]]
+
+    excluded = ActionPolicy()
+    excluded.process([n1, intent_plan("llm", [n1], max_gpus=8, exclude_gpu_types=["NVIDIA H100 80GB HBM3"])])
+    assert commands(excluded.process([node("n2", ts=T0 + 1)])) == []
+
+    stingy = ActionPolicy(PolicyConfig.model_validate({"resize": {"min_gain": 0.99}}))
+    stingy.process([n1, intent_plan("llm", [n1], max_gpus=8)])
+    assert commands(stingy.process([node("n2", ts=T0 + 1)])) == []  # 2x the GPUs: 1.94x as fast
+
+
+def test_gpus_a_job_leaves_when_it_ends_go_to_a_job_that_may_grow():
+    a, b = node("a"), node("b")
+    policy = ActionPolicy()
+    policy.process([a, b, intent_plan("first", [a]), intent_plan("second", [b], max_gpus=6)])
+    grow = commands(policy.process([JobEnd(job="first", ts=T0 + 100)]))
+    assert [(c.job, c.params["join"]) for c in grow] == [("second", [["a", 0], ["a", 1]])]
+    assert "job first ended: second grows from 4 to 6 GPUs" in grow[0].reason
+
+
+def test_a_gpu_in_flight_to_one_job_is_not_given_to_another():
+    a, b = node("a"), node("b")
+    policy = ActionPolicy()
+    policy.process([a, b, intent_plan("x", [a], max_gpus=6), intent_plan("y", [b], max_gpus=8)])
+    grow = commands(policy.process([node("c", ts=T0 + 100)]))
+    # x (first by name) takes two of c's GPUs; y the two left over.
+    assert [(c.job, c.params["join"]) for c in grow] == [("x", [["c", 0], ["c", 1]]),
+                                                          ("y", [["c", 2], ["c", 3]])]
+    # y's growth done, x's still in flight: a node joining goes to y, and x's GPUs stay x's.
+    policy.process([ack(grow[1], ts=T0 + 110)])
+    later = commands(policy.process([node("d", gpus=2, ts=T0 + 120)]))
+    assert [(c.job, c.params["join"]) for c in later] == [("y", [["d", 0], ["d", 1]])]
+    policy.process([ack(grow[0], ts=T0 + 130), ack(later[0], ts=T0 + 130)])
+    assert commands(policy.process([node("e", ts=T0 + 140)])) == []  # both at their maximum
+
+
+def test_a_gpu_an_operator_returns_goes_to_a_job_that_may_grow():
+    b, c = node("b"), node("c", gpus=1)
+    policy = ActionPolicy()
+    policy.process([b, c])
+    policy.process([intent_plan("y", [b], max_gpus=5)])  # planned after c joined: no event since
+    drain = commands(policy.process([failure("c", 0, job=None)]))
+    assert [d.type for d in drain] == ["drain"]
+    policy.process([ack(drain[0], ts=T0 + 10)])
+    assert commands(policy.process([node("d", gpus=0, ts=T0 + 20)])) == []  # nothing free but c/0, drained
+    back = commands(policy.process([operator(ts=T0 + 30, action="return_gpu", node="c", gpu=0, by="ops")]))
+    assert [(x.job, x.params["join"]) for x in back] == [("y", [["c", 0]])]
+    assert "c/gpu0 returned by ops: y grows from 4 to 5 GPUs" in back[0].reason

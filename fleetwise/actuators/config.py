@@ -50,6 +50,9 @@ class StragglerActions(_Section):
 
 class ResizeActions(_Section):
     mode: Mode = "auto"  # resize up when GPUs join or return and the job's intent allows
+    # Grow a job beyond its plan (up to its intent's max_gpus) only when the re-plan's predicted
+    # step is at least this share faster: a resize restarts the job from a checkpoint.
+    min_gain: float = Field(default=0.05, ge=0, lt=1)
 
 
 class ConsolidateActions(_Section):

@@ -36,6 +36,7 @@ from fleetwise.schemas import (
     Ack,
     AuditEvent,
     Command,
+    JobConstraints,
     JobEnd,
     NodeInventory,
     OperatorAction,
@@ -481,6 +482,7 @@ class ActionPolicy:
         if pending.type == "resize" and ack.status == "done" and new_plan and c.get("job"):
             job = self._job(c["job"])
             job.plan, job.shares = new_plan, {}  # the job runs the new plan now
+            job.ranks = {int(r["rank"]): (str(r["node"]), int(r["gpu"])) for r in new_plan["ranks"]}
         if ack.status == "done" and pending.follow_up.get("then"):
             nxt = Command.model_validate({**pending.follow_up["then"], "ts": ack.ts,
                                           "requires": [pending.id]})
@@ -506,17 +508,10 @@ class ActionPolicy:
         gone = set(job.left)
         params: dict[str, Any] = {"leave": [list(target)]}
         follow: dict[str, Any] = {}
-        new_plan = self._replan_without(job, gone) if job.plan else None
+        new_plan = self._replan(job, gone) if job.plan else None
         if new_plan is not None:
             plan, diffs = new_plan
-            params["world_size"] = len(plan.ranks)
-            params["samples"] = {str(d): s for d, s in sorted(replica_samples(plan).items())}
-            params["global_samples"] = plan.global_batch
-            params["strategy"] = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}
-            params["plan_diff"] = [{"node": d.node, "gpu": d.gpu, "before": d.before, "after": d.after,
-                                    "changed": d.changed} for d in diffs]
-            params["predicted_step_s"] = {"before": job.plan["predicted_step_s"],
-                                          "after": plan.predicted_step_s}
+            params.update(_replanned(job.plan["predicted_step_s"], plan, diffs))
             follow["plan"] = plan.model_dump(mode="json", exclude_none=True)
         else:
             params["world_size"] = sum(1 for k in job.ranks.values() if k not in gone)
@@ -529,22 +524,28 @@ class ActionPolicy:
         )
         return self._send(cmd, self.config.resize.mode, follow)
 
-    def _replan_without(self, job: JobState, gone: set[GpuKey]) -> tuple[Plan, list] | None:
-        """The planner's re-plan of the job's plan without `gone` (None when the model or the
-        inventory of its GPUs is not known here: the resize then names only who leaves)."""
+    def _replan(self, job: JobState, gone: set[GpuKey] | frozenset = frozenset(),
+                joining: Sequence[GpuKey] = ()) -> tuple[Plan, list] | None:
+        """The planner's re-plan of the job's plan without `gone` and with `joining` (None when
+        the model or the inventory of a node is not known here, or no plan fits: a resize then
+        names only who leaves)."""
         from fleetwise.planner import PlanRequest, cluster_from_inventory, replan, resolve_model
 
         plan = Plan.model_validate(job.plan)
-        nodes = {r.node for r in plan.ranks}
+        own = {(r.node, r.gpu) for r in plan.ranks}
+        nodes = {node for node, _gpu in own} | {node for node, _gpu in joining}
         if not nodes <= set(self.inventory):
             return None
         try:
-            shape = resolve_model(plan.model)
-            request = PlanRequest(model=shape, global_batch=plan.global_batch, seq_len=plan.seq_len,
-                                  dtype=plan.dtype, job=plan.job)
+            c = plan.constraints
+            request = PlanRequest(model=resolve_model(plan.model), global_batch=plan.global_batch,
+                                  seq_len=plan.seq_len, dtype=plan.dtype, job=plan.job, constraints=c,
+                                  zero_stages=tuple(c.zero_stages) if c and c.zero_stages else (0, 1, 2, 3))
             cluster = cluster_from_inventory([self.inventory[n] for n in sorted(nodes)])
-            cluster.slots = [s for s in cluster.slots if s.key in {(r.node, r.gpu) for r in plan.ranks}]
-            return replan(plan, request, cluster, remove=gone & {s.key for s in cluster.slots})
+            wanted = set(joining)
+            add = [s for s in cluster.slots if s.key in wanted]
+            cluster.slots = [s for s in cluster.slots if s.key in own]
+            return replan(plan, request, cluster, remove=gone & {s.key for s in cluster.slots}, add=add)
         except (ValueError, KeyError):
             return None
 
@@ -757,7 +758,7 @@ class ActionPolicy:
                 out += self._return(key, inv.ts, f"inventory of {inv.node} at {inv.ts:.0f} lists it again")
             elif joined:
                 out += self._grow_onto(key, g.model, models, inv.ts)
-        return out
+        return out + self._grow_to_intent(inv.ts, f"inventory of {inv.node}")
 
     def _grow_onto(self, key: GpuKey, model: str, models: dict[GpuKey, str], ts: float) -> list[Record]:
         """A GPU joined the fleet: the first job (by name) that lost a GPU of the same model to a
@@ -777,6 +778,108 @@ class ActionPolicy:
                         "world_size": self._job_size(job) - len(job.left)},
             )
             return self._send(cmd, self.config.resize.mode)
+        return []
+
+    # -- growth to the intent's maximum ----------------------------------------------------------
+    def _grow_to_intent(self, ts: float, why: str) -> list[Record]:
+        """GPUs may have come free (`why`): each planned job whose intent allows more GPUs than
+        it runs on (`constraints.max_gpus`), in name order, grows onto free GPUs it may use when
+        the planner's re-plan over them is at least `resize.min_gain` faster. A job that lost
+        GPUs grows back in their place first (`_grow_onto`); one with a disruptive command in
+        flight waits for it."""
+        out: list[Record] = []
+        free: list[GpuKey] | None = None
+        for name, job in self._live_jobs():
+            constraints = (job.plan or {}).get("constraints") or {}
+            limit = constraints.get("max_gpus")
+            if not job.plan or limit is None or limit <= self._job_size(job) or job.left:
+                continue
+            if any(p.command.get("job") == name and p.type in DISRUPTIVE for p in self.fleet.open_commands()):
+                continue
+            if free is None:
+                free = self._free_gpus()
+            usable = [k for k in free if self._may_use(k, constraints)]
+            if not usable:
+                continue
+            sent = self._grow_job(name, job, usable, int(limit), ts, why)
+            taken = {(str(n), int(g)) for c in sent if isinstance(c, Command)
+                     for n, g in c.params.get("join", [])}
+            free = [k for k in free if k not in taken]
+            out += sent
+        return out
+
+    def _free_gpus(self) -> list[GpuKey]:
+        """In-service GPUs of the inventory that no live job runs on (by its plan or the ranks
+        predictions named) and no open command is bringing into a job, in node and index order."""
+        busy = {k for _, job in self._live_jobs() for k in job.ranks.values()}
+        for p in self.fleet.open_commands():
+            busy.update((str(n), int(g)) for n, g in p.command.get("params", {}).get("join", []) or [])
+            if p.target is not None:
+                busy.add(p.target)
+        busy |= self.peers.out()
+        return [(node, g.index) for node, inv in sorted(self.inventory.items())
+                for g in sorted(inv.gpus, key=lambda g: g.index)
+                if (node, g.index) not in busy and self.fleet.status((node, g.index)) == "in_service"]
+
+    def _may_use(self, key: GpuKey, constraints: dict[str, Any]) -> bool:
+        """Whether the intent's constraints allow the GPU (its catalog id and its node's site)."""
+        from fleetwise.catalog import UnknownGpuError, lookup
+        from fleetwise.planner.placement import allowed_gpu_types
+
+        inv = self.inventory[key[0]]
+        sites = constraints.get("sites")
+        if sites is not None and inv.site not in sites:
+            return False
+        try:
+            allow, exclude = allowed_gpu_types(JobConstraints.model_validate(constraints))
+            gpu_type = lookup(next(g.model for g in inv.gpus if g.index == key[1])).id
+        except (UnknownGpuError, ValueError):  # a name the catalog lacks: not a GPU to grow onto
+            return False
+        return (allow is None or gpu_type in allow) and gpu_type not in exclude
+
+    def _grow_job(self, name: str, job: JobState, usable: list[GpuKey], limit: int, ts: float,
+                  why: str) -> list[Record]:
+        """One job's growth onto `usable` (at most up to `limit` GPUs): the re-plan over as many as
+        it may take, else over whole TP x PP groups of them; a `resize` with the GPUs joining."""
+        plan = Plan.model_validate(job.plan)
+        size = len(plan.ranks)
+        own = {(r.node, r.gpu) for r in plan.ranks}
+        # Nodes the job runs on first (their GPUs talk over NVLink), then the fullest free nodes.
+        per_node: dict[str, int] = {}
+        for node, _gpu in usable:
+            per_node[node] = per_node.get(node, 0) + 1
+        ours = {node for node, _gpu in own}
+        ordered = sorted(usable, key=lambda k: (k[0] not in ours, -per_node[k[0]], k))
+        most = min(len(ordered), limit - size)
+        group = plan.tp * plan.pp
+        whole = most // group * group  # whole TP x PP groups: the degrees can stay
+        tries = [most] + ([whole] if whole not in (0, most) else [])
+        rails = self.config.rails
+        hour = [t for t in job.disruptive_ts if ts - t < 3600.0]
+        for count in tries:
+            grown = self._replan(job, joining=ordered[:count]) if count else None
+            if grown is None:
+                continue
+            new, diffs = grown
+            keys = {(r.node, r.gpu) for r in new.ranks}
+            join = sorted(keys - own)
+            gain = plan.predicted_step_s / new.predicted_step_s - 1.0
+            if not own <= keys or not join or gain < self.config.resize.min_gain:
+                continue
+            if len(hour) >= rails.max_disruptive_per_job_per_hour:
+                return self._audit("job_rate", f"{len(hour)} disruptive commands for {name} in the last "
+                                   f"hour (max {rails.max_disruptive_per_job_per_hour}): not grown onto "
+                                   f"{len(join)} free GPU(s)", ts, target=name, job=name)
+            before, after = plan.predicted_step_s, new.predicted_step_s
+            cmd = Command(
+                id=command_id("resize", name, "grow", *[f"{n}/{g}" for n, g in join], ts), type="resize",
+                ts=ts, job=name,
+                reason=f"{why}: {name} grows from {size} to {len(new.ranks)} GPUs (its intent allows "
+                       f"{limit}); predicted step {before:.3f} s -> {after:.3f} s",
+                params={"join": [list(k) for k in join], **_replanned(before, new, diffs)},
+            )
+            return self._send(cmd, self.config.resize.mode,
+                              {"plan": new.model_dump(mode="json", exclude_none=True)})
         return []
 
     def _live_jobs(self) -> list[tuple[str, JobState]]:
@@ -802,7 +905,8 @@ class ActionPolicy:
             del self.jobs[end.job]
             self.ended_jobs += 1
             why = f"job {end.job} ended (plan withdrawn): its state is dropped"
-        return self._audit("job_ended", why, ts, target=end.job, job=end.job, evidence=in_flight, once=False)
+        out = self._audit("job_ended", why, ts, target=end.job, job=end.job, evidence=in_flight, once=False)
+        return out + self._grow_to_intent(ts, f"job {end.job} ended")
 
     def _on_plan(self, plan: Plan) -> None:
         job = self._job(plan.job)
@@ -830,8 +934,9 @@ class ActionPolicy:
             return self._audit("operator_rejected", why, op.ts, target=target, command_id=op.command_id,
                                node=op.node, gpu=op.gpu, once=False)
         if op.action == "return_gpu":
-            return self._return((op.node, int(op.gpu)), op.ts,  # type: ignore[arg-type]
-                                f"returned by {op.by}" + (f": {op.reason}" if op.reason else ""))
+            out = self._return((op.node, int(op.gpu)), op.ts,  # type: ignore[arg-type]
+                               f"returned by {op.by}" + (f": {op.reason}" if op.reason else ""))
+            return out + self._grow_to_intent(op.ts, f"{op.node}/gpu{op.gpu} returned by {op.by}")
         pending = self.fleet.commands.get(op.command_id or "")
         if pending is None or pending.status != "held":
             # Every worker reads the operator topic; the one holding the command acts on it.
@@ -874,6 +979,18 @@ class ActionPolicy:
                 )
                 out += self._send(cmd, self.config.resize.mode)
         return out
+
+
+def _replanned(before_step_s: float, plan: Plan, diffs: Sequence[Any]) -> dict[str, Any]:
+    """A resize's params for a re-planned job: its new size, shares, degrees and per-GPU diff."""
+    return {
+        "world_size": len(plan.ranks),
+        "samples": {str(d): n for d, n in sorted(replica_samples(plan).items())},
+        "global_samples": plan.global_batch, "strategy": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp},
+        "plan_diff": [{"node": d.node, "gpu": d.gpu, "before": d.before, "after": d.after,
+                       "changed": d.changed} for d in diffs],
+        "predicted_step_s": {"before": before_step_s, "after": plan.predicted_step_s},
+    }
 
 
 def _event_ts(record: Record) -> float:

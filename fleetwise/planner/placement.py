@@ -37,7 +37,7 @@ from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
 from fleetwise.planner import cost
 from fleetwise.planner.cluster import Cluster, GpuSlot, cluster_from_inventory
 from fleetwise.planner.search import InfeasiblePlanError, plan_job, request_for_intent
-from fleetwise.schemas import GpuSample, JobIntent, NodeInventory, Plan
+from fleetwise.schemas import GpuSample, JobConstraints, JobIntent, NodeInventory, Plan
 
 __all__ = [
     "PRESETS",
@@ -403,8 +403,9 @@ def _job_size(intent: JobIntent, settings: PlacementSettings) -> int:
     return n
 
 
-def _allowed_types(intent: JobIntent) -> tuple[set[str] | None, set[str]]:
-    c = intent.constraints
+def allowed_gpu_types(c: JobConstraints) -> tuple[set[str] | None, set[str]]:
+    """The catalog ids a job may run on (None: any) and those it must not, from its intent's
+    constraints; raises PlacementError naming an entry the catalog does not resolve."""
 
     def ids(names: Iterable[str], where: str) -> set[str]:
         out = set()
@@ -494,7 +495,7 @@ def _context(
         raise PlacementError(f"remaining_s must be >= 0, got {settings.remaining_s}")
     if settings.min_planned < 1 or settings.max_planned < settings.min_planned:
         raise PlacementError("need 1 <= min_planned <= max_planned")
-    allow, exclude = _allowed_types(intent)
+    allow, exclude = allowed_gpu_types(intent.constraints)
     specs = {s.spec.id: s.spec for s in index.cluster.slots}
     for key in settings.current:
         if key not in index.slot:
@@ -562,7 +563,7 @@ def _type_reason(spec: GpuSpec, allow: set[str] | None, exclude: set[str], dtype
 def _pools(ctx: _Context) -> list[PoolModel]:
     intent, settings, index, tel = ctx.intent, ctx.settings, ctx.index, ctx.telemetry
     n, w, net = ctx.n, ctx.weights, settings.network
-    allow, exclude = _allowed_types(intent)
+    allow, exclude = allowed_gpu_types(intent.constraints)
     sites = set(intent.constraints.sites) if intent.constraints.sites is not None else None
     # free GPUs per (site, type), in inventory order
     members: dict[tuple[str, str], list[tuple[str, int]]] = {}

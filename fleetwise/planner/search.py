@@ -26,7 +26,7 @@ import numpy as np
 from fleetwise.catalog import UnsupportedDtypeError, normalize_dtype
 from fleetwise.planner import cost
 from fleetwise.planner.cluster import Cluster, GpuSlot
-from fleetwise.schemas import JobIntent, ModelShape, Plan, RankPlan
+from fleetwise.schemas import JobConstraints, JobIntent, ModelShape, Plan, RankPlan
 
 ARRANGEMENTS = ("grouped", "striped")
 
@@ -55,6 +55,7 @@ class PlanRequest:
     exhaustive: bool = False
     micro_batch: int | None = None  # fix the micro-batch size instead of searching it
     memory_headroom: float = cost.DEFAULT_MEMORY_HEADROOM
+    constraints: JobConstraints | None = None  # carried into the plan (growth to max_gpus)
 
     @property
     def seq(self) -> int:
@@ -67,7 +68,7 @@ def request_for_intent(intent: JobIntent) -> PlanRequest:
     return PlanRequest(
         model=intent.model, global_batch=intent.global_batch, seq_len=intent.seq_len, dtype=intent.dtype,
         zero_stages=tuple(c.zero_stages) if c.zero_stages else (0, 1, 2, 3), job=intent.job,
-        memory_headroom=c.min_memory_headroom,
+        memory_headroom=c.min_memory_headroom, constraints=c,
     )
 
 
@@ -920,5 +921,5 @@ def _materialise(search: _Search, cand: Candidate, groups: TpGroups, cls: _Class
         tokens_per_s=req.global_batch * req.seq / step, mfu=model_flops / (step * peak),
         ranks=ranks, notes=notes, arrangement=layout.arrangement, micro_batch_size=b,
         layers_per_stage=list(res.layers), pipeline_s=res.pipeline_s, dp_comm_s=res.dp_comm_s,
-        optimizer_s=res.optimizer_s, evaluated_candidates=search.evaluated,
+        optimizer_s=res.optimizer_s, evaluated_candidates=search.evaluated, constraints=req.constraints,
     )

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from fleetwise.schemas._base import Record, Timestamp
+from fleetwise.schemas.jobs import JobConstraints
 
 
 class RankPlan(Record):
@@ -54,6 +55,9 @@ class Plan(Record):
     mfu: float = Field(ge=0)
     ranks: list[RankPlan]
     notes: list[str] = Field(default_factory=list)
+    # The intent's constraints the job was planned under: `max_gpus` above the plan's size lets
+    # the control plane grow the job when GPUs free up (docs/actuators.md, "Growing to the intent").
+    constraints: JobConstraints | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
