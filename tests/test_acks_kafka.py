@@ -176,6 +176,61 @@ async def test_the_job_end_verb_writes_the_tombstone(kafka_bootstrap: str):
     assert tomb.value is None
 
 
+def _metric_is(worker, name: str, value: float) -> bool:
+    try:
+        return worker.metric(name) == value
+    except OSError:  # the metrics endpoint is not up yet
+        return False
+
+
+@pytest.mark.kafka
+async def test_a_job_started_with_its_intent_grows_on_the_worker_when_a_node_joins(
+    kafka_bootstrap: str, namespace, tmp_path,  # noqa: F811
+):
+    """`fleetwise job start --intent ... --bootstrap` puts the job's plan, with its intent's
+    max_gpus, on fleetwise.plans; a node joining (its inventory on the broker) makes the worker
+    grow the job onto it: one signed resize with the joining GPUs, on both command topics."""
+    import asyncio
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+    from fleetwise.schemas import GpuInventory, NodeInventory
+
+    prefix, new_worker = namespace
+    worker = new_worker().start()
+
+    def inventory(node: str, ts: float) -> NodeInventory:
+        return NodeInventory(ts=ts, node=node, gpus=[GpuInventory(index=g, model="NVIDIA H100 80GB HBM3")
+                                                     for g in range(4)])
+
+    here = tmp_path / "n1.jsonl"
+    here.write_text(inventory("n1", START_TS).to_json() + "\n")
+    intent = tmp_path / "job.yaml"
+    intent.write_text("job: grows\nmodel: llama-7b\nglobal_batch: 64\nconstraints: {max_gpus: 8}\n")
+    await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix), [inventory("n1", START_TS)],
+                          key=record_key)
+    started = await asyncio.to_thread(CliRunner().invoke, app, [
+        "job", "start", "--intent", str(intent), "--gpus", str(here), "--bootstrap", kafka_bootstrap,
+        "--topic-prefix", prefix])
+    assert started.exit_code == 0, started.output
+    assert "started job grows (4 GPUs)" in started.output
+    # The inventories and plans come on separate topics: n2 joins once the worker holds the plan.
+    deadline = time.monotonic() + 60
+    while not _metric_is(worker, "fleetwise_policy_jobs", 1.0):
+        assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
+        await asyncio.sleep(0.5)
+    await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix),
+                          [inventory("n2", START_TS + 600)], key=record_key)
+    got = await commands_until(kafka_bootstrap, prefix, "resize", worker, copies=2)
+    grows = [c for c in got if c.type == "resize"]
+    assert {c.id for c in grows} == {grows[0].id} and len(grows) == 2  # one command, both topics
+    grow = grows[0]
+    assert grow.job == "grows" and grow.seq == 1 and grow.ts == START_TS + 600
+    assert grow.params["join"] == [["n2", g] for g in range(4)] and grow.params["world_size"] == 8
+    assert verify_command(grow, Keyring(), now=grow.ts, job="grows")
+
+
 @pytest.mark.kafka
 async def test_an_approval_acts_only_when_signed_under_the_operators_key(
     kafka_bootstrap: str, namespace, tmp_path,  # noqa: F811
