@@ -1357,7 +1357,7 @@ def _operator_keys(signs: bool = False):  # -> Keyring
     return _keys(operators=True, signs=signs)
 
 
-keys_app = typer.Typer(help="Signing keys (commands and operator actions).", no_args_is_help=True)
+keys_app = typer.Typer(help="Signing keys (commands, operator actions, node agents).", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
 
@@ -1376,6 +1376,29 @@ def keys_generate(
     private, public = generate_ed25519_entries(key_id.strip())
     print(private)
     print(public)
+
+
+@keys_app.command("agent")
+def keys_agent(
+    node: str = typer.Argument(..., help="The node whose agent gets the key (its --node / NODE_NAME)."),
+) -> None:
+    """Print a node agent's own key (`NODE=hex:<key>`, for its FLEETWISE_AGENT_KEY[_FILE]),
+    derived from the agent master key in FLEETWISE_AGENT_MASTER_KEY[_FILE] that the workers
+    hold. The agent can sign only its node's messages; the workers check every one."""
+    from fleetwise.actuators import KeyringError
+    from fleetwise.actuators.signing import agent_node_key
+    from fleetwise.streams.keys import agent_master_key_from_env
+
+    if not node.strip() or any(c in node for c in "=,;\n#"):
+        fail(f"node must be non-empty and without '=', ',', ';', '#' or newlines; got {node!r}")
+    try:
+        master = agent_master_key_from_env()
+        if master is None:
+            fail("set FLEETWISE_AGENT_MASTER_KEY or FLEETWISE_AGENT_MASTER_KEY_FILE (the workers' agent "
+                 "master key) to derive a node's key")
+        print(f"{node.strip()}=hex:{agent_node_key(master, node.strip()).hex()}")
+    except KeyringError as exc:
+        fail(f"agent master key: {exc}")
 
 
 policy_app = typer.Typer(help="Operator policy files: check one, or print the defaults.",
@@ -1914,13 +1937,19 @@ def worker(
         fail(f"--checkpoint-interval must be 0.1..3600 seconds, got {checkpoint_interval}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         fail(f"--metrics-port must be 0..65535, got {metrics_port}")
+    from fleetwise.actuators import KeyringError
     from fleetwise.streams.app import run_worker
+    from fleetwise.streams.keys import node_verifier_from_env
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     try:
+        node_verifier = node_verifier_from_env()
+    except KeyringError as exc:
+        fail(f"agent master key: {exc}")
+    try:
         run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
                    topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
-                   checkpoint_interval_s=checkpoint_interval,
+                   checkpoint_interval_s=checkpoint_interval, node_verifier=node_verifier,
                    control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops,
                                                            policy=_load_policy(policy),
                                                            keyring=_keyring(signs=True),
@@ -2012,8 +2041,24 @@ def agent(
             collector.close()
             fail(f"--metrics-port {metrics_port}: cannot listen: {exc}")
         err_console.print(f"agent metrics on :{port}/metrics", highlight=False)
+    from fleetwise.actuators import KeyringError
+    from fleetwise.streams.keys import agent_keys_from_env
+
+    try:
+        signer = agent_keys_from_env()
+    except KeyringError as exc:
+        collector.close()
+        fail(f"agent key: {exc}")
+    if signer is not None and signer.master is None:
+        if source == "sim" and sim_nodes > 1:
+            collector.close()
+            fail(f"FLEETWISE_AGENT_KEY signs one node ({signer.node}); --sim-nodes {sim_nodes} needs "
+                 "FLEETWISE_AGENT_MASTER_KEY")
+        if signer.node != name:
+            collector.close()
+            fail(f"FLEETWISE_AGENT_KEY is node {signer.node!r}'s key; this agent reports node {name!r}")
     publisher = BatchPublisher(bootstrap, agent=name, max_buffer=max_buffer, topic_prefix=topic_prefix,
-                               create_topics=create_topics)
+                               create_topics=create_topics, signer=signer)
     run = asyncio.run(run_until_signal(collector, publisher, interval_s=interval, count=count, fast=fast,
                                        flush_timeout_s=flush_timeout, started=True))
     stats = publisher.stats

@@ -817,3 +817,53 @@ def test_a_gpu_an_operator_returns_goes_to_a_job_that_may_grow():
     back = commands(policy.process([operator(ts=T0 + 30, action="return_gpu", node="c", gpu=0, by="ops")]))
     assert [(x.job, x.params["join"]) for x in back] == [("y", [["c", 0]])]
     assert "c/gpu0 returned by ops: y grows from 4 to 5 GPUs" in back[0].reason
+
+
+# -- node identities: agents' messages signed under their node's own key -----------------------
+def test_each_node_signs_its_own_messages_and_no_other_nodes():
+    from fleetwise.actuators.signing import AgentKeys, NodeVerifier, agent_node_key
+
+    master = b"the-agents-master-key-0123456789"
+    a, b = agent_node_key(master, "node-a"), agent_node_key(master, "node-b")
+    assert len(a) == 32 and a != b and a != agent_node_key(b"another-master-key-0123456", "node-a")
+    with pytest.raises(KeyringError, match=">= 16 bytes"):
+        agent_node_key(b"short", "node-a")
+    own = AgentKeys.parse(f"node-a=hex:{a.hex()}")
+    assert own.key_for("node-a") == a
+    with pytest.raises(KeyringError, match="signs for node 'node-a', not 'node-b'"):
+        own.header(b"{}", "node-b")
+    assert AgentKeys(master=master).key_for("node-b") == b  # a simulator holding the master
+    with pytest.raises(KeyringError, match="exactly one"):
+        AgentKeys.parse(f"node-a=hex:{a.hex()},node-b=hex:{b.hex()}")
+
+    check = NodeVerifier(master).check
+    value = b'{"node": "node-a", "ts": 1, "samples": []}'
+    assert check(value, b"node-a", own.header(value, "node-a"))
+    assert not check(value + b" ", b"node-a", own.header(value, "node-a"))  # altered
+    assert check(value, b"node-a", None).reason.startswith("unsigned: no fleetwise-node-signature header")
+    assert "malformed" in check(value, b"node-a", b"node-a:deadbeef").reason
+    assert check(value, b"node-b", own.header(value, "node-a")).reason == (
+        "signed with node 'node-a''s key but keyed 'node-b': a node signs only its own messages")
+    claimed = b"node-b;" + own.header(value, "node-a").split(b";", 1)[1]  # node-a's key, node-b's name
+    assert check(value, b"node-b", claimed).reason == (
+        "bad signature under node 'node-b''s key: forged or altered")
+    with pytest.raises(KeyringError):
+        NodeVerifier(b"short")
+
+
+def test_keys_agent_derives_the_key_a_node_agent_holds(monkeypatch):
+    from typer.testing import CliRunner
+
+    from fleetwise.actuators.signing import AgentKeys, agent_node_key
+    from fleetwise.cli import app
+
+    monkeypatch.setenv("FLEETWISE_AGENT_MASTER_KEY", "hex:" + "ab" * 32)
+    out = CliRunner().invoke(app, ["keys", "agent", "node-017"])
+    assert out.exit_code == 0, out.output
+    derived = AgentKeys.parse(out.stdout).key_for("node-017")
+    assert derived == agent_node_key(bytes.fromhex("ab" * 32), "node-017")
+    bad = CliRunner().invoke(app, ["keys", "agent", "a;b"])
+    assert bad.exit_code == 2 and "without '='" in " ".join(bad.stderr.split())
+    monkeypatch.delenv("FLEETWISE_AGENT_MASTER_KEY")
+    unset = CliRunner().invoke(app, ["keys", "agent", "node-017"])
+    assert unset.exit_code == 2 and "set FLEETWISE_AGENT_MASTER_KEY" in " ".join(unset.stderr.split())

@@ -535,3 +535,24 @@ def test_rendered_chart_is_accepted_by_the_api_server(helm: str, kube_api: Any, 
     with pytest.raises(ApiException) as refused:
         kube_api.apply([worker], namespace=kube_namespace, dry_run=True)
     assert refused.value.status == 422 and "containerPort" in refused.value.body
+
+
+def test_node_identities_give_workers_the_master_and_each_agent_its_nodes_key(helm: str) -> None:
+    objs = render(helm, "--set", "nodeKeys.masterSecret=fw-agent-master")
+    worker = pod_spec(one(objs, "Deployment", "-worker"))
+    c = worker["containers"][0]
+    path = {e["name"]: e.get("value") for e in c["env"]}["FLEETWISE_AGENT_MASTER_KEY_FILE"]
+    assert _volume_for_path(worker, c, path)["secret"]["secretName"] == "fw-agent-master"
+    agent = pod_spec(one(objs, "DaemonSet", "-agent"))
+    a = agent["containers"][0]
+    env = {e["name"]: e.get("value") for e in a["env"]}
+    assert "FLEETWISE_AGENT_MASTER_KEY_FILE" not in env  # an agent never holds the master
+    volume = _volume_for_path(agent, a, env["FLEETWISE_AGENT_KEY_FILE"])
+    assert volume["hostPath"] == {"path": "/etc/fleetwise/agent-key", "type": "Directory"}
+    assert all(m.get("readOnly") for m in a["volumeMounts"] if m["name"] == volume["name"])
+    keys = {"FLEETWISE_AGENT_KEY_FILE", "FLEETWISE_AGENT_MASTER_KEY_FILE"}
+    consumer = pod_spec(one(objs, "Deployment", "-consumer"))["containers"][0]
+    assert not keys & {e["name"] for e in consumer["env"]}
+    plain = render(helm)  # unset: nothing of it
+    for w in by_kind(plain, "DaemonSet") + by_kind(plain, "Deployment"):
+        assert not keys & {e["name"] for e in pod_spec(w)["containers"][0]["env"]}

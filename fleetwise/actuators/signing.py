@@ -7,6 +7,11 @@ any key it holds, so two keys are valid at once while consumers pick up the new 
 Operator actions (`fleetwise approve`, `fleetwise gpu return`) are signed the same way under
 the operators' own keyring (`verify_operator`), so a command-signing host cannot approve its
 own held commands, and an operator's machine holds no command key.
+
+Node agents' messages (telemetry batches, inventories) carry an HMAC over their bytes under the
+node's own key, derived from the deployment's agent master key (`agent_node_key`): the workers
+hold the master, each agent only its node's key, so a compromised node cannot write telemetry
+or an inventory under another node's name (`verify_node_message`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ DEV_OPERATOR_KEY = b"fleetwise-dev-operator-key-not-for-production"
 DEV_OPERATOR_KEY_ID = "dev-operator"
 ENV_OPERATOR_KEYS = "FLEETWISE_OPERATOR_KEYS"
 ENV_OPERATOR_KEYS_FILE = "FLEETWISE_OPERATOR_KEYS_FILE"
+# The agents' master key (workers, and simulators publishing many nodes) and one node's own key
+# (an agent on a GPU node: `node=hex:<key>`, as `fleetwise keys agent NODE` prints it).
+ENV_AGENT_MASTER_KEY = "FLEETWISE_AGENT_MASTER_KEY"
+ENV_AGENT_MASTER_KEY_FILE = "FLEETWISE_AGENT_MASTER_KEY_FILE"
+ENV_AGENT_KEY = "FLEETWISE_AGENT_KEY"
+ENV_AGENT_KEY_FILE = "FLEETWISE_AGENT_KEY_FILE"
+# The Kafka header of a signed agent message: `<node>;hmac-sha256:<hex over the value's bytes>`.
+NODE_SIGNATURE_HEADER = "fleetwise-node-signature"
+_AGENT_KEY_CONTEXT = b"fleetwise agent node key v1\x00"
 
 
 class KeyringError(ValueError):
@@ -261,3 +275,83 @@ def verify_operator(action: OperatorAction, keys: Keyring | Mapping[str, bytes])
     keyring and unaltered (an approval names its command, a return its GPU: replaying one
     changes nothing that the command's or the GPU's own state has not already settled)."""
     return _verify_signature(action, keys, DEV_OPERATOR_KEY_ID, "operator action")
+
+
+# -- node agents' messages ---------------------------------------------------------------------
+def agent_node_key(master: bytes, node: str) -> bytes:
+    """A node agent's own key: HMAC-SHA256(master, context || node). Knowing one node's key
+    tells nothing about another's or the master (HMAC as a PRF, as in HKDF's expand step)."""
+    if len(master) < 16:
+        raise KeyringError("the agent master key must be >= 16 bytes")
+    if not node:
+        raise KeyringError("a node key needs the node's name")
+    return hmac.new(master, _AGENT_KEY_CONTEXT + node.encode(), hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class AgentKeys:
+    """What an agent signs its messages with: its node's key (`node`, `key`: an agent on a GPU
+    node), or the master (a simulator publishing many nodes), from which each node's key is
+    derived."""
+
+    master: bytes | None = None
+    node: str = ""
+    key: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.master is None and not (self.node and len(self.key) >= 16):
+            raise KeyringError("agent keys need the master key, or a node and its key (>= 16 bytes)")
+
+    @classmethod
+    def parse(cls, text: str) -> AgentKeys:
+        """One node's key: `node=hex:<key>` (what `fleetwise keys agent NODE` prints)."""
+        ring = Keyring.parse(text)
+        if len(ring.keys) != 1 or ring.private or ring.public:
+            raise KeyringError(f"an agent holds exactly one `node=hex:<key>` entry, got {len(ring.ids())} "
+                               "or an Ed25519 key")
+        node = ring.active
+        return cls(node=node, key=ring.keys[node])
+
+    def key_for(self, node: str) -> bytes:
+        if self.master is not None:
+            return agent_node_key(self.master, node)
+        if node != self.node:
+            raise KeyringError(f"this agent's key signs for node {self.node!r}, not {node!r}")
+        return self.key
+
+    def header(self, value: bytes, node: str) -> bytes:
+        """The `NODE_SIGNATURE_HEADER` value for a message of `node`."""
+        digest = hmac.new(self.key_for(node), value, hashlib.sha256).hexdigest()
+        return f"{node};hmac-sha256:{digest}".encode()
+
+
+class NodeVerifier:
+    """The workers' check of agent messages: signed under the key of the node that keys them
+    (the message key is the node; the worker also checks that the records name that node)."""
+
+    def __init__(self, master: bytes) -> None:
+        agent_node_key(master, "-")  # refuses a short master now, not at the first message
+        self._master = master
+        self._keys: dict[str, bytes] = {}  # node -> its key (derived once)
+
+    def check(self, value: bytes | None, key: bytes | str | None, header: bytes | None) -> Verdict:
+        """Whether the message may be read; the reason when not (the dead letter's)."""
+        if header is None:
+            return Verdict(False, f"unsigned: no {NODE_SIGNATURE_HEADER} header (the workers require "
+                                  "signed agent messages: FLEETWISE_AGENT_KEY on the agent)")
+        text = header.decode("utf-8", "replace")
+        node, sep, signature = text.partition(";")
+        if not sep or not node or not signature.startswith("hmac-sha256:"):
+            return Verdict(False, f"malformed {NODE_SIGNATURE_HEADER} header {text[:80]!r} "
+                                  "(expected 'node;hmac-sha256:<hex>')")
+        keyed = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
+        if keyed != node:
+            return Verdict(False, f"signed with node {node!r}'s key but keyed {keyed!r}: a node signs only "
+                                  "its own messages")
+        own = self._keys.get(node)
+        if own is None:
+            own = self._keys[node] = agent_node_key(self._master, node)
+        digest = "hmac-sha256:" + hmac.new(own, value or b"", hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(digest, signature):
+            return Verdict(False, f"bad signature under node {node!r}'s key: forged or altered")
+        return Verdict(True)

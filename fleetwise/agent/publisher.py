@@ -10,6 +10,9 @@ Delivery is at least once across reconnects: a batch whose acknowledgement was l
 the connection is sent again by the next producer session (a new producer id), so the
 stream side tolerates duplicates (same node, GPU and ts). Memory is bounded by
 `max_buffer` queued batches plus at most `max_in_flight` being sent.
+
+With `signer` (the node's key, docs/security.md "Node identities") every message carries the
+`fleetwise-node-signature` header, an HMAC over its bytes that the workers check.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from aiokafka.errors import MessageSizeTooLargeError, RecordTooLargeError
 
+from fleetwise.actuators.signing import NODE_SIGNATURE_HEADER, AgentKeys
 from fleetwise.agent import metrics
 from fleetwise.agent.buffer import DropOldestBuffer
 from fleetwise.schemas import NodeBatch, NodeInventory
@@ -47,6 +51,7 @@ class Outgoing:
     value: bytes
     samples: int  # GPU samples inside (0 for an inventory)
     ts: float  # event time of the record
+    signature: bytes | None = None  # the node signature header's value (signed agents)
 
 
 @dataclass
@@ -78,8 +83,10 @@ class BatchPublisher:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
         create_topics: bool = True,
+        signer: AgentKeys | None = None,
     ) -> None:
         self.bootstrap = bootstrap
+        self.signer = signer
         self.agent = agent
         self.max_in_flight = max(1, min(max_in_flight, max_buffer))
         self.telemetry_topic = topic_name(TELEMETRY_GPU, topic_prefix)
@@ -116,8 +123,9 @@ class BatchPublisher:
 
     def offer(self, batch: NodeBatch) -> None:
         """Queue a batch for sending; drops the oldest queued batch when the buffer is full."""
-        item = Outgoing(self.telemetry_topic, batch.node.encode(), encode_record(batch), len(batch.samples),
-                        batch.ts)
+        value = encode_record(batch)
+        item = Outgoing(self.telemetry_topic, batch.node.encode(), value, len(batch.samples), batch.ts,
+                        self._signature(value, batch.node))
         self.buffer.push(item)
         self.stats.batches_offered += 1
         self._changed()
@@ -125,10 +133,14 @@ class BatchPublisher:
     def offer_inventory(self, inventory: NodeInventory) -> None:
         """Queue a node's inventory; it is sent before any batch and kept until delivered."""
         key = inventory.node.encode()
-        self._inventories[key] = Outgoing(
-            self.inventory_topic, key, encode_record(inventory), 0, inventory.ts
-        )
+        value = encode_record(inventory)
+        self._inventories[key] = Outgoing(self.inventory_topic, key, value, 0, inventory.ts,
+                                          self._signature(value, inventory.node))
         self._changed()
+
+    def _signature(self, value: bytes, node: str) -> bytes | None:
+        """Raises KeyringError when this agent's key is another node's."""
+        return None if self.signer is None else self.signer.header(value, node)
 
     def _changed(self) -> None:
         self._depth_metric.set(self.depth)
@@ -236,6 +248,8 @@ class BatchPublisher:
         failed: list[Outgoing] = []
         for n, item in enumerate(items):
             headers = [(PRODUCED_AT_HEADER, repr(time.time()).encode())]
+            if item.signature is not None:
+                headers.append((NODE_SIGNATURE_HEADER, item.signature))
             try:
                 fut = await producer.send(item.topic, item.value, key=item.key, headers=headers)
             except MessageSizeTooLargeError as exc:  # over max_request_size: never goes, whatever the broker

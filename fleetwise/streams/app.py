@@ -60,6 +60,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
+from fleetwise.actuators.signing import NODE_SIGNATURE_HEADER, NodeVerifier
 from fleetwise.schemas import AuditEvent, DeadLetter, GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
@@ -112,6 +113,15 @@ def _header(headers: Any, name: str) -> bytes | None:
         if k == name:
             return v
     return None
+
+
+def _unsigned(verifier: NodeVerifier | None, message: Any) -> str | None:
+    """Why an agent's message is refused undecoded by the node signature check (None: read it)."""
+    if verifier is None:
+        return None
+    verdict = verifier.check(message.value, getattr(message, "key", None),
+                             _header(getattr(message, "headers", None), NODE_SIGNATURE_HEADER))
+    return None if verdict else f"signature: {verdict.reason}"
 
 
 def produced_at(message: Any) -> float:
@@ -248,8 +258,12 @@ class StreamProcessor:
         send_many: SendMany | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_state_keys: int | None = None,
+        node_verifier: NodeVerifier | None = None,
     ) -> None:
         self.control = control
+        # With an agent master key set, every telemetry batch must be signed by its node's key
+        # (docs/security.md, "Node identities"); others are dead-lettered undecoded.
+        self.node_verifier = node_verifier
         # Limits (docs/streams.md, "Limits"): a message longer than this is dead-lettered
         # undecoded (its original cut to `DEADLETTER_ORIGINAL_BYTES`); over `max_state_keys`
         # GPUs in the feature windows, the longest idle in event time are evicted.
@@ -449,19 +463,25 @@ class StreamProcessor:
             produced.append(produced_at(msg))
         # One decode call for the whole batch (clean node batches in one msgspec call).
         limit = self.max_message_bytes
-        big = [i for i, msg in enumerate(kept) if msg.value is not None and len(msg.value) > limit]
-        skip = set(big)
-        small = [msg for i, msg in enumerate(kept) if i not in skip] if big else kept
+        refused: dict[int, str] = {}  # index in kept -> why it is dead-lettered undecoded
+        for i, msg in enumerate(kept):
+            if msg.value is not None and len(msg.value) > limit:  # a flood inside one message
+                refused[i] = (f"message: {len(msg.value)} bytes is over the limit of {limit} bytes "
+                              f"(original cut to its first {DEADLETTER_ORIGINAL_BYTES} bytes)")
+        if self.node_verifier is not None and topic == T.TELEMETRY_GPU.name:
+            for i, msg in enumerate(kept):
+                why = refused.get(i) or _unsigned(self.node_verifier, msg)
+                if why:
+                    refused[i] = why
+        small = [msg for i, msg in enumerate(kept) if i not in refused] if refused else kept
         decoded = self.control.decode_messages(
             topic, [msg.value for msg in small],
             [f"{msg.topic}:{msg.partition}:{msg.offset}" for msg in small])
-        for i in big:  # oversized: refused before decoding (a flood inside one message)
+        for i in sorted(refused):
             msg = kept[i]
             decoded.insert(i, [self.control.dead_letter(
-                f"{msg.topic}:{msg.partition}:{msg.offset}",
-                f"message: {len(msg.value)} bytes is over the limit of {limit} bytes "
-                f"(original cut to its first {DEADLETTER_ORIGINAL_BYTES} bytes)",
-                msg.value[:DEADLETTER_ORIGINAL_BYTES])])
+                f"{msg.topic}:{msg.partition}:{msg.offset}", refused[i],
+                (msg.value or b"")[:DEADLETTER_ORIGINAL_BYTES])])
         if topic in _KEYED_BY:
             _check_keys(self.control, _KEYED_BY[topic], kept, decoded)
         if replays:
@@ -937,6 +957,7 @@ def make_app(
     state_buckets: int = STATE_BUCKETS,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_state_keys: int | None = None,
+    node_verifier: NodeVerifier | None = None,
     **settings: Any,
 ) -> faust.App:
     """The faust app: topics from the registry, the changelogged state table, the context
@@ -1054,7 +1075,8 @@ def make_app(
     processor = StreamProcessor(control, table, send, topic_prefix=topic_prefix,
                                 state_partitions=state_partitions, state_buckets=state_buckets,
                                 changelog=changelog, send_many=send_many,
-                                max_message_bytes=max_message_bytes, max_state_keys=max_state_keys)
+                                max_message_bytes=max_message_bytes, max_state_keys=max_state_keys,
+                                node_verifier=node_verifier)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     state_topic = telemetry_topic.get_topic_name()  # co-partitioned with steps and the table
 
@@ -1201,7 +1223,12 @@ def make_app(
                     name = unprefix.get(tp.topic, tp.topic)
                     for m in messages:
                         source = f"{tp.topic}:{tp.partition}:{m.offset}"
-                        records = control.decode(name, m.value, source=source, key=m.key)
+                        why = _unsigned(node_verifier, m) if name == T.INVENTORY.name else None
+                        if why:  # an inventory not signed by its node's key: never applied
+                            cut = (m.value or b"")[:DEADLETTER_ORIGINAL_BYTES]
+                            records = [control.dead_letter(source, why, cut)]
+                        else:
+                            records = control.decode(name, m.value, source=source, key=m.key)
                         async with lock:  # state changes never interleave with a checkpoint
                             routed = control.handle(name, records)
                         for out_topic, key, record in routed:

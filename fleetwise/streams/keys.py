@@ -12,26 +12,72 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fleetwise.actuators.signing import (
+    ENV_AGENT_KEY,
+    ENV_AGENT_KEY_FILE,
+    ENV_AGENT_MASTER_KEY,
+    ENV_AGENT_MASTER_KEY_FILE,
     ENV_KEYS,
     ENV_KEYS_FILE,
     ENV_OPERATOR_KEYS,
     ENV_OPERATOR_KEYS_FILE,
+    AgentKeys,
     Keyring,
     KeyringError,
+    NodeVerifier,
     operator_keyring,
 )
 
 
-def _keyring(env: Mapping[str, str], keys_var: str, file_var: str) -> Keyring | None:
-    if env.get(keys_var):
-        return Keyring.parse(env[keys_var])
+def _setting(env: Mapping[str, str], var: str, file_var: str) -> str | None:
+    """The variable's text, else the text of the file the `_FILE` variable names, else None."""
+    if env.get(var):
+        return env[var]
     if env.get(file_var):
         path = Path(env[file_var])
         try:
-            return Keyring.parse(path.read_text())
+            return path.read_text()
         except OSError as exc:
             raise KeyringError(f"{file_var}={path}: {exc.strerror}") from exc
     return None
+
+
+def _keyring(env: Mapping[str, str], keys_var: str, file_var: str) -> Keyring | None:
+    text = _setting(env, keys_var, file_var)
+    return None if text is None else Keyring.parse(text)
+
+
+def agent_master_key_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """FLEETWISE_AGENT_MASTER_KEY (a secret as text, or `hex:...`), else the file named by
+    FLEETWISE_AGENT_MASTER_KEY_FILE; None when neither is set (agent messages unsigned)."""
+    env = os.environ if environ is None else environ
+    text = _setting(env, ENV_AGENT_MASTER_KEY, ENV_AGENT_MASTER_KEY_FILE)
+    if text is None:
+        return None
+    text = text.strip()
+    if text.startswith("hex:"):
+        try:
+            return bytes.fromhex(text[4:])
+        except ValueError as exc:
+            raise KeyringError(f"{ENV_AGENT_MASTER_KEY}: not hex after 'hex:'") from exc
+    return text.encode()
+
+
+def node_verifier_from_env(environ: Mapping[str, str] | None = None) -> NodeVerifier | None:
+    """The workers' check of agent messages when an agent master key is set (then every
+    telemetry batch and inventory must be signed by its node's key), else None."""
+    master = agent_master_key_from_env(environ)
+    return None if master is None else NodeVerifier(master)
+
+
+def agent_keys_from_env(environ: Mapping[str, str] | None = None) -> AgentKeys | None:
+    """What an agent signs with: FLEETWISE_AGENT_KEY[_FILE] (its node's `node=hex:<key>`), else
+    the master key (a simulator publishing many nodes), else None (unsigned)."""
+    env = os.environ if environ is None else environ
+    text = _setting(env, ENV_AGENT_KEY, ENV_AGENT_KEY_FILE)
+    if text is not None:
+        return AgentKeys.parse(text)
+    master = agent_master_key_from_env(env)
+    return None if master is None else AgentKeys(master=master)
 
 
 def keyring_from_env(environ: Mapping[str, str] | None = None) -> Keyring:
