@@ -1357,7 +1357,8 @@ def _operator_keys(signs: bool = False):  # -> Keyring
     return _keys(operators=True, signs=signs)
 
 
-keys_app = typer.Typer(help="Signing keys (commands, operator actions, node agents).", no_args_is_help=True)
+keys_app = typer.Typer(help="Signing keys (commands, operator actions, producers' identities).",
+                       no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
 
@@ -1378,27 +1379,32 @@ def keys_generate(
     print(public)
 
 
-@keys_app.command("agent")
-def keys_agent(
-    node: str = typer.Argument(..., help="The node whose agent gets the key (its --node / NODE_NAME)."),
+@keys_app.command("identity")
+def keys_identity(
+    identity: str = typer.Argument(..., help="node/NODE (an agent), job/JOB (a training job's plugin) "
+                                   "or kube-consumer."),
 ) -> None:
-    """Print a node agent's own key (`NODE=hex:<key>`, for its FLEETWISE_AGENT_KEY[_FILE]),
-    derived from the agent master key in FLEETWISE_AGENT_MASTER_KEY[_FILE] that the workers
-    hold. The agent can sign only its node's messages; the workers check every one."""
+    """Print a producer's own key (`ID=hex:<key>`, for its FLEETWISE_IDENTITY_KEY[_FILE]),
+    derived from the identity master key in FLEETWISE_IDENTITY_MASTER_KEY[_FILE] that the workers
+    hold. The producer can sign only as itself; the workers check every message."""
     from fleetwise.actuators import KeyringError
-    from fleetwise.actuators.signing import agent_node_key
-    from fleetwise.streams.keys import agent_master_key_from_env
+    from fleetwise.actuators.signing import JOB_PREFIX, KUBE_CONSUMER_IDENTITY, NODE_PREFIX, identity_key
+    from fleetwise.streams.keys import identity_master_key_from_env
 
-    if not node.strip() or any(c in node for c in "=,;\n#"):
-        fail(f"node must be non-empty and without '=', ',', ';', '#' or newlines; got {node!r}")
+    ident = identity.strip()
+    name = ident.removeprefix(NODE_PREFIX).removeprefix(JOB_PREFIX)
+    if (ident != KUBE_CONSUMER_IDENTITY and not ident.startswith((NODE_PREFIX, JOB_PREFIX))) or not name \
+            or any(c in ident for c in "=,;\n#"):
+        fail(f"identity must be node/NODE, job/JOB or {KUBE_CONSUMER_IDENTITY}, without '=', ',', ';', '#' "
+             f"or newlines; got {identity!r}")
     try:
-        master = agent_master_key_from_env()
+        master = identity_master_key_from_env()
         if master is None:
-            fail("set FLEETWISE_AGENT_MASTER_KEY or FLEETWISE_AGENT_MASTER_KEY_FILE (the workers' agent "
-                 "master key) to derive a node's key")
-        print(f"{node.strip()}=hex:{agent_node_key(master, node.strip()).hex()}")
+            fail("set FLEETWISE_IDENTITY_MASTER_KEY or FLEETWISE_IDENTITY_MASTER_KEY_FILE (the workers' "
+                 "identity master key) to derive a producer's key")
+        print(f"{ident}=hex:{identity_key(master, ident).hex()}")
     except KeyringError as exc:
-        fail(f"agent master key: {exc}")
+        fail(f"identity master key: {exc}")
 
 
 policy_app = typer.Typer(help="Operator policy files: check one, or print the defaults.",
@@ -1939,17 +1945,17 @@ def worker(
         fail(f"--metrics-port must be 0..65535, got {metrics_port}")
     from fleetwise.actuators import KeyringError
     from fleetwise.streams.app import run_worker
-    from fleetwise.streams.keys import node_verifier_from_env
+    from fleetwise.streams.keys import identity_verifier_from_env
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
     try:
-        node_verifier = node_verifier_from_env()
+        identity_verifier = identity_verifier_from_env()
     except KeyringError as exc:
-        fail(f"agent master key: {exc}")
+        fail(f"identity master key: {exc}")
     try:
         run_worker(bootstrap, app_id=app_id, store=store, metrics_port=metrics_port, web_port=web_port,
                    topic_prefix=topic_prefix, loglevel=loglevel, take_max=take_max,
-                   checkpoint_interval_s=checkpoint_interval, node_verifier=node_verifier,
+                   checkpoint_interval_s=checkpoint_interval, identity_verifier=identity_verifier,
                    control=ControlPlane(ControlPlaneConfig(stagger_hops=stagger_hops,
                                                            policy=_load_policy(policy),
                                                            keyring=_keyring(signs=True),
@@ -2042,21 +2048,23 @@ def agent(
             fail(f"--metrics-port {metrics_port}: cannot listen: {exc}")
         err_console.print(f"agent metrics on :{port}/metrics", highlight=False)
     from fleetwise.actuators import KeyringError
-    from fleetwise.streams.keys import agent_keys_from_env
+    from fleetwise.actuators.signing import node_identity
+    from fleetwise.streams.keys import identity_keys_from_env
 
     try:
-        signer = agent_keys_from_env()
+        signer = identity_keys_from_env()
     except KeyringError as exc:
         collector.close()
-        fail(f"agent key: {exc}")
+        fail(f"identity key: {exc}")
     if signer is not None and signer.master is None:
         if source == "sim" and sim_nodes > 1:
             collector.close()
-            fail(f"FLEETWISE_AGENT_KEY signs one node ({signer.node}); --sim-nodes {sim_nodes} needs "
-                 "FLEETWISE_AGENT_MASTER_KEY")
-        if signer.node != name:
+            fail(f"FLEETWISE_IDENTITY_KEY signs as one node ({signer.identity}); --sim-nodes {sim_nodes} "
+                 "needs FLEETWISE_IDENTITY_MASTER_KEY")
+        if signer.identity != node_identity(name):
             collector.close()
-            fail(f"FLEETWISE_AGENT_KEY is node {signer.node!r}'s key; this agent reports node {name!r}")
+            fail(f"FLEETWISE_IDENTITY_KEY is {signer.identity!r}'s key; this agent reports node {name!r} "
+                 f"({node_identity(name)!r})")
     publisher = BatchPublisher(bootstrap, agent=name, max_buffer=max_buffer, topic_prefix=topic_prefix,
                                create_topics=create_topics, signer=signer)
     run = asyncio.run(run_until_signal(collector, publisher, interval_s=interval, count=count, fast=fast,

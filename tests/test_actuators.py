@@ -819,51 +819,71 @@ def test_a_gpu_an_operator_returns_goes_to_a_job_that_may_grow():
     assert "c/gpu0 returned by ops: y grows from 4 to 5 GPUs" in back[0].reason
 
 
-# -- node identities: agents' messages signed under their node's own key -----------------------
-def test_each_node_signs_its_own_messages_and_no_other_nodes():
-    from fleetwise.actuators.signing import AgentKeys, NodeVerifier, agent_node_key
+# -- producers' identities: messages signed under the writer's own key --------------------------
+def test_each_producer_signs_as_itself_and_only_what_it_may_write():
+    from fleetwise.actuators.signing import IdentityKeys, IdentityVerifier, identity_key
+    from fleetwise.schemas import topics as T
 
-    master = b"the-agents-master-key-0123456789"
-    a, b = agent_node_key(master, "node-a"), agent_node_key(master, "node-b")
-    assert len(a) == 32 and a != b and a != agent_node_key(b"another-master-key-0123456", "node-a")
+    master = b"the-identity-master-key-0123456789"
+    a, b = identity_key(master, "node/node-a"), identity_key(master, "node/node-b")
+    assert len(a) == 32 and a != b and a != identity_key(master, "job/node-a")  # one name, two kinds
+    assert a != identity_key(b"another-master-key-0123456", "node/node-a")
     with pytest.raises(KeyringError, match=">= 16 bytes"):
-        agent_node_key(b"short", "node-a")
-    own = AgentKeys.parse(f"node-a=hex:{a.hex()}")
-    assert own.key_for("node-a") == a
-    with pytest.raises(KeyringError, match="signs for node 'node-a', not 'node-b'"):
-        own.header(b"{}", "node-b")
-    assert AgentKeys(master=master).key_for("node-b") == b  # a simulator holding the master
+        identity_key(b"short", "node/node-a")
+    own = IdentityKeys.parse(f"node/node-a=hex:{a.hex()}")
+    assert own.signs_as(T.TELEMETRY_GPU.name, "node-a") == "node/node-a"
+    with pytest.raises(KeyringError, match="signs as 'node/node-a', not 'node/node-b'"):
+        own.header(b"{}", "node/node-b")
+    sim = IdentityKeys(master=master)  # a simulator holding the master signs as each message's writer
+    assert sim.signs_as(T.TELEMETRY_STEPS.name, "llm") == "job/llm"
     with pytest.raises(KeyringError, match="exactly one"):
-        AgentKeys.parse(f"node-a=hex:{a.hex()},node-b=hex:{b.hex()}")
+        IdentityKeys.parse(f"node/node-a=hex:{a.hex()},node/node-b=hex:{b.hex()}")
 
-    check = NodeVerifier(master).check
+    check = IdentityVerifier(master).check
+    gpu, steps, acks = T.TELEMETRY_GPU.name, T.TELEMETRY_STEPS.name, T.ACKS.name
     value = b'{"node": "node-a", "ts": 1, "samples": []}'
-    assert check(value, b"node-a", own.header(value, "node-a"))
-    assert not check(value + b" ", b"node-a", own.header(value, "node-a"))  # altered
-    assert check(value, b"node-a", None).reason.startswith("unsigned: no fleetwise-node-signature header")
-    assert "malformed" in check(value, b"node-a", b"node-a:deadbeef").reason
-    assert check(value, b"node-b", own.header(value, "node-a")).reason == (
-        "signed with node 'node-a''s key but keyed 'node-b': a node signs only its own messages")
-    claimed = b"node-b;" + own.header(value, "node-a").split(b";", 1)[1]  # node-a's key, node-b's name
-    assert check(value, b"node-b", claimed).reason == (
-        "bad signature under node 'node-b''s key: forged or altered")
+    assert check(gpu, value, b"node-a", own.header(value, "node/node-a"))
+    assert check(T.INVENTORY.name, value, b"node-a", own.header(value, "node/node-a"))
+    assert not check(gpu, value + b" ", b"node-a", own.header(value, "node/node-a"))  # altered
+    assert check(gpu, value, b"node-a", None).reason.startswith("unsigned: no fleetwise-signature header")
+    assert "malformed" in check(gpu, value, b"node-a", b"node/node-a:deadbeef").reason
+    assert check(gpu, value, b"node-b", own.header(value, "node/node-a")).reason == (
+        "signed as 'node/node-a' but keyed 'node-b': only 'node/node-b' may write it")
+    claimed = b"node/node-b;" + own.header(value, "node/node-a").split(b";", 1)[1]  # a's key, b's name
+    assert check(gpu, value, b"node-b", claimed).reason == (
+        "bad signature under 'node/node-b''s key: forged or altered")
+    # A training job's plugin writes its own steps and acks; the kube consumer acks for any job.
+    job = IdentityKeys.parse(f"job/llm=hex:{identity_key(master, 'job/llm').hex()}")
+    assert check(steps, value, b"llm", job.header(value, "job/llm"))
+    assert check(acks, value, b"llm", job.header(value, "job/llm"))
+    assert "only 'job/other' or 'kube-consumer' may write it" in check(
+        acks, value, b"other", job.header(value, "job/llm")).reason
+    as_node = own.header(value, "node/node-a")
+    assert "only 'job/llm' may write it" in check(steps, value, b"llm", as_node).reason
+    kube = IdentityKeys(identity="kube-consumer", key=identity_key(master, "kube-consumer"))
+    assert check(acks, value, b"node-7", kube.header(value, "kube-consumer"))
+    as_kube = kube.header(value, "kube-consumer")
+    assert "only 'job/llm' may write it" in check(steps, value, b"llm", as_kube).reason
     with pytest.raises(KeyringError):
-        NodeVerifier(b"short")
+        IdentityVerifier(b"short")
 
 
-def test_keys_agent_derives_the_key_a_node_agent_holds(monkeypatch):
+def test_keys_identity_derives_the_key_a_producer_holds(monkeypatch):
     from typer.testing import CliRunner
 
-    from fleetwise.actuators.signing import AgentKeys, agent_node_key
+    from fleetwise.actuators.signing import IdentityKeys, identity_key
     from fleetwise.cli import app
 
-    monkeypatch.setenv("FLEETWISE_AGENT_MASTER_KEY", "hex:" + "ab" * 32)
-    out = CliRunner().invoke(app, ["keys", "agent", "node-017"])
-    assert out.exit_code == 0, out.output
-    derived = AgentKeys.parse(out.stdout).key_for("node-017")
-    assert derived == agent_node_key(bytes.fromhex("ab" * 32), "node-017")
-    bad = CliRunner().invoke(app, ["keys", "agent", "a;b"])
-    assert bad.exit_code == 2 and "without '='" in " ".join(bad.stderr.split())
-    monkeypatch.delenv("FLEETWISE_AGENT_MASTER_KEY")
-    unset = CliRunner().invoke(app, ["keys", "agent", "node-017"])
-    assert unset.exit_code == 2 and "set FLEETWISE_AGENT_MASTER_KEY" in " ".join(unset.stderr.split())
+    monkeypatch.setenv("FLEETWISE_IDENTITY_MASTER_KEY", "hex:" + "ab" * 32)
+    for ident in ("node/node-017", "job/llm-70b", "kube-consumer"):
+        out = CliRunner().invoke(app, ["keys", "identity", ident])
+        assert out.exit_code == 0, out.output
+        parsed = IdentityKeys.parse(out.stdout)
+        assert parsed.identity == ident and parsed.key == identity_key(bytes.fromhex("ab" * 32), ident)
+    for bad in ("a;b", "node-017", "job/", "node/x=y"):
+        out = CliRunner().invoke(app, ["keys", "identity", bad])
+        assert out.exit_code == 2 and "identity must be node/NODE, job/JOB or kube-consumer" in " ".join(
+            out.stderr.split()), bad
+    monkeypatch.delenv("FLEETWISE_IDENTITY_MASTER_KEY")
+    unset = CliRunner().invoke(app, ["keys", "identity", "node/node-017"])
+    assert unset.exit_code == 2 and "set FLEETWISE_IDENTITY_MASTER_KEY" in " ".join(unset.stderr.split())

@@ -537,22 +537,27 @@ def test_rendered_chart_is_accepted_by_the_api_server(helm: str, kube_api: Any, 
     assert refused.value.status == 422 and "containerPort" in refused.value.body
 
 
-def test_node_identities_give_workers_the_master_and_each_agent_its_nodes_key(helm: str) -> None:
-    objs = render(helm, "--set", "nodeKeys.masterSecret=fw-agent-master")
+def test_producer_identities_give_workers_the_master_and_each_producer_its_own_key(helm: str) -> None:
+    objs = render(helm, "--set", "identityKeys.masterSecret=fw-identity-master",
+                  "--set", "identityKeys.kubeConsumerSecret=fw-kube-identity")
     worker = pod_spec(one(objs, "Deployment", "-worker"))
     c = worker["containers"][0]
-    path = {e["name"]: e.get("value") for e in c["env"]}["FLEETWISE_AGENT_MASTER_KEY_FILE"]
-    assert _volume_for_path(worker, c, path)["secret"]["secretName"] == "fw-agent-master"
+    path = {e["name"]: e.get("value") for e in c["env"]}["FLEETWISE_IDENTITY_MASTER_KEY_FILE"]
+    assert _volume_for_path(worker, c, path)["secret"]["secretName"] == "fw-identity-master"
     agent = pod_spec(one(objs, "DaemonSet", "-agent"))
     a = agent["containers"][0]
     env = {e["name"]: e.get("value") for e in a["env"]}
-    assert "FLEETWISE_AGENT_MASTER_KEY_FILE" not in env  # an agent never holds the master
-    volume = _volume_for_path(agent, a, env["FLEETWISE_AGENT_KEY_FILE"])
-    assert volume["hostPath"] == {"path": "/etc/fleetwise/agent-key", "type": "Directory"}
+    assert "FLEETWISE_IDENTITY_MASTER_KEY_FILE" not in env  # an agent never holds the master
+    volume = _volume_for_path(agent, a, env["FLEETWISE_IDENTITY_KEY_FILE"])
+    assert volume["hostPath"] == {"path": "/etc/fleetwise/identity", "type": "Directory"}
     assert all(m.get("readOnly") for m in a["volumeMounts"] if m["name"] == volume["name"])
-    keys = {"FLEETWISE_AGENT_KEY_FILE", "FLEETWISE_AGENT_MASTER_KEY_FILE"}
-    consumer = pod_spec(one(objs, "Deployment", "-consumer"))["containers"][0]
-    assert not keys & {e["name"] for e in consumer["env"]}
+    consumer = pod_spec(one(objs, "Deployment", "-consumer"))
+    k = consumer["containers"][0]
+    env = {e["name"]: e.get("value") for e in k["env"]}
+    assert "FLEETWISE_IDENTITY_MASTER_KEY_FILE" not in env
+    assert _volume_for_path(consumer, k, env["FLEETWISE_IDENTITY_KEY_FILE"])["secret"]["secretName"] == (
+        "fw-kube-identity")
+    keys = {"FLEETWISE_IDENTITY_KEY_FILE", "FLEETWISE_IDENTITY_MASTER_KEY_FILE"}
     plain = render(helm)  # unset: nothing of it
     for w in by_kind(plain, "DaemonSet") + by_kind(plain, "Deployment"):
         assert not keys & {e["name"] for e in pod_spec(w)["containers"][0]["env"]}

@@ -8,10 +8,11 @@ Operator actions (`fleetwise approve`, `fleetwise gpu return`) are signed the sa
 the operators' own keyring (`verify_operator`), so a command-signing host cannot approve its
 own held commands, and an operator's machine holds no command key.
 
-Node agents' messages (telemetry batches, inventories) carry an HMAC over their bytes under the
-node's own key, derived from the deployment's agent master key (`agent_node_key`): the workers
-hold the master, each agent only its node's key, so a compromised node cannot write telemetry
-or an inventory under another node's name (`verify_node_message`).
+Producers' messages (agents' telemetry and inventories, plugins' step records and acks, the kube
+consumer's acks) carry an HMAC over their bytes under the producer's own identity key, derived
+from the deployment's identity master key (`identity_key`): the workers hold the master, each
+producer only its own key, so a compromised node or training job cannot write under another
+node's or job's name (`IdentityVerifier`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fleetwise.schemas import Command, OperatorAction
+from fleetwise.schemas.topics import ACKS, INVENTORY, TELEMETRY_GPU, TELEMETRY_STEPS
 
 # A development key so replays and demos are signed and verifiable; deployments set their own
 # (FLEETWISE_SIGNING_KEYS or FLEETWISE_SIGNING_KEYS_FILE, read by
@@ -39,15 +41,15 @@ DEV_OPERATOR_KEY = b"fleetwise-dev-operator-key-not-for-production"
 DEV_OPERATOR_KEY_ID = "dev-operator"
 ENV_OPERATOR_KEYS = "FLEETWISE_OPERATOR_KEYS"
 ENV_OPERATOR_KEYS_FILE = "FLEETWISE_OPERATOR_KEYS_FILE"
-# The agents' master key (workers, and simulators publishing many nodes) and one node's own key
-# (an agent on a GPU node: `node=hex:<key>`, as `fleetwise keys agent NODE` prints it).
-ENV_AGENT_MASTER_KEY = "FLEETWISE_AGENT_MASTER_KEY"
-ENV_AGENT_MASTER_KEY_FILE = "FLEETWISE_AGENT_MASTER_KEY_FILE"
-ENV_AGENT_KEY = "FLEETWISE_AGENT_KEY"
-ENV_AGENT_KEY_FILE = "FLEETWISE_AGENT_KEY_FILE"
-# The Kafka header of a signed agent message: `<node>;hmac-sha256:<hex over the value's bytes>`.
-NODE_SIGNATURE_HEADER = "fleetwise-node-signature"
-_AGENT_KEY_CONTEXT = b"fleetwise agent node key v1\x00"
+# The identity master key (workers; simulators publishing many nodes) and one producer's own key
+# (`identity=hex:<key>`, as `fleetwise keys identity ID` prints it).
+ENV_IDENTITY_MASTER_KEY = "FLEETWISE_IDENTITY_MASTER_KEY"
+ENV_IDENTITY_MASTER_KEY_FILE = "FLEETWISE_IDENTITY_MASTER_KEY_FILE"
+ENV_IDENTITY_KEY = "FLEETWISE_IDENTITY_KEY"
+ENV_IDENTITY_KEY_FILE = "FLEETWISE_IDENTITY_KEY_FILE"
+# The Kafka header of a signed message: `<identity>;hmac-sha256:<hex over the value's bytes>`.
+SIGNATURE_HEADER = "fleetwise-signature"
+_IDENTITY_KEY_CONTEXT = b"fleetwise producer identity key v1\x00"
 
 
 class KeyringError(ValueError):
@@ -277,81 +279,121 @@ def verify_operator(action: OperatorAction, keys: Keyring | Mapping[str, bytes])
     return _verify_signature(action, keys, DEV_OPERATOR_KEY_ID, "operator action")
 
 
-# -- node agents' messages ---------------------------------------------------------------------
-def agent_node_key(master: bytes, node: str) -> bytes:
-    """A node agent's own key: HMAC-SHA256(master, context || node). Knowing one node's key
-    tells nothing about another's or the master (HMAC as a PRF, as in HKDF's expand step)."""
+# -- producers' identities: node agents, training plugins, the kube consumer -------------------
+NODE_PREFIX, JOB_PREFIX = "node/", "job/"
+KUBE_CONSUMER_IDENTITY = "kube-consumer"
+
+
+def node_identity(node: str) -> str:
+    return NODE_PREFIX + node
+
+
+def job_identity(job: str) -> str:
+    return JOB_PREFIX + job
+
+
+def expected_identities(topic: str, key: str | None) -> tuple[str, ...]:
+    """Who may write a message of `topic` (a registry name) under message key `key`: the node
+    its telemetry or inventory is keyed by, the job its step records or its plugin's acks are
+    keyed by, or the kube consumer (its acks, keyed by job or node). () for other topics."""
+    if key is None:
+        return ()
+    if topic in (TELEMETRY_GPU.name, INVENTORY.name):
+        return (node_identity(key),)
+    if topic == TELEMETRY_STEPS.name:
+        return (job_identity(key),)
+    if topic == ACKS.name:
+        return (job_identity(key), KUBE_CONSUMER_IDENTITY)
+    return ()
+
+
+SIGNED_TOPICS = frozenset({TELEMETRY_GPU.name, INVENTORY.name, TELEMETRY_STEPS.name, ACKS.name})
+
+
+def identity_key(master: bytes, identity: str) -> bytes:
+    """A producer's own key: HMAC-SHA256(master, context || identity). Knowing one identity's
+    key tells nothing about another's or the master (HMAC as a PRF, as in HKDF's expand step)."""
     if len(master) < 16:
-        raise KeyringError("the agent master key must be >= 16 bytes")
-    if not node:
-        raise KeyringError("a node key needs the node's name")
-    return hmac.new(master, _AGENT_KEY_CONTEXT + node.encode(), hashlib.sha256).digest()
+        raise KeyringError("the identity master key must be >= 16 bytes")
+    if not identity or identity in (NODE_PREFIX, JOB_PREFIX):
+        raise KeyringError(f"an identity key needs a name, got {identity!r}")
+    return hmac.new(master, _IDENTITY_KEY_CONTEXT + identity.encode(), hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
-class AgentKeys:
-    """What an agent signs its messages with: its node's key (`node`, `key`: an agent on a GPU
-    node), or the master (a simulator publishing many nodes), from which each node's key is
-    derived."""
+class IdentityKeys:
+    """What a producer signs its messages with: its own identity's key (`identity`, `key`: an
+    agent `node/<node>`, a plugin `job/<job>`, the `kube-consumer`), or the master (a simulator
+    publishing many nodes, a test), from which each identity's key is derived."""
 
     master: bytes | None = None
-    node: str = ""
+    identity: str = ""
     key: bytes = b""
 
     def __post_init__(self) -> None:
-        if self.master is None and not (self.node and len(self.key) >= 16):
-            raise KeyringError("agent keys need the master key, or a node and its key (>= 16 bytes)")
+        if self.master is None and not (self.identity and len(self.key) >= 16):
+            raise KeyringError("identity keys need the master key, or an identity and its key (>= 16 bytes)")
 
     @classmethod
-    def parse(cls, text: str) -> AgentKeys:
-        """One node's key: `node=hex:<key>` (what `fleetwise keys agent NODE` prints)."""
+    def parse(cls, text: str) -> IdentityKeys:
+        """One identity's key: `identity=hex:<key>` (what `fleetwise keys identity` prints)."""
         ring = Keyring.parse(text)
         if len(ring.keys) != 1 or ring.private or ring.public:
-            raise KeyringError(f"an agent holds exactly one `node=hex:<key>` entry, got {len(ring.ids())} "
-                               "or an Ed25519 key")
-        node = ring.active
-        return cls(node=node, key=ring.keys[node])
+            raise KeyringError(f"a producer holds exactly one `identity=hex:<key>` entry, got "
+                               f"{len(ring.ids())} or an Ed25519 key")
+        return cls(identity=ring.active, key=ring.keys[ring.active])
 
-    def key_for(self, node: str) -> bytes:
+    def signs_as(self, topic: str, key: str) -> str:
+        """The identity a message of `topic` under `key` is signed as: this producer's own, or,
+        holding the master, the first that may write it."""
+        if self.master is None:
+            return self.identity
+        allowed = expected_identities(topic, key)
+        if not allowed:
+            raise KeyringError(f"{topic} messages are not signed by producers")
+        return allowed[0]
+
+    def header(self, value: bytes, identity: str) -> bytes:
+        """The `SIGNATURE_HEADER` value of a message signed as `identity`."""
         if self.master is not None:
-            return agent_node_key(self.master, node)
-        if node != self.node:
-            raise KeyringError(f"this agent's key signs for node {self.node!r}, not {node!r}")
-        return self.key
-
-    def header(self, value: bytes, node: str) -> bytes:
-        """The `NODE_SIGNATURE_HEADER` value for a message of `node`."""
-        digest = hmac.new(self.key_for(node), value, hashlib.sha256).hexdigest()
-        return f"{node};hmac-sha256:{digest}".encode()
+            key = identity_key(self.master, identity)
+        elif identity == self.identity:
+            key = self.key
+        else:
+            raise KeyringError(f"this key signs as {self.identity!r}, not {identity!r}")
+        return f"{identity};hmac-sha256:{hmac.new(key, value, hashlib.sha256).hexdigest()}".encode()
 
 
-class NodeVerifier:
-    """The workers' check of agent messages: signed under the key of the node that keys them
-    (the message key is the node; the worker also checks that the records name that node)."""
+class IdentityVerifier:
+    """The workers' check of producers' messages (`SIGNED_TOPICS`): signed as an identity that
+    may write the message (by its topic and key: `expected_identities`; the worker also checks
+    that the records name the node or job they are keyed by) under that identity's key."""
 
     def __init__(self, master: bytes) -> None:
-        agent_node_key(master, "-")  # refuses a short master now, not at the first message
+        identity_key(master, KUBE_CONSUMER_IDENTITY)  # refuses a short master now, not at a message
         self._master = master
-        self._keys: dict[str, bytes] = {}  # node -> its key (derived once)
+        self._keys: dict[str, bytes] = {}  # identity -> its key (derived once)
 
-    def check(self, value: bytes | None, key: bytes | str | None, header: bytes | None) -> Verdict:
+    def check(self, topic: str, value: bytes | None, key: bytes | str | None,
+              header: bytes | None) -> Verdict:
         """Whether the message may be read; the reason when not (the dead letter's)."""
         if header is None:
-            return Verdict(False, f"unsigned: no {NODE_SIGNATURE_HEADER} header (the workers require "
-                                  "signed agent messages: FLEETWISE_AGENT_KEY on the agent)")
+            return Verdict(False, f"unsigned: no {SIGNATURE_HEADER} header (the workers require signed "
+                                  f"{topic} messages: FLEETWISE_IDENTITY_KEY on the producer)")
         text = header.decode("utf-8", "replace")
-        node, sep, signature = text.partition(";")
-        if not sep or not node or not signature.startswith("hmac-sha256:"):
-            return Verdict(False, f"malformed {NODE_SIGNATURE_HEADER} header {text[:80]!r} "
-                                  "(expected 'node;hmac-sha256:<hex>')")
+        identity, sep, signature = text.partition(";")
+        if not sep or not identity or not signature.startswith("hmac-sha256:"):
+            return Verdict(False, f"malformed {SIGNATURE_HEADER} header {text[:80]!r} "
+                                  "(expected 'identity;hmac-sha256:<hex>')")
         keyed = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
-        if keyed != node:
-            return Verdict(False, f"signed with node {node!r}'s key but keyed {keyed!r}: a node signs only "
-                                  "its own messages")
-        own = self._keys.get(node)
+        allowed = expected_identities(topic, keyed)
+        if identity not in allowed:
+            return Verdict(False, f"signed as {identity!r} but keyed {keyed!r}: only "
+                                  f"{' or '.join(map(repr, allowed)) or 'nobody'} may write it")
+        own = self._keys.get(identity)
         if own is None:
-            own = self._keys[node] = agent_node_key(self._master, node)
+            own = self._keys[identity] = identity_key(self._master, identity)
         digest = "hmac-sha256:" + hmac.new(own, value or b"", hashlib.sha256).hexdigest()
         if not hmac.compare_digest(digest, signature):
-            return Verdict(False, f"bad signature under node {node!r}'s key: forged or altered")
+            return Verdict(False, f"bad signature under {identity!r}'s key: forged or altered")
         return Verdict(True)

@@ -11,8 +11,8 @@ the connection is sent again by the next producer session (a new producer id), s
 stream side tolerates duplicates (same node, GPU and ts). Memory is bounded by
 `max_buffer` queued batches plus at most `max_in_flight` being sent.
 
-With `signer` (the node's key, docs/security.md "Node identities") every message carries the
-`fleetwise-node-signature` header, an HMAC over its bytes that the workers check.
+With `signer` (the node's identity key, docs/security.md "Producer identities") every message
+carries the `fleetwise-signature` header, an HMAC over its bytes that the workers check.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from aiokafka.errors import MessageSizeTooLargeError, RecordTooLargeError
 
-from fleetwise.actuators.signing import NODE_SIGNATURE_HEADER, AgentKeys
+from fleetwise.actuators.signing import SIGNATURE_HEADER, IdentityKeys, node_identity
 from fleetwise.agent import metrics
 from fleetwise.agent.buffer import DropOldestBuffer
 from fleetwise.schemas import NodeBatch, NodeInventory
@@ -51,7 +51,7 @@ class Outgoing:
     value: bytes
     samples: int  # GPU samples inside (0 for an inventory)
     ts: float  # event time of the record
-    signature: bytes | None = None  # the node signature header's value (signed agents)
+    signature: bytes | None = None  # the signature header's value (signed agents)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class BatchPublisher:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
         create_topics: bool = True,
-        signer: AgentKeys | None = None,
+        signer: IdentityKeys | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.signer = signer
@@ -140,7 +140,7 @@ class BatchPublisher:
 
     def _signature(self, value: bytes, node: str) -> bytes | None:
         """Raises KeyringError when this agent's key is another node's."""
-        return None if self.signer is None else self.signer.header(value, node)
+        return None if self.signer is None else self.signer.header(value, node_identity(node))
 
     def _changed(self) -> None:
         self._depth_metric.set(self.depth)
@@ -249,7 +249,7 @@ class BatchPublisher:
         for n, item in enumerate(items):
             headers = [(PRODUCED_AT_HEADER, repr(time.time()).encode())]
             if item.signature is not None:
-                headers.append((NODE_SIGNATURE_HEADER, item.signature))
+                headers.append((SIGNATURE_HEADER, item.signature))
             try:
                 fut = await producer.send(item.topic, item.value, key=item.key, headers=headers)
             except MessageSizeTooLargeError as exc:  # over max_request_size: never goes, whatever the broker

@@ -60,7 +60,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
-from fleetwise.actuators.signing import NODE_SIGNATURE_HEADER, NodeVerifier
+from fleetwise.actuators.signing import SIGNATURE_HEADER, SIGNED_TOPICS, IdentityVerifier
 from fleetwise.schemas import AuditEvent, DeadLetter, GpuSample, NodeBatch, TrainingStep
 from fleetwise.schemas import topics as T
 from fleetwise.schemas.fast import FastGpuSample, FastTrainingStep
@@ -115,12 +115,12 @@ def _header(headers: Any, name: str) -> bytes | None:
     return None
 
 
-def _unsigned(verifier: NodeVerifier | None, message: Any) -> str | None:
-    """Why an agent's message is refused undecoded by the node signature check (None: read it)."""
-    if verifier is None:
+def _unsigned(verifier: IdentityVerifier | None, topic: str, message: Any) -> str | None:
+    """Why a producer's message is refused undecoded by the identity check (None: read it)."""
+    if verifier is None or topic not in SIGNED_TOPICS:
         return None
-    verdict = verifier.check(message.value, getattr(message, "key", None),
-                             _header(getattr(message, "headers", None), NODE_SIGNATURE_HEADER))
+    verdict = verifier.check(topic, message.value, getattr(message, "key", None),
+                             _header(getattr(message, "headers", None), SIGNATURE_HEADER))
     return None if verdict else f"signature: {verdict.reason}"
 
 
@@ -258,12 +258,12 @@ class StreamProcessor:
         send_many: SendMany | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_state_keys: int | None = None,
-        node_verifier: NodeVerifier | None = None,
+        identity_verifier: IdentityVerifier | None = None,
     ) -> None:
         self.control = control
-        # With an agent master key set, every telemetry batch must be signed by its node's key
-        # (docs/security.md, "Node identities"); others are dead-lettered undecoded.
-        self.node_verifier = node_verifier
+        # With an identity master key set, every telemetry batch and step record must be signed
+        # by its writer (docs/security.md, "Producer identities"); others are dead-lettered undecoded.
+        self.identity_verifier = identity_verifier
         # Limits (docs/streams.md, "Limits"): a message longer than this is dead-lettered
         # undecoded (its original cut to `DEADLETTER_ORIGINAL_BYTES`); over `max_state_keys`
         # GPUs in the feature windows, the longest idle in event time are evicted.
@@ -468,9 +468,9 @@ class StreamProcessor:
             if msg.value is not None and len(msg.value) > limit:  # a flood inside one message
                 refused[i] = (f"message: {len(msg.value)} bytes is over the limit of {limit} bytes "
                               f"(original cut to its first {DEADLETTER_ORIGINAL_BYTES} bytes)")
-        if self.node_verifier is not None and topic == T.TELEMETRY_GPU.name:
+        if self.identity_verifier is not None:
             for i, msg in enumerate(kept):
-                why = refused.get(i) or _unsigned(self.node_verifier, msg)
+                why = refused.get(i) or _unsigned(self.identity_verifier, topic, msg)
                 if why:
                     refused[i] = why
         small = [msg for i, msg in enumerate(kept) if i not in refused] if refused else kept
@@ -957,7 +957,7 @@ def make_app(
     state_buckets: int = STATE_BUCKETS,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_state_keys: int | None = None,
-    node_verifier: NodeVerifier | None = None,
+    identity_verifier: IdentityVerifier | None = None,
     **settings: Any,
 ) -> faust.App:
     """The faust app: topics from the registry, the changelogged state table, the context
@@ -1076,7 +1076,7 @@ def make_app(
                                 state_partitions=state_partitions, state_buckets=state_buckets,
                                 changelog=changelog, send_many=send_many,
                                 max_message_bytes=max_message_bytes, max_state_keys=max_state_keys,
-                                node_verifier=node_verifier)
+                                identity_verifier=identity_verifier)
     app.fleetwise_processor = processor  # type: ignore[attr-defined]  # for tests / introspection
     state_topic = telemetry_topic.get_topic_name()  # co-partitioned with steps and the table
 
@@ -1223,8 +1223,8 @@ def make_app(
                     name = unprefix.get(tp.topic, tp.topic)
                     for m in messages:
                         source = f"{tp.topic}:{tp.partition}:{m.offset}"
-                        why = _unsigned(node_verifier, m) if name == T.INVENTORY.name else None
-                        if why:  # an inventory not signed by its node's key: never applied
+                        why = _unsigned(identity_verifier, name, m)
+                        if why:  # an inventory or ack its writer did not sign: never applied
                             cut = (m.value or b"")[:DEADLETTER_ORIGINAL_BYTES]
                             records = [control.dead_letter(source, why, cut)]
                         else:

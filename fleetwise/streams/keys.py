@@ -12,18 +12,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fleetwise.actuators.signing import (
-    ENV_AGENT_KEY,
-    ENV_AGENT_KEY_FILE,
-    ENV_AGENT_MASTER_KEY,
-    ENV_AGENT_MASTER_KEY_FILE,
+    ENV_IDENTITY_KEY,
+    ENV_IDENTITY_KEY_FILE,
+    ENV_IDENTITY_MASTER_KEY,
+    ENV_IDENTITY_MASTER_KEY_FILE,
     ENV_KEYS,
     ENV_KEYS_FILE,
     ENV_OPERATOR_KEYS,
     ENV_OPERATOR_KEYS_FILE,
-    AgentKeys,
+    IdentityKeys,
+    IdentityVerifier,
     Keyring,
     KeyringError,
-    NodeVerifier,
     operator_keyring,
 )
 
@@ -46,11 +46,11 @@ def _keyring(env: Mapping[str, str], keys_var: str, file_var: str) -> Keyring | 
     return None if text is None else Keyring.parse(text)
 
 
-def agent_master_key_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
-    """FLEETWISE_AGENT_MASTER_KEY (a secret as text, or `hex:...`), else the file named by
-    FLEETWISE_AGENT_MASTER_KEY_FILE; None when neither is set (agent messages unsigned)."""
+def identity_master_key_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """FLEETWISE_IDENTITY_MASTER_KEY (a secret as text, or `hex:...`), else the file named by
+    FLEETWISE_IDENTITY_MASTER_KEY_FILE; None when neither is set (producers' messages unsigned)."""
     env = os.environ if environ is None else environ
-    text = _setting(env, ENV_AGENT_MASTER_KEY, ENV_AGENT_MASTER_KEY_FILE)
+    text = _setting(env, ENV_IDENTITY_MASTER_KEY, ENV_IDENTITY_MASTER_KEY_FILE)
     if text is None:
         return None
     text = text.strip()
@@ -58,26 +58,26 @@ def agent_master_key_from_env(environ: Mapping[str, str] | None = None) -> bytes
         try:
             return bytes.fromhex(text[4:])
         except ValueError as exc:
-            raise KeyringError(f"{ENV_AGENT_MASTER_KEY}: not hex after 'hex:'") from exc
+            raise KeyringError(f"{ENV_IDENTITY_MASTER_KEY}: not hex after 'hex:'") from exc
     return text.encode()
 
 
-def node_verifier_from_env(environ: Mapping[str, str] | None = None) -> NodeVerifier | None:
-    """The workers' check of agent messages when an agent master key is set (then every
-    telemetry batch and inventory must be signed by its node's key), else None."""
-    master = agent_master_key_from_env(environ)
-    return None if master is None else NodeVerifier(master)
+def identity_verifier_from_env(environ: Mapping[str, str] | None = None) -> IdentityVerifier | None:
+    """The workers' check of producers' messages when an identity master key is set (then every
+    telemetry batch, inventory, step record and ack must be signed by its writer), else None."""
+    master = identity_master_key_from_env(environ)
+    return None if master is None else IdentityVerifier(master)
 
 
-def agent_keys_from_env(environ: Mapping[str, str] | None = None) -> AgentKeys | None:
-    """What an agent signs with: FLEETWISE_AGENT_KEY[_FILE] (its node's `node=hex:<key>`), else
-    the master key (a simulator publishing many nodes), else None (unsigned)."""
+def identity_keys_from_env(environ: Mapping[str, str] | None = None) -> IdentityKeys | None:
+    """What a producer signs with: FLEETWISE_IDENTITY_KEY[_FILE] (its own `identity=hex:<key>`),
+    else the master key (a simulator publishing many nodes), else None (unsigned)."""
     env = os.environ if environ is None else environ
-    text = _setting(env, ENV_AGENT_KEY, ENV_AGENT_KEY_FILE)
+    text = _setting(env, ENV_IDENTITY_KEY, ENV_IDENTITY_KEY_FILE)
     if text is not None:
-        return AgentKeys.parse(text)
-    master = agent_master_key_from_env(env)
-    return None if master is None else AgentKeys(master=master)
+        return IdentityKeys.parse(text)
+    master = identity_master_key_from_env(env)
+    return None if master is None else IdentityKeys(master=master)
 
 
 def keyring_from_env(environ: Mapping[str, str] | None = None) -> Keyring:

@@ -133,7 +133,7 @@ _REASON_CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("implausible", re.compile(r"outside the plausible range")),
     ("oversized", re.compile(r"^message: \d+ bytes is over the limit")),
     ("wrong_key", re.compile(r"^key:")),
-    ("unsigned", re.compile(r"^signature:")),  # an agent message not signed by its node's key
+    ("unsigned", re.compile(r"^signature:")),  # a producer's message its writer did not sign
     ("unknown_model", re.compile(r"unknown gpu|^model:", re.I)),
     ("not_json", re.compile(r"not valid json|expected a json object|empty message", re.I)),
     ("not_finite", re.compile(r"finite", re.I)),

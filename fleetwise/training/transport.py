@@ -25,8 +25,9 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
+from fleetwise.actuators.signing import SIGNATURE_HEADER, IdentityKeys
 from fleetwise.schemas import Record, plans_message
 from fleetwise.schemas import topics as T
 
@@ -178,7 +179,15 @@ class KafkaTransport:
     """
 
     def __init__(self, bootstrap: str, *, prefix: str = "", from_beginning: bool = False,
-                 send_timeout_s: float = 30.0) -> None:
+                 send_timeout_s: float = 30.0, signer: IdentityKeys | Literal["env"] | None = "env") -> None:
+        """`signer`: the producer's identity key that signs what it publishes (step records,
+        acks; docs/security.md "Producer identities"); "env" (default): from
+        FLEETWISE_IDENTITY_KEY[_FILE] when set; None: unsigned."""
+        if signer == "env":
+            from fleetwise.streams.keys import identity_keys_from_env
+
+            signer = identity_keys_from_env()
+        self.signer: IdentityKeys | None = signer  # type: ignore[assignment]
         self.bootstrap = bootstrap
         self.prefix = prefix
         self.from_beginning = from_beginning
@@ -203,7 +212,12 @@ class KafkaTransport:
         async def send() -> None:
             if self._producer is None:
                 self._producer = await start_producer(self.bootstrap, linger_ms=2)
-            await self._producer.send_and_wait(self._name(topic), record.to_json_bytes(), key=key.encode())
+            value = record.to_json_bytes()
+            headers = []
+            if self.signer is not None:
+                signature = self.signer.header(value, self.signer.signs_as(topic, key))
+                headers.append((SIGNATURE_HEADER, signature))
+            await self._producer.send_and_wait(self._name(topic), value, key=key.encode(), headers=headers)
 
         self._run(send(), self.send_timeout_s)
 

@@ -1,8 +1,8 @@
-"""The worker's cost of node identities: checking a node batch's signature (`NodeVerifier.check`,
-docs/security.md "Node identities") against decoding the same message (`ControlPlane
-.decode_messages`), per message, CPU time, best of `--repeat`:
+"""The worker's cost of producer identities: checking a node batch's signature
+(`IdentityVerifier.check`, docs/security.md "Producer identities") against decoding the same
+message (`ControlPlane.decode_messages`), per message, CPU time, best of `--repeat`:
 
-    .venv/bin/python bench/node_signatures.py --messages 3000 --gpus 8
+    .venv/bin/python bench/identity_signatures.py --messages 3000 --gpus 8
 
 Node batches of `--gpus` GPUs with the usual DCGM fields, as an agent encodes them; at 25,000
 samples/s of 8-GPU nodes a worker reads ~3,100 such messages per second.
@@ -15,11 +15,11 @@ import json
 import platform
 import time
 
-from fleetwise.actuators.signing import AgentKeys, NodeVerifier
+from fleetwise.actuators.signing import IdentityKeys, IdentityVerifier, node_identity
 from fleetwise.schemas import topics as T
 from fleetwise.streams.pipeline import ControlPlane
 
-MASTER = b"the-agents-master-key-0123456789"
+MASTER = b"the-identity-master-key-0123456789"
 
 
 def node_batches(messages: int, gpus: int) -> list[tuple[bytes, bytes]]:
@@ -43,14 +43,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     batches = node_batches(args.messages, args.gpus)
-    signer = AgentKeys(master=MASTER)
-    headers = [signer.header(value, key.decode()) for key, value in batches]
+    signer = IdentityKeys(master=MASTER)
+    headers = [signer.header(value, node_identity(key.decode())) for key, value in batches]
     size = sum(len(v) for _, v in batches) / len(batches)
 
     def verify() -> None:
-        check = NodeVerifier(MASTER).check  # a fresh worker: each node's key derived once
+        check = IdentityVerifier(MASTER).check  # a fresh worker: each node's key derived once
+        topic = T.TELEMETRY_GPU.name
         for (key, value), header in zip(batches, headers, strict=True):
-            assert check(value, key, header)
+            assert check(topic, value, key, header)
 
     def decode() -> None:
         ControlPlane().decode_messages(T.TELEMETRY_GPU.name, [v for _, v in batches],
