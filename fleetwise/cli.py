@@ -1218,6 +1218,9 @@ def _demo_actions(runtime: Any, decisions: list, plan: Any, inventories: list, t
                 diff.add_row("...", f"{len(p['plan_diff']) - 12} more GPUs", "")
             console.print(diff)
 
+    # 7b. A node joins: the job grows to its intent's maximum (the plan carries the intent).
+    _demo_growth(plan, inventories)
+
     # 8. Placement of a new job over the fleet (what is in service now).
     console.rule("[bold]8. Placement of a new job")
     from fleetwise.planner import resolve_model
@@ -1247,6 +1250,59 @@ def _demo_actions(runtime: Any, decisions: list, plan: Any, inventories: list, t
     # 9. Consolidation at low load: the quietest hour of the trace.
     console.rule("[bold]9. Consolidation at low load")
     _demo_consolidation(trace, in_service, when, policy.config)
+
+
+def _demo_growth(plan: Any, inventories: list) -> None:
+    """A second job on a node the main job leaves free, planned from an intent that allows 8 more
+    GPUs; a node of 8 GPUs of that model joins; the policy re-plans the job over them and, since
+    that pays, grows it (a resize, acked by the simulated consumers)."""
+    from fleetwise.planner import (
+        InfeasiblePlanError,
+        PlanRequest,
+        cluster_from_inventory,
+        plan_job,
+        resolve_model,
+    )
+    from fleetwise.schemas import GpuInventory, JobConstraints, NodeInventory
+    from fleetwise.schemas import topics as T
+    from fleetwise.streams.embedded import EmbeddedRuntime, SimulatedConsumers
+    from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+    used = {r.node for r in plan.ranks}
+    host = next((inv for inv in inventories if inv.node not in used), None)
+    if host is None:
+        return
+    model = host.gpus[0].model
+    console.rule(f"[bold]7b. A node of 8 {model} joins: a job grows to its intent's maximum")
+    try:
+        elastic = plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=256, job="demo-elastic",
+                                       dtype="fp16",  # every generation has it (V100s have no bf16)
+                                       constraints=JobConstraints(max_gpus=len(host.gpus) + 8)),
+                           cluster_from_inventory([host]))
+    except InfeasiblePlanError as exc:
+        console.print(f"no plan for llama-7b on {host.node}: {exc}")
+        return
+    joining = NodeInventory(ts=max(inv.ts for inv in inventories) + 3600, node="node-joining", rack=host.rack,
+                            site=host.site, gpus=[GpuInventory(index=g, model=model) for g in range(8)])
+    config = ControlPlaneConfig(failure_predictor=False, straggler_detector=False, publish_features=False)
+    acting = EmbeddedRuntime(ControlPlane(config), consumers=SimulatedConsumers())
+    acting.feed(T.INVENTORY.name, inventories)
+    acting.feed(T.PLANS.name, [plan, elastic])  # the main job's plan carries no intent: it keeps its size
+    acting.feed(T.INVENTORY.name, [joining])
+    grown = [c for c in acting.decisions() if c.kind == "command" and c.type == "resize"]
+    held = [e.reason for e in acting.audit_events() if e.event == "not_grown"]
+    console.print(f"{elastic.job}: llama-7b (fp16) on {len(elastic.ranks)} GPUs of {host.node} "
+                  f"({elastic.dp}x{elastic.tp}x{elastic.pp} dp x tp x pp), intent's max_gpus "
+                  f"{elastic.constraints.max_gpus}")
+    for cmd in grown:
+        p = cmd.params
+        acks = [f"{a.by} {a.status}" for a in acting.bus.records(T.ACKS.name) if a.command_id == cmd.id]
+        console.print(f"resize {cmd.id} (seq {cmd.seq}; {', '.join(acks)}): {cmd.reason}")
+        console.print(f"joining: {', '.join(f'{n}/{g}' for n, g in p['join'])}; now "
+                      f"{p['strategy']['dp']}x{p['strategy']['tp']}x{p['strategy']['pp']}; the job's plan "
+                      f"has {len(acting.control.policy.jobs[cmd.job].plan['ranks'])} GPUs after the done ack")
+    for reason in held:
+        console.print(f"held back: {reason}")
 
 
 def _demo_consolidation(trace: Path, inventories: list, when: Any, config: Any) -> None:

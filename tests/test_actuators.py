@@ -777,7 +777,12 @@ def test_growth_takes_only_gpus_the_intent_allows_and_only_when_it_pays():
 
     stingy = ActionPolicy(PolicyConfig.model_validate({"resize": {"min_gain": 0.99}}))
     stingy.process([n1, intent_plan("llm", [n1], max_gpus=8)])
-    assert commands(stingy.process([node("n2", ts=T0 + 1)])) == []  # 2x the GPUs: 1.94x as fast
+    held = stingy.process([node("n2", ts=T0 + 1)])
+    assert commands(held) == []  # 2x the GPUs: 1.94x as fast
+    (why,) = audits(held)
+    assert why.event == "not_grown" and why.job == "llm"
+    assert why.reason.startswith("inventory of n2: llm not grown: growing from 4 to 8 GPUs would gain 94.")
+    assert why.reason.endswith("(< 99%; predicted step 9.725 s -> 5.005 s)")
 
 
 def test_gpus_a_job_leaves_when_it_ends_go_to_a_job_that_may_grow():
@@ -887,3 +892,21 @@ def test_keys_identity_derives_the_key_a_producer_holds(monkeypatch):
     monkeypatch.delenv("FLEETWISE_IDENTITY_MASTER_KEY")
     unset = CliRunner().invoke(app, ["keys", "identity", "node/node-017"])
     assert unset.exit_code == 2 and "set FLEETWISE_IDENTITY_MASTER_KEY" in " ".join(unset.stderr.split())
+
+
+def test_growth_takes_the_jobs_own_gpu_models_first_and_says_why_it_holds_back():
+    n1, old = node("n1"), node("old", model="Tesla V100-SXM2-32GB", gpus=8)
+    policy = ActionPolicy()
+    policy.process([n1, old])
+    policy.process([intent_plan("llm", [n1], max_gpus=8)])  # V100s free since before: no event yet
+    grow = commands(policy.process([node("n2", ts=T0 + 100)]))
+    # Four free H100s (the job's model) and eight V100s: the H100s, not the fuller V100 node.
+    assert [c.params["join"] for c in grow] == [[["n2", g] for g in range(4)]]
+    # Below its maximum with only GPUs a re-plan does not use: held back, with the reason.
+    wide = ActionPolicy()
+    wide.process([n1, old])
+    wide.process([intent_plan("llm", [n1], max_gpus=12)])
+    out = wide.process([node("t4", model="Tesla T4", gpus=1, ts=T0 + 100)])
+    (why,) = audits(out)  # a T4 and V100s: the planner keeps the job on its four H100s
+    assert commands(out) == [] and why.event == "not_grown"
+    assert why.reason == "inventory of t4: llm not grown: the re-plan over 8 more GPU(s) uses none of them"

@@ -844,27 +844,40 @@ class ActionPolicy:
         plan = Plan.model_validate(job.plan)
         size = len(plan.ranks)
         own = {(r.node, r.gpu) for r in plan.ranks}
-        # Nodes the job runs on first (their GPUs talk over NVLink), then the fullest free nodes.
+        # Nodes the job runs on first (their GPUs talk over NVLink), then GPU models it runs on,
+        # then the fastest, then the fullest free nodes.
         per_node: dict[str, int] = {}
         for node, _gpu in usable:
             per_node[node] = per_node.get(node, 0) + 1
         ours = {node for node, _gpu in own}
-        ordered = sorted(usable, key=lambda k: (k[0] not in ours, -per_node[k[0]], k))
+        kinds = {r.model for r in plan.ranks}
+        speed = {k: self._catalog_speed(k, plan.dtype) for k in usable}
+        ordered = sorted(usable, key=lambda k: (k[0] not in ours, speed[k][0] not in kinds, -speed[k][1],
+                                                -per_node[k[0]], k))
         most = min(len(ordered), limit - size)
         group = plan.tp * plan.pp
         whole = most // group * group  # whole TP x PP groups: the degrees can stay
         tries = [most] + ([whole] if whole not in (0, most) else [])
-        rails = self.config.rails
+        rails, min_gain = self.config.rails, self.config.resize.min_gain
         hour = [t for t in job.disruptive_ts if ts - t < 3600.0]
+        held: str | None = None  # why the first re-plan was not taken
         for count in tries:
             grown = self._replan(job, joining=ordered[:count]) if count else None
             if grown is None:
+                held = held or f"no plan over {count} more GPU(s) fits"
                 continue
             new, diffs = grown
             keys = {(r.node, r.gpu) for r in new.ranks}
             join = sorted(keys - own)
+            if not own <= keys or not join:
+                held = held or (f"the re-plan over {count} more GPU(s) uses none of them" if not join else
+                                f"the re-plan over {count} more GPU(s) drops {len(own - keys)} it runs on")
+                continue
             gain = plan.predicted_step_s / new.predicted_step_s - 1.0
-            if not own <= keys or not join or gain < self.config.resize.min_gain:
+            if gain < min_gain:
+                held = held or (f"growing from {size} to {len(new.ranks)} GPUs would gain {gain:.1%} "
+                                f"(< {min_gain:.0%}; predicted step {plan.predicted_step_s:.3f} s -> "
+                                f"{new.predicted_step_s:.3f} s)")
                 continue
             if len(hour) >= rails.max_disruptive_per_job_per_hour:
                 return self._audit("job_rate", f"{len(hour)} disruptive commands for {name} in the last "
@@ -880,7 +893,21 @@ class ActionPolicy:
             )
             return self._send(cmd, self.config.resize.mode,
                               {"plan": new.model_dump(mode="json", exclude_none=True)})
-        return []
+        if held is None:
+            return []
+        return self._audit("not_grown", f"{why}: {name} not grown: {held}", ts, target=f"{name}/grow",
+                           job=name)
+
+    def _catalog_speed(self, key: GpuKey, dtype: str) -> tuple[str, float]:
+        """(catalog id, capability TFLOPS in `dtype`) of an inventory GPU ("", 0 when unknown)."""
+        from fleetwise.catalog import UnknownGpuError, lookup
+
+        model = next((g.model for g in self.inventory[key[0]].gpus if g.index == key[1]), "")
+        try:
+            spec = lookup(model)
+        except UnknownGpuError:
+            return "", 0.0
+        return spec.id, spec.capability_tflops(dtype) if spec.supports(dtype) else 0.0
 
     def _live_jobs(self) -> list[tuple[str, JobState]]:
         """The jobs that may still get commands (not ended), in name order."""
