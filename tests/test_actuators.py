@@ -899,6 +899,8 @@ def test_growth_takes_the_jobs_own_gpu_models_first_and_says_why_it_holds_back()
     policy = ActionPolicy()
     policy.process([n1, old])
     policy.process([intent_plan("llm", [n1], max_gpus=8)])  # V100s free since before: no event yet
+    # An inventory sent again frees nothing: no growth is considered (no command, no audit).
+    assert policy.process([node("old", model="Tesla V100-SXM2-32GB", gpus=8, ts=T0 + 50)]) == []
     grow = commands(policy.process([node("n2", ts=T0 + 100)]))
     # Four free H100s (the job's model) and eight V100s: the H100s, not the fuller V100 node.
     assert [c.params["join"] for c in grow] == [[["n2", g] for g in range(4)]]

@@ -749,6 +749,7 @@ class ActionPolicy:
         models = {(n.node, g.index): g.model for n in self.inventory.values() for g in n.gpus}
         self.inventory[inv.node] = inv
         out: list[Record] = []
+        freed = False  # a GPU joined or came back: jobs may grow (an inventory sent again frees none)
         for g in inv.gpus:
             key = (inv.node, g.index)
             joined = key not in self.fleet.gpus
@@ -756,9 +757,11 @@ class ActionPolicy:
             state = self.fleet.gpus[key]
             if state.status in ("drained", "hibernating") and inv.ts > state.since_ts:
                 out += self._return(key, inv.ts, f"inventory of {inv.node} at {inv.ts:.0f} lists it again")
+                freed = True
             elif joined:
                 out += self._grow_onto(key, g.model, models, inv.ts)
-        return out + self._grow_to_intent(inv.ts, f"inventory of {inv.node}")
+                freed = True
+        return out + (self._grow_to_intent(inv.ts, f"inventory of {inv.node}") if freed else [])
 
     def _grow_onto(self, key: GpuKey, model: str, models: dict[GpuKey, str], ts: float) -> list[Record]:
         """A GPU joined the fleet: the first job (by name) that lost a GPU of the same model to a
