@@ -912,3 +912,68 @@ def test_growth_takes_the_jobs_own_gpu_models_first_and_says_why_it_holds_back()
     (why,) = audits(out)  # a T4 and V100s: the planner keeps the job on its four H100s
     assert commands(out) == [] and why.event == "not_grown"
     assert why.reason == "inventory of t4: llm not grown: the re-plan over 8 more GPU(s) uses none of them"
+
+
+# Random capacity events for growth: a node joins (its GPUs of one model), a job ends, an
+# operator returns a GPU, a consumer answers a growth (done or rejected).
+_grow_event = st.one_of(
+    st.tuples(st.just("join"), st.sampled_from([H100, "NVIDIA A100-SXM4-80GB"]), st.integers(1, 4)),
+    st.tuples(st.just("end"), st.sampled_from(["a", "b", "c"]), st.just(0)),
+    st.tuples(st.just("ack"), st.sampled_from(["done", "rejected"]), st.integers(0, 50)),
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_grow_event, max_size=12))
+def test_growth_properties_over_random_capacity_events(events):
+    """Whatever joins, ends and answers come: no GPU is in two jobs (planned, or joining in a
+    growth in flight), no job grows past its intent's maximum, every growth names only free
+    in-service GPUs and verifies, and the same events give the same commands."""
+
+    def run() -> tuple[ActionPolicy, list[Command]]:
+        base = [node("a0"), node("b0"), node("c0", gpus=2)]
+        policy = ActionPolicy()
+        policy.process(base)
+        policy.process([intent_plan("a", base[:1], max_gpus=8), intent_plan("b", base[1:2], max_gpus=6),
+                        intent_plan("c", base[2:], max_gpus=4)])
+        sent: list[Command] = []
+        for i, (kind, x, y) in enumerate(events):
+            ts = T0 + 60 * (i + 1)
+            if kind == "join":
+                recs = [node(f"j{i}", model=x, gpus=y, ts=ts)]
+            elif kind == "end":
+                recs = [JobEnd(job=x, ts=ts)]
+            else:
+                grows = [c for c in sent if policy.fleet.commands[c.id].status == "issued"]
+                if not grows:
+                    continue
+                recs = [ack(grows[y % len(grows)], x, ts=ts)]
+            # Busy before the event: live jobs' GPUs (but the one ending now) and growths in flight.
+            busy = {k for name, job in policy._live_jobs() if not (kind == "end" and name == x)
+                    for k in job.ranks.values()}
+            busy |= {tuple(k) for p in policy.fleet.open_commands("resize")
+                     for k in p.command["params"].get("join", [])}
+            new = commands(policy.process(recs))
+            for c in new:
+                assert c.type == "resize" and verify(c)
+                joining = {(str(n), int(g)) for n, g in c.params["join"]}
+                assert not joining & busy, (c.job, joining & busy)
+                assert all(policy.fleet.status(k) == "in_service" and k[0] in policy.inventory
+                           for k in joining)
+            sent += new
+            # No GPU in two jobs: live jobs' ranks plus the joins of growths in flight.
+            held: list[tuple] = []
+            for name, job in policy._live_jobs():
+                held += list(job.ranks.values())
+                limit = (job.plan or {}).get("constraints", {}).get("max_gpus")
+                if limit is not None:
+                    assert len(job.plan["ranks"]) <= limit, name
+            for p in policy.fleet.open_commands("resize"):
+                held += [tuple(k) for k in p.command["params"].get("join", [])]
+            assert len(held) == len(set(held)), held
+        return policy, sent
+
+    _, first = run()
+    _, again = run()
+    assert [c.model_dump() for c in first] == [c.model_dump() for c in again]
+    assert len({c.id for c in first}) == len(first)
