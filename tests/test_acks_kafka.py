@@ -176,9 +176,9 @@ async def test_the_job_end_verb_writes_the_tombstone(kafka_bootstrap: str):
     assert tomb.value is None
 
 
-def _metric_is(worker, name: str, value: float) -> bool:
+def _metric_is(worker, name: str, value: float, **labels: str) -> bool:
     try:
-        return worker.metric(name) == value
+        return worker.metric(name, **labels) == value
     except OSError:  # the metrics endpoint is not up yet
         return False
 
@@ -215,9 +215,12 @@ async def test_a_job_started_with_its_intent_grows_on_the_worker_when_a_node_joi
         "--topic-prefix", prefix])
     assert started.exit_code == 0, started.output
     assert "started job grows (4 GPUs)" in started.output
-    # The inventories and plans come on separate topics: n2 joins once the worker holds the plan.
+    # The inventories and plans come on separate topics: n2 joins once the worker holds the plan,
+    # and its telemetry partitions (the job's growth is decided by the holder of its state's).
     deadline = time.monotonic() + 60
-    while not _metric_is(worker, "fleetwise_policy_jobs", 1.0):
+    all_partitions = float(T.TELEMETRY_GPU.partitions)
+    while not (_metric_is(worker, "fleetwise_policy_jobs", 1.0) and _metric_is(
+            worker, "fleetwise_assigned_partitions", all_partitions, topic=T.TELEMETRY_GPU.name)):
         assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
         await asyncio.sleep(0.5)
     await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix),

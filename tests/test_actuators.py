@@ -977,3 +977,16 @@ def test_growth_properties_over_random_capacity_events(events):
     _, again = run()
     assert [c.model_dump() for c in first] == [c.model_dump() for c in again]
     assert len({c.id for c in first}) == len(first)
+
+
+def test_with_several_workers_one_decides_a_jobs_growth():
+    """Capacity events reach every worker; the one the stream app says holds the job's state
+    decides its growth, the others send nothing for it."""
+    n1 = node("n1")
+    workers = [ActionPolicy(), ActionPolicy()]
+    workers[1].decides_for = lambda job: job != "llm"  # llm's state is on worker 0's partition
+    sent = []
+    for w in workers:
+        w.process([n1, intent_plan("llm", [n1], max_gpus=8)])
+        sent.append(commands(w.process([node("n2", ts=T0 + 100)])))
+    assert [len(s) for s in sent] == [1, 0] and sent[0][0].job == "llm"

@@ -14,7 +14,7 @@ job's resize over its remaining GPUs is sent once the drain is `done`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,10 @@ class ActionPolicy:
         self.utilisation = UtilisationWindow(cons.sustained_s) if cons.mode != "off" else None
         self._next_check: dict[str, float] = {}
         self._next_retire = float("-inf")  # event time of the next sweep for silent jobs (not state)
+        # Whether this worker decides a job's growth to its intent: capacity events (inventories,
+        # returns, job ends) reach every worker, and one decides per job (the stream app sets the
+        # holder of the job's state partition; alone, every job is this policy's).
+        self.decides_for: Callable[[str], bool] = lambda job: True
 
     # -- processor contract ------------------------------------------------------------------
     def process(self, records: Sequence[Record]) -> list[Record]:
@@ -796,6 +800,8 @@ class ActionPolicy:
             constraints = (job.plan or {}).get("constraints") or {}
             limit = constraints.get("max_gpus")
             if not job.plan or limit is None or limit <= self._job_size(job) or job.left:
+                continue
+            if not self.decides_for(name):
                 continue
             if any(p.command.get("job") == name and p.type in DISRUPTIVE for p in self.fleet.open_commands()):
                 continue

@@ -1085,6 +1085,9 @@ def make_app(
                    for tp in app.consumer.assignment())
 
     processor.owns = owns
+    # Inventories, plans and job ends reach every worker: a job's growth to its intent is
+    # decided by the one worker holding its state's partition (not by each of them).
+    control.policy.decides_for = lambda job: owns(processor.place(job)[0])
     unprefix = {topic_name(t, topic_prefix): t.name for t in T.TOPICS}
 
     # Input messages stay un-acked (so their offsets are not committed) until a checkpoint has
