@@ -871,6 +871,14 @@ def test_each_producer_signs_as_itself_and_only_what_it_may_write():
     assert "only 'job/llm' may write it" in check(steps, value, b"llm", as_kube).reason
     with pytest.raises(KeyringError):
         IdentityVerifier(b"short")
+    # A message without a key may be written by nobody (and never reaches the key derivation).
+    assert check(gpu, value, b"", b"node/;hmac-sha256:00").reason == (
+        "signed as 'node/' but keyed '': no producer may write it")
+    # Forgeries under made-up keys are refused without being remembered.
+    verifier = IdentityVerifier(master)
+    for i in range(100):
+        assert not verifier.check(gpu, value, f"n{i}".encode(), f"node/n{i};hmac-sha256:00".encode())
+    assert verifier._keys == {}
 
 
 def test_keys_identity_derives_the_key_a_producer_holds(monkeypatch):

@@ -295,8 +295,9 @@ def job_identity(job: str) -> str:
 def expected_identities(topic: str, key: str | None) -> tuple[str, ...]:
     """Who may write a message of `topic` (a registry name) under message key `key`: the node
     its telemetry or inventory is keyed by, the job its step records or its plugin's acks are
-    keyed by, or the kube consumer (its acks, keyed by job or node). () for other topics."""
-    if key is None:
+    keyed by, or the kube consumer (its acks, keyed by job or node). () for other topics and
+    for a message without a key."""
+    if not key:
         return ()
     if topic in (TELEMETRY_GPU.name, INVENTORY.name):
         return (node_identity(key),)
@@ -372,7 +373,7 @@ class IdentityVerifier:
     def __init__(self, master: bytes) -> None:
         identity_key(master, KUBE_CONSUMER_IDENTITY)  # refuses a short master now, not at a message
         self._master = master
-        self._keys: dict[str, bytes] = {}  # identity -> its key (derived once)
+        self._keys: dict[str, bytes] = {}  # identity -> its key (derived once it signed a message)
 
     def check(self, topic: str, value: bytes | None, key: bytes | str | None,
               header: bytes | None) -> Verdict:
@@ -388,12 +389,13 @@ class IdentityVerifier:
         keyed = key.decode("utf-8", "replace") if isinstance(key, bytes | bytearray) else key
         allowed = expected_identities(topic, keyed)
         if identity not in allowed:
-            return Verdict(False, f"signed as {identity!r} but keyed {keyed!r}: only "
-                                  f"{' or '.join(map(repr, allowed)) or 'nobody'} may write it")
-        own = self._keys.get(identity)
-        if own is None:
-            own = self._keys[identity] = identity_key(self._master, identity)
+            who = f"only {' or '.join(map(repr, allowed))}" if allowed else "no producer"
+            return Verdict(False, f"signed as {identity!r} but keyed {keyed!r}: {who} may write it")
+        own = self._keys.get(identity) or identity_key(self._master, identity)
         digest = "hmac-sha256:" + hmac.new(own, value or b"", hashlib.sha256).hexdigest()
         if not hmac.compare_digest(digest, signature):
             return Verdict(False, f"bad signature under {identity!r}'s key: forged or altered")
+        # Kept only for identities that signed: forged messages under made-up keys must not
+        # grow the cache.
+        self._keys[identity] = own
         return Verdict(True)
