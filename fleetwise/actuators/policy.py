@@ -29,6 +29,7 @@ from fleetwise.actuators.moves import (
     migration_for,
 )
 from fleetwise.actuators.signing import Keyring, operator_keyring, sign, verify_command, verify_operator
+from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
 from fleetwise.planner.exports import replica_samples
 from fleetwise.planner.search import plan_stage_split
 from fleetwise.planner.shares import proportional_shares
@@ -533,7 +534,7 @@ class ActionPolicy:
         """The planner's re-plan of the job's plan without `gone` and with `joining` (None when
         the model or the inventory of a node is not known here, or no plan fits: a resize then
         names only who leaves)."""
-        from fleetwise.planner import PlanRequest, cluster_from_inventory, replan, resolve_model
+        from fleetwise.planner import cluster_from_inventory, replan, request_for_plan
 
         plan = Plan.model_validate(job.plan)
         own = {(r.node, r.gpu) for r in plan.ranks}
@@ -541,10 +542,7 @@ class ActionPolicy:
         if not nodes <= set(self.inventory):
             return None
         try:
-            c = plan.constraints
-            request = PlanRequest(model=resolve_model(plan.model), global_batch=plan.global_batch,
-                                  seq_len=plan.seq_len, dtype=plan.dtype, job=plan.job, constraints=c,
-                                  zero_stages=tuple(c.zero_stages) if c and c.zero_stages else (0, 1, 2, 3))
+            request = request_for_plan(plan)
             cluster = cluster_from_inventory([self.inventory[n] for n in sorted(nodes)])
             wanted = set(joining)
             add = [s for s in cluster.slots if s.key in wanted]
@@ -807,7 +805,7 @@ class ActionPolicy:
                 continue
             if free is None:
                 free = self._free_gpus()
-            usable = [k for k in free if self._may_use(k, constraints)]
+            usable = self._allowed(free, constraints)
             if not usable:
                 continue
             sent = self._grow_job(name, job, usable, int(limit), ts, why)
@@ -830,21 +828,27 @@ class ActionPolicy:
                 for g in sorted(inv.gpus, key=lambda g: g.index)
                 if (node, g.index) not in busy and self.fleet.status((node, g.index)) == "in_service"]
 
-    def _may_use(self, key: GpuKey, constraints: dict[str, Any]) -> bool:
-        """Whether the intent's constraints allow the GPU (its catalog id and its node's site)."""
-        from fleetwise.catalog import UnknownGpuError, lookup
+    def _allowed(self, keys: list[GpuKey], constraints: dict[str, Any]) -> list[GpuKey]:
+        """The GPUs the intent's constraints allow (catalog ids and the node's site); a model
+        the catalog lacks is not a GPU to grow onto, nor are any when a constraint names one."""
         from fleetwise.planner.placement import allowed_gpu_types
 
-        inv = self.inventory[key[0]]
-        sites = constraints.get("sites")
-        if sites is not None and inv.site not in sites:
-            return False
         try:
             allow, exclude = allowed_gpu_types(JobConstraints.model_validate(constraints))
-            gpu_type = lookup(next(g.model for g in inv.gpus if g.index == key[1])).id
-        except (UnknownGpuError, ValueError):  # a name the catalog lacks: not a GPU to grow onto
-            return False
-        return (allow is None or gpu_type in allow) and gpu_type not in exclude
+        except ValueError:
+            return []
+        sites = constraints.get("sites")
+        return [k for k in keys if (sites is None or self.inventory[k[0]].site in sites)
+                and (spec := self._gpu_spec(k)) is not None
+                and (allow is None or spec.id in allow) and spec.id not in exclude]
+
+    def _gpu_spec(self, key: GpuKey) -> GpuSpec | None:
+        """The catalog row of an inventory GPU (None when the catalog does not resolve it)."""
+        model = next((g.model for g in self.inventory[key[0]].gpus if g.index == key[1]), "")
+        try:
+            return lookup(model)
+        except UnknownGpuError:
+            return None
 
     def _grow_job(self, name: str, job: JobState, usable: list[GpuKey], limit: int, ts: float,
                   why: str) -> list[Record]:
@@ -860,9 +864,13 @@ class ActionPolicy:
             per_node[node] = per_node.get(node, 0) + 1
         ours = {node for node, _gpu in own}
         kinds = {r.model for r in plan.ranks}
-        speed = {k: self._catalog_speed(k, plan.dtype) for k in usable}
-        ordered = sorted(usable, key=lambda k: (k[0] not in ours, speed[k][0] not in kinds, -speed[k][1],
-                                                -per_node[k[0]], k))
+
+        def rank(k: GpuKey) -> tuple:
+            spec = self._gpu_spec(k)  # resolved: `_allowed` kept only GPUs the catalog knows
+            assert spec is not None
+            tflops = spec.capability_tflops(plan.dtype) if spec.supports(plan.dtype) else 0.0
+            return (k[0] not in ours, spec.id not in kinds, -tflops, -per_node[k[0]], k)
+        ordered = sorted(usable, key=rank)
         most = min(len(ordered), limit - size)
         group = plan.tp * plan.pp
         whole = most // group * group  # whole TP x PP groups: the degrees can stay
@@ -906,17 +914,6 @@ class ActionPolicy:
             return []
         return self._audit("not_grown", f"{why}: {name} not grown: {held}", ts, target=f"{name}/grow",
                            job=name)
-
-    def _catalog_speed(self, key: GpuKey, dtype: str) -> tuple[str, float]:
-        """(catalog id, capability TFLOPS in `dtype`) of an inventory GPU ("", 0 when unknown)."""
-        from fleetwise.catalog import UnknownGpuError, lookup
-
-        model = next((g.model for g in self.inventory[key[0]].gpus if g.index == key[1]), "")
-        try:
-            spec = lookup(model)
-        except UnknownGpuError:
-            return "", 0.0
-        return spec.id, spec.capability_tflops(dtype) if spec.supports(dtype) else 0.0
 
     def _live_jobs(self) -> list[tuple[str, JobState]]:
         """The jobs that may still get commands (not ended), in name order."""

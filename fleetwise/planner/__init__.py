@@ -3,7 +3,13 @@
 from fleetwise.planner.cluster import Cluster, GpuSlot, cluster_from_inventory, parse_gpu_spec
 from fleetwise.planner.models import MODEL_PRESETS, load_model, parse_model_dict, resolve_model
 from fleetwise.planner.replan import RankDiff, diff_plans, plan_timeline, replan
-from fleetwise.planner.search import InfeasiblePlanError, PlanRequest, plan_job, request_for_intent
+from fleetwise.planner.search import (
+    InfeasiblePlanError,
+    PlanRequest,
+    plan_job,
+    request_for_intent,
+    request_for_plan,
+)
 from fleetwise.planner.shares import proportional_shares
 
 __all__ = [
@@ -23,5 +29,6 @@ __all__ = [
     "proportional_shares",
     "replan",
     "request_for_intent",
+    "request_for_plan",
     "resolve_model",
 ]

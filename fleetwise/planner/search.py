@@ -72,6 +72,20 @@ def request_for_intent(intent: JobIntent) -> PlanRequest:
     )
 
 
+def request_for_plan(plan: Plan) -> PlanRequest:
+    """What the planner is asked to re-plan a running plan (its model preset, batch, dtype and
+    the intent's constraints it carries). Raises ValueError for a model no preset names."""
+    from fleetwise.planner.models import resolve_model
+
+    c = plan.constraints
+    return PlanRequest(
+        model=resolve_model(plan.model), global_batch=plan.global_batch, seq_len=plan.seq_len,
+        dtype=plan.dtype, job=plan.job, constraints=c,
+        zero_stages=tuple(c.zero_stages) if c and c.zero_stages else (0, 1, 2, 3),
+        memory_headroom=c.min_memory_headroom if c else cost.DEFAULT_MEMORY_HEADROOM,
+    )
+
+
 # ---- kinds and TP groups ------------------------------------------------------------------
 
 

@@ -468,11 +468,8 @@ class StreamProcessor:
             if msg.value is not None and len(msg.value) > limit:  # a flood inside one message
                 refused[i] = (f"message: {len(msg.value)} bytes is over the limit of {limit} bytes "
                               f"(original cut to its first {DEADLETTER_ORIGINAL_BYTES} bytes)")
-        if self.identity_verifier is not None:
-            for i, msg in enumerate(kept):
-                why = refused.get(i) or _unsigned(self.identity_verifier, topic, msg)
-                if why:
-                    refused[i] = why
+            elif why := _unsigned(self.identity_verifier, topic, msg):
+                refused[i] = why
         small = [msg for i, msg in enumerate(kept) if i not in refused] if refused else kept
         decoded = self.control.decode_messages(
             topic, [msg.value for msg in small],
