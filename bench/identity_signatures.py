@@ -1,6 +1,7 @@
 """The worker's cost of producer identities: checking a node batch's signature
 (`IdentityVerifier.check`, docs/security.md "Producer identities") against decoding the same
-message (`ControlPlane.decode_messages`), per message, CPU time, best of `--repeat`:
+message (`ControlPlane.decode_messages`), and an Ed25519 verification of the same bytes (the
+asymmetric alternative, not used), per message, CPU time, best of `--repeat`:
 
     .venv/bin/python bench/identity_signatures.py --messages 3000 --gpus 8
 
@@ -53,6 +54,16 @@ def main() -> None:
         for (key, value), header in zip(batches, headers, strict=True):
             assert check(topic, value, key, header)
 
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    private = Ed25519PrivateKey.from_private_bytes(bytes(32))
+    public = private.public_key()
+    ed_signatures = [private.sign(value) for _, value in batches]
+
+    def ed25519() -> None:  # the asymmetric alternative, for comparison (not what the worker runs)
+        for (_, value), sig in zip(batches, ed_signatures, strict=True):
+            public.verify(sig, value)
+
     def decode() -> None:
         ControlPlane().decode_messages(T.TELEMETRY_GPU.name, [v for _, v in batches],
                                        [f"bench:{i}" for i in range(len(batches))])
@@ -61,7 +72,7 @@ def main() -> None:
           f"{platform.machine()}, Python {platform.python_version()}, CPU time of one thread, "
           f"best of {args.repeat}")
     results = {}
-    for name, fn in (("signature check", verify), ("decode", decode)):
+    for name, fn in (("signature check", verify), ("decode", decode), ("ed25519 verify", ed25519)):
         best = float("inf")
         for _ in range(args.repeat):
             t0 = time.process_time()
