@@ -204,6 +204,7 @@ _CLIENT_CALLS = {  # official-client method -> (API group, resource, verb)
     "list_node": ("", "nodes", "list"),
     "patch_node": ("", "nodes", "patch"),
     "list_namespaced_pod": ("", "pods", "list"),
+    "create_namespaced_pod": ("", "pods", "create"),
     "read_namespaced_pod": ("", "pods", "get"),
     "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
     "create_namespaced_event": ("", "events", "create"),

@@ -19,6 +19,7 @@ from fleetwise.actuators.config import Rails
 from fleetwise.kube.consumer import (
     ANN_COMMANDS,
     ANN_DRAINED_GPUS,
+    ANN_JOINED_BY,
     ANN_LAST_SEQ,
     DRAIN_TAINT,
     HIBERNATE_LABEL,
@@ -37,7 +38,7 @@ from fleetwise.schemas import topics as T
 
 KEYS = Keyring.parse("k1=test-secret-one-0123456789")
 NOW = 1_800_000_000.0
-PRODUCTS = {"h100-sxm": "NVIDIA-H100-80GB-HBM3", "b200": "NVIDIA-B200"}
+PRODUCTS = {"h100-sxm": "NVIDIA-H100-80GB-HBM3", "b200": "NVIDIA-B200", "h200": "NVIDIA-H200"}
 
 
 # ---- pure decisions (no cluster) --------------------------------------------------------------
@@ -77,6 +78,59 @@ def test_decide_refuses_what_it_cannot_do():
     assert "params.action" in decide(bad, ClusterView(nodes={"n1": _node()})).error
 
 
+def _grow_view(owner: str | None = None, pods: bool = True) -> ClusterView:
+    """A job of one 8-GPU H100 pod on n0; free nodes n1 (H100), n2 (B200), n3 (an unknown product)."""
+    products = {"n0": PRODUCTS["h100-sxm"], "n1": PRODUCTS["h100-sxm"], "n2": PRODUCTS["b200"],
+                "n3": "ACME-X1"}
+    labels = {"fleetwise.io/job": "j", "kai.scheduler/subgroup-name": "h100-sxm"}
+    trainer = {"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": "8"}}}
+    manifest = {"metadata": {"labels": labels, "annotations": {"pod-group-name": "j"}},
+                "spec": {"nodeName": "n0", "priority": 0, "containers": [trainer],
+                         "nodeSelector": {"nvidia.com/gpu.product": products["n0"]}}}
+    pod = {"name": "j-h100-sxm-0", "namespace": "ns", "node": "n0", "deleting": False, "subgroup": "h100-sxm",
+           "owner": owner, "manifest": manifest}
+    subs = {"h100-sxm": {"product": products["n0"], "gpus_per_pod": 8, "pods": 1}}
+    return ClusterView(
+        nodes={n: _node(labels={"nvidia.com/gpu.product": p}) for n, p in products.items()},
+        pods=[pod] if pods else [],
+        pod_group={"name": "j", "namespace": "ns",
+                   "spec": {"minMember": 1, "subGroups": [{"name": "h100-sxm", "minMember": 1}]},
+                   "annotations": {"fleetwise.io/subgroups": json.dumps(subs)}})
+
+
+def test_decide_growth_pods_per_product_and_pod_shape():
+    join = ([["n1", g] for g in range(8)] + [["n1b", 0]] + [["n2", g] for g in range(8)]
+            + [["n3", g] for g in range(2)])
+    cmd = _cmd(type="resize", job="j", params={"world_size": 26, "join": join})
+    d = decide(cmd, _grow_view())
+    assert d.done and not d.error
+    pg_patch = d.actions[0].body
+    subs = json.loads(pg_patch["metadata"]["annotations"]["fleetwise.io/subgroups"])
+    assert {k: (v["product"], v["gpus_per_pod"], v["pods"]) for k, v in subs.items()} == {
+        "h100-sxm": (PRODUCTS["h100-sxm"], 8, 2), "b200": (PRODUCTS["b200"], 8, 1),
+        "acme-x1": ("ACME-X1", 2, 1)}
+    assert pg_patch["spec"]["minMember"] == 4
+    created = {a.body["metadata"]["labels"]["kai.scheduler/subgroup-name"]: a.body for a in d.actions
+               if a.verb == "create"}
+    assert set(created) == {"h100-sxm", "b200", "acme-x1"}
+    b200 = created["b200"]["spec"]
+    assert "nodeName" not in b200 and "priority" not in b200
+    assert b200["nodeSelector"]["nvidia.com/gpu.product"] == PRODUCTS["b200"]
+    assert created["acme-x1"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "n1b" in d.detail  # a node the cluster does not have: named, nothing made for it
+    assert d.finish[0].body["metadata"]["annotations"][ANN_COMMANDS].endswith(f'"{cmd.id}":"done"}}')
+    # Four more H100 GPUs on a node: not a whole 8-GPU pod, so a subgroup of 4-GPU pods.
+    half = decide(_cmd(type="resize", job="j", params={"join": [["n1", g] for g in range(4)]}), _grow_view())
+    subs = json.loads(half.actions[0].body["metadata"]["annotations"]["fleetwise.io/subgroups"])
+    assert subs["h100-sxm-x4"]["gpus_per_pod"] == 4 and subs["h100-sxm"]["pods"] == 1
+    # Pods a controller owns are its to add; a job with no pod has nothing to copy.
+    for view, why in ((_grow_view(owner="JobSet/j"), "belong to JobSet/j"),
+                      (_grow_view(pods=False), "no pod")):
+        d = decide(cmd, view)
+        assert d.done and not [a for a in d.actions if a.verb == "create"] and why in d.detail
+        assert d.actions[0].body["spec"]["minMember"] == 4  # the gang still follows the plan
+
+
 def test_the_fleet_drain_cap_counts_the_cluster_s_drained_sets():
     nodes = {"a": _node(gpus=8, annotations={ANN_DRAINED_GPUS: "[1, 5]"}),
              "b": _node(gpus=8, annotations={ANN_DRAINED_GPUS: "[-1]"}),  # the whole node: 8
@@ -113,7 +167,7 @@ def test_kube_consumer_cli_refuses_a_bad_policy_file_before_connecting(tmp_path,
 def test_required_rbac_is_least_privilege():
     verbs = {(r["apiGroups"][0], res): set(r["verbs"]) for r in required_rbac() for res in r["resources"]}
     assert verbs[("", "pods/eviction")] == {"create"}
-    assert verbs[("", "pods")] == {"list"}  # never delete: pods leave through the Eviction API
+    assert verbs[("", "pods")] == {"create", "list"}  # never delete: pods leave through the Eviction API
     assert all("delete" not in v and "*" not in v for v in verbs.values())
 
 
@@ -445,6 +499,62 @@ def test_resize_updates_the_gang_and_the_envelope(cluster):
     assert "job no-such-job ended" in restarted.log[-1]
 
 
+def test_growth_creates_pods_and_a_subgroup_for_a_new_gpu_product(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "h200"])
+    home, same, other = cluster.node_name(0), cluster.node_name(1), cluster.node_name(2)
+    cluster.deploy("gr", {home: nodes[home]})
+    grow = sign(_cmd(type="resize", job="gr", seq=1, params={
+        "world_size": 20, "join": [[same, g] for g in range(8)] + [[other, g] for g in range(4)]}), KEYS)
+    consumer = _consumer(cluster)
+    (ack,) = consumer.on_command(grow)
+    assert ack.status == "done", ack.detail
+    pg = cluster.pod_group("gr")
+    assert pg["spec"]["minMember"] == 3
+    assert {s["name"]: s["minMember"] for s in pg["spec"]["subGroups"]} == {"h100-sxm": 2, "h200": 1}
+    subs = json.loads(pg["metadata"]["annotations"]["fleetwise.io/subgroups"])
+    assert subs["h200"] == {"product": "NVIDIA-H200", "gpu_model": "h200", "gpus_per_pod": 4, "pods": 1,
+                            "gpus": 4}
+    pods = cluster.pods("gr")
+    new = {n: p for n, p in pods.items() if (p.metadata.annotations or {}).get(ANN_JOINED_BY) == grow.id}
+    assert len(pods) == 3 and len(new) == 2
+    by_sub = {p.metadata.labels["kai.scheduler/subgroup-name"]: p for p in new.values()}
+    for sub, node, product, gpus in (("h100-sxm", same, "NVIDIA-H100-80GB-HBM3", "8"),
+                                     ("h200", other, "NVIDIA-H200", "4")):
+        p = by_sub[sub]
+        assert p.spec.scheduler_name == "kai-scheduler" and p.spec.node_name is None  # KAI places it
+        assert p.spec.node_selector["nvidia.com/gpu.product"] == product
+        assert p.spec.containers[0].resources.limits["nvidia.com/gpu"] == gpus
+        required = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+        (term,) = required.node_selector_terms
+        exprs = {e.key: (e.operator, e.values) for e in term.match_expressions}
+        assert exprs["kubernetes.io/hostname"] == ("In", [node])
+        assert exprs["nvidia.com/gpu.product"] == ("In", [product])
+        assert exprs["nvidia.com/gpu.count"] == ("Gt", [str(int(gpus) - 1)])
+        assert p.metadata.annotations["pod-group-name"] == "gr"
+        assert p.metadata.labels["fleetwise.io/job"] == "gr"
+    # A consumer that stopped after the PodGroup took the resize, before its last pod: a
+    # restarted one creates only what is missing and counts the gang once.
+    lost = by_sub["h200"].metadata.name
+    cluster.core.delete_namespaced_pod(lost, cluster.ns, grace_period_seconds=0)
+    ids = json.loads(pg["metadata"]["annotations"][ANN_COMMANDS])
+    cluster.custom.patch_namespaced_custom_object(
+        "scheduling.run.ai", "v2alpha2", cluster.ns, "podgroups", "gr",
+        {"metadata": {"annotations": {ANN_COMMANDS: json.dumps({**ids, grow.id: "applied"})}}})
+    deadline = time.monotonic() + 10
+    while lost in cluster.pods("gr") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (ack,) = _consumer(cluster).on_command(grow)
+    assert ack.status == "done", ack.detail
+    assert set(cluster.pods("gr")) == set(pods)  # the same name again, nothing else
+    pg = cluster.pod_group("gr")
+    assert pg["spec"]["minMember"] == 3
+    assert {s["name"]: s["minMember"] for s in pg["spec"]["subGroups"]} == {"h100-sxm": 2, "h200": 1}
+    # Repeated to another restarted consumer: done on the cluster, a duplicate, no new pod.
+    (ack,) = _consumer(cluster).on_command(grow)
+    assert (ack.status, ack.detail) == ("done", "duplicate")
+    assert set(cluster.pods("gr")) == set(pods)
+
+
 def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
     nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
     cluster.deploy("mg", nodes)
@@ -523,8 +633,9 @@ def test_least_privilege_role_suffices_for_a_drain(cluster):
     """The consumer impersonates a user bound to `required_rbac()` only."""
     from kubernetes import client
 
-    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
-    cluster.deploy("rbac", nodes)
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "b200"])
+    spare = cluster.node_name(2)
+    cluster.deploy("rbac", {n: m for n, m in nodes.items() if n != spare})
     rbac = client.RbacAuthorizationV1Api(cluster.kube.api_client())
     name = f"{cluster.prefix}-consumer"
     rbac.create_cluster_role({"metadata": {"name": name}, "rules": required_rbac()})
@@ -537,6 +648,10 @@ def test_least_privilege_role_suffices_for_a_drain(cluster):
         consumer = _consumer(cluster, ClientApi(api_client))
         drain = sign(_cmd(type="drain", job="rbac", node=cluster.node_name(0), gpu=1), KEYS)
         assert [a.status for a in consumer.on_command(drain)] == ["done"]
+        grow = sign(_cmd(type="resize", job="rbac", params={"join": [[spare, g] for g in range(8)]}), KEYS)
+        assert [a.status for a in consumer.on_command(grow)] == ["done"]  # a pod created, a subgroup added
+        assert any(p.metadata.labels.get("kai.scheduler/subgroup-name") == "b200"
+                   for p in cluster.pods("rbac").values())
         # Anything else is forbidden to it.
         from kubernetes.client.rest import ApiException
 

@@ -26,7 +26,10 @@ What each command does:
   429, is retried on the next tick);
 - `resize` (`world_size`, `leave`, `join`, `samples`): the PodGroup's minMember and subGroups
   follow the GPUs per type that remain (whole pods), and the envelope ConfigMap records the new
-  world size and shares, so KAI reschedules within the new envelope;
+  world size and shares, so KAI reschedules within the new envelope; GPUs that join get pods
+  (a job of bare pods: copies of one of its pods, held to the joining node; pods of a JobSet or
+  PyTorchJob are their controller's to add), in a new subgroup when the node's GPU product (or
+  the pod shape) is one the job did not have;
 - `migrate` (`phase`, `checkpoint_uri`, `destination`): the PodGroup and the envelope
   ConfigMap record the phase and destination (a `restore` with `destination.gpu_product` and
   `pods` re-targets the gang);
@@ -45,6 +48,7 @@ on a job's PodGroup is the last command `seq` applied for it (a restart resumes 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import threading
@@ -56,13 +60,22 @@ from typing import Any, Protocol
 
 from fleetwise.actuators.config import Rails
 from fleetwise.actuators.signing import Keyring, operator_keyring, verify_command, verify_operator
-from fleetwise.kube.render import ANN_SUBGROUPS, JOB_LABEL, envelope_configmap_name, pod_group_name
+from fleetwise.catalog import UnknownGpuError, lookup
+from fleetwise.kube.render import (
+    ANN_SUBGROUPS,
+    GPU_COUNT_LABEL,
+    JOB_LABEL,
+    envelope_configmap_name,
+    pod_group_name,
+)
+from fleetwise.planner.exports import GFD_PRODUCT_LABEL, KAI_SUBGROUP_LABEL
 from fleetwise.schemas import Ack, Command, JobEnd, OperatorAction
 
 __all__ = [
     "ANN_COMMANDS",
     "ANN_CORDONED_BY",
     "ANN_DRAINED_GPUS",
+    "ANN_JOINED_BY",
     "ANN_LAST_SEQ",
     "BY",
     "DRAIN_TAINT",
@@ -93,6 +106,8 @@ ANN_WORLD_SIZE = "fleetwise.io/world-size"
 ANN_MOVES = "fleetwise.io/consolidation"
 ANN_GANG_LEFT = "fleetwise.io/gang-left"  # JSON list of pods the gang no longer counts
 ANN_LAST_SEQ = "fleetwise.io/last-seq"  # the job's last applied command seq (on its PodGroup)
+ANN_JOINED_BY = "fleetwise.io/joined-by"  # on a pod a resize created: the command's id
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 KEEP_IDS = 32  # command ids remembered per object
 NODE_PAGE = 500  # nodes per list call when counting drained GPUs (a large cluster is never held whole)
 EVENT_NAMESPACE = "default"  # where `kubectl describe node` looks for a Node's events
@@ -108,8 +123,10 @@ class ClusterView:
 
     Nodes: {"labels": {}, "annotations": {}, "unschedulable": bool, "taints": [{key, value,
     effect}], "gpus": int (capacity `nvidia.com/gpu`; absent: unknown)}. Pods: {"name",
-    "namespace", "node", "deleting": bool}. pod_group: {"name",
-    "namespace", "spec", "annotations"} or None. configmap: {"name", "namespace", "data"} or None.
+    "namespace", "node", "deleting": bool, "subgroup", "owner": "Kind/name" of its controller or
+    None, "manifest": {"metadata": {labels, annotations}, "spec"} (what a new pod copies)}.
+    pod_group: {"name", "namespace", "spec", "annotations"} or None. configmap: {"name",
+    "namespace", "data"} or None.
     """
 
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -153,7 +170,7 @@ class Action:
         if self.kind == "Event":
             return f"/api/v1{ns}/events"
         if self.kind == "Pod":
-            return f"/api/v1{ns}/pods/{self.name}/eviction"
+            return f"/api/v1{ns}/pods" if self.verb == "create" else f"/api/v1{ns}/pods/{self.name}/eviction"
         if self.kind == "ConfigMap":
             return f"/api/v1{ns}/configmaps/{self.name}"
         if self.kind == "PodGroup":
@@ -454,6 +471,103 @@ def _cm_patch(view: ClusterView, command: Command, key: str, value: Mapping[str,
                   namespace=ns, patch="merge")
 
 
+def _per_node(items: Iterable[Sequence[Any]] | None) -> dict[str, int]:
+    """GPUs per node of a resize's `leave` / `join` list ([node, gpu] pairs), nodes sorted."""
+    out: dict[str, set[Any]] = {}
+    for item in items or []:
+        if item:
+            out.setdefault(str(item[0]), set()).add(item[1] if len(item) > 1 else None)
+    return {n: len(g) for n, g in sorted(out.items())}
+
+
+def _leaving_subgroup(node: str, view: ClusterView, subs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The subgroup the GPUs leaving `node` count in: that of the job's pod there, else the
+    first of the node's GPU product."""
+    for p in view.pods:
+        if p.get("node") == node and p.get("subgroup") in subs:
+            return str(p["subgroup"])
+    product = view.nodes.get(node, {}).get("labels", {}).get(GFD_PRODUCT_LABEL)
+    return next((k for k, v in sorted(subs.items()) if product and v.get("product") == product), None)
+
+
+def _joining_subgroup(product: str, gpus: int, subs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The existing subgroup of `product` whose pods the `gpus` joining on one node fill exactly
+    (the largest such pod), or None: they need a subgroup of their own."""
+    fits = [(int(v.get("gpus_per_pod", 1)), k) for k, v in subs.items()
+            if v.get("product") == product and gpus % max(1, int(v.get("gpus_per_pod", 1))) == 0]
+    return max(fits)[1] if fits else None
+
+
+def _new_subgroup(product: str, gpus: int, subs: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(name, catalog model id) of a new subgroup for `gpus`-GPU pods of `product`, named as
+    `kai_envelope` names a plan's groups: the model id, with `-x<GPUs>` when the name is taken."""
+    try:
+        model: str | None = lookup(product).id
+    except UnknownGpuError:  # a product the catalog does not know: named after the label
+        model = None
+    base = pod_group_name((model or product).lower())
+    for name in (base, f"{base}-x{gpus}", *(f"{base}-x{gpus}-{i}" for i in range(2, 100))):
+        if name not in subs:
+            return name, model
+    raise ValueError(f"no free subgroup name for {product}")
+
+
+def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subgroup: str, product: str,
+                 gpus: int, node: str, command_id: str) -> dict[str, Any]:
+    """A new pod of the job for GPUs joining on `node`: a copy of one of its running pods, in
+    `subgroup`, asking for `gpus` GPUs of `product`, and held to `node` (the GPUs the control
+    plane chose) by node affinity; KAI still schedules it with the gang."""
+    meta = template.get("metadata", {})
+    spec = copy.deepcopy(dict(template.get("spec", {})))
+    for key in ("nodeName", "priority"):  # set by the scheduler / the priority admission plugin
+        spec.pop(key, None)
+    # The service-account token volume is the admission plugin's: the new pod gets its own.
+    tokens = {v.get("name") for v in spec.get("volumes", [])
+              if str(v.get("name", "")).startswith("kube-api-access-")}
+    if tokens:
+        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") not in tokens]
+    for c in [*spec.get("containers", []), *spec.get("initContainers", [])]:
+        if tokens and c.get("volumeMounts"):
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if m.get("name") not in tokens]
+        for part in ("limits", "requests"):
+            res = c.get("resources", {}).get(part)
+            if res and "nvidia.com/gpu" in res:
+                res["nvidia.com/gpu"] = str(gpus)
+    if GFD_PRODUCT_LABEL in spec.get("nodeSelector", {}):
+        spec["nodeSelector"][GFD_PRODUCT_LABEL] = product
+    pin = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
+    required = (spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+                .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": [{}]}))
+    for term in required.setdefault("nodeSelectorTerms", [{}]) or [{}]:
+        exprs = [e for e in term.get("matchExpressions", []) if e.get("key") != HOSTNAME_LABEL]
+        for e in exprs:
+            if e.get("key") == GFD_PRODUCT_LABEL:
+                e["values"] = [product]
+        exprs = [e for e in exprs if e.get("key") != GPU_COUNT_LABEL]
+        if gpus > 1:
+            exprs.append({"key": GPU_COUNT_LABEL, "operator": "Gt", "values": [str(gpus - 1)]})
+        term["matchExpressions"] = [*exprs, pin]
+    if not required["nodeSelectorTerms"]:
+        required["nodeSelectorTerms"] = [{"matchExpressions": [pin]}]
+    labels = {**(meta.get("labels") or {}), KAI_SUBGROUP_LABEL: subgroup, "fleetwise.io/subgroup": subgroup}
+    annotations = {**(meta.get("annotations") or {}), ANN_JOINED_BY: command_id}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
+            "spec": spec}
+
+
+def _template_pod(view: ClusterView, subgroup: str, product: str) -> Mapping[str, Any] | None:
+    """A pod of the job to copy for `subgroup`: one of that subgroup, else one on a node of the
+    same product, else any (pods being deleted are not copied)."""
+    live = [p for p in view.pods if p.get("manifest") and not p.get("deleting")]
+    same = [p for p in live if p.get("subgroup") == subgroup]
+    if same:
+        return same[0]
+    node_product = [p for p in live if product == view.nodes.get(p.get("node") or "", {})
+                    .get("labels", {}).get(GFD_PRODUCT_LABEL)]
+    return (node_product or live or [None])[0]
+
+
 def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> Decision:
     early = _needs_pg(command, view, waiting)
     if early is not None:
@@ -461,47 +575,100 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
     pg = view.pod_group
     assert pg is not None
     params = command.params
+    ann = pg.get("annotations", {})
     subs = _subgroups(pg)
-    by_product: dict[str, str] = {v.get("product", ""): k for k, v in subs.items()}
-    delta: dict[str, int] = {k: 0 for k in subs}
+    # A consumer that stopped after the PodGroup took the resize ("applied") only creates the
+    # pods still missing: recounting the gang from the updated annotation would count it twice.
+    resumed = command_phase(ann, command.id) == "applied"
+    new_subs = {k: dict(v) for k, v in subs.items()}
+    gpus = {k: int(v.get("pods", 0)) * int(v.get("gpus_per_pod", 1)) for k, v in subs.items()}
     unknown: list[str] = []
-    for key, sign in (("leave", -1), ("join", 1)):
-        for item in params.get(key, []) or []:
-            node = str(item[0])
-            product = view.nodes.get(node, {}).get("labels", {}).get("nvidia.com/gpu.product")
-            sub = by_product.get(product or "")
-            if sub is None:
-                unknown.append(node)
-                continue
-            delta[sub] += sign
-    new_subs = {}
-    for name, info in subs.items():
-        gpus = int(info.get("pods", 0)) * int(info.get("gpus_per_pod", 1)) + delta.get(name, 0)
-        new_subs[name] = {**info, "pods": max(0, gpus // max(1, int(info.get("gpus_per_pod", 1)))),
-                          "gpus": max(0, gpus)}
+    for node, count in _per_node(params.get("leave")).items():
+        sub = _leaving_subgroup(node, view, subs)
+        if sub is None:
+            unknown.append(node)
+        else:
+            gpus[sub] -= count
+    joins: list[tuple[str, str, str, int, int]] = []  # (subgroup, node, product, pods, GPUs per pod)
+    for node, count in _per_node(params.get("join")).items():
+        product = view.nodes.get(node, {}).get("labels", {}).get(GFD_PRODUCT_LABEL)
+        if not product:
+            unknown.append(node)
+            continue
+        sub = _joining_subgroup(product, count, new_subs)
+        if sub is None:  # another GPU product, or another pod shape: a subgroup of its own
+            sub, model = _new_subgroup(product, count, new_subs)
+            new_subs[sub] = {"product": product, "gpus_per_pod": count, "pods": 0,
+                             **({"gpu_model": model} if model else {})}
+            gpus[sub] = 0
+        gpus[sub] += count
+        per_pod = int(new_subs[sub]["gpus_per_pod"])
+        joins.append((sub, node, product, count // per_pod, per_pod))
+    for name, info in new_subs.items():
+        per_pod = max(1, int(info.get("gpus_per_pod", 1)))
+        new_subs[name] = {**info, "pods": max(0, gpus[name] // per_pod), "gpus": max(0, gpus[name])}
     spec_subs = [{**s, "minMember": new_subs[s["name"]]["pods"]} if s.get("name") in new_subs else dict(s)
                  for s in pg.get("spec", {}).get("subGroups", [])]
+    named = {s.get("name") for s in spec_subs}
+    spec_subs += [{"name": k, "minMember": v["pods"]} for k, v in new_subs.items() if k not in named]
     kept = [s for s in spec_subs if s.get("minMember", 1) >= 1]
     total = sum(int(s["minMember"]) for s in kept) if kept else int(pg.get("spec", {}).get("minMember", 1))
-    ann = pg.get("annotations", {})
     world = params.get("world_size")
-    body: dict[str, Any] = {
-        "metadata": {"annotations": {ANN_SUBGROUPS: json.dumps(new_subs, sort_keys=True),
-                                     ANN_COMMANDS: _with_id(ann, command.id, "done"),
-                                     **({ANN_WORLD_SIZE: str(world)} if world is not None else {})}},
-        "spec": {"minMember": max(1, total), **({"subGroups": kept} if spec_subs else {})},
-    }
     out = Decision(done=True)
-    out.actions.append(Action("patch", "PodGroup", pg["name"], body,
-                              f"{command.job} resized to {world} ranks: gang {max(1, total)} pod(s)",
-                              namespace=pg.get("namespace"), patch="merge"))
-    out.actions.append(_cm_patch(view, command, "resize.json", {
-        "command": command.id, "world_size": world, "samples": params.get("samples", {}),
-        "leave": params.get("leave", []), "join": params.get("join", [])},
-        "the envelope records the new world size and shares"))
+    if not resumed:
+        body: dict[str, Any] = {
+            "metadata": {"annotations": {ANN_SUBGROUPS: json.dumps(new_subs, sort_keys=True),
+                                         ANN_COMMANDS: _with_id(ann, command.id, "applied"),
+                                         **({ANN_WORLD_SIZE: str(world)} if world is not None else {})}},
+            "spec": {"minMember": max(1, total), **({"subGroups": kept} if spec_subs else {})},
+        }
+        out.actions.append(Action("patch", "PodGroup", pg["name"], body,
+                                  f"{command.job} resized to {world} ranks: gang {max(1, total)} pod(s)",
+                                  namespace=pg.get("namespace"), patch="merge"))
+        out.actions.append(_cm_patch(view, command, "resize.json", {
+            "command": command.id, "world_size": world, "samples": params.get("samples", {}),
+            "leave": params.get("leave", []), "join": params.get("join", [])},
+            "the envelope records the new world size and shares"))
+    created, skipped = _joining_pods(command, view, joins, out)
+    out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
+        ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
+        namespace=pg.get("namespace"), patch="merge"))
     out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)}" + (
+        f"; pods created: {', '.join(created)}" if created else "") + (
+        f"; {skipped}" if skipped else "") + (
         f"; nodes without a known GPU product: {', '.join(sorted(set(unknown)))}" if unknown else "")
     return out
+
+
+def _joining_pods(command: Command, view: ClusterView, joins: Sequence[tuple[str, str, str, int, int]],
+                  out: Decision) -> tuple[list[str], str]:
+    """Create-pod actions for the joining GPUs (into `out`): (their names, why none were made).
+
+    Only a job of bare pods gets them here: pods a controller owns (a JobSet, a PyTorchJob) are
+    that controller's to add. Names are derived from the command, node and index, so a resumed
+    consumer's second create is a 409 ("exists"), never a second pod."""
+    if not any(pods for _, _, _, pods, _ in joins):
+        return [], ""
+    pg = view.pod_group or {}
+    owners = sorted({str(p["owner"]) for p in view.pods if p.get("owner")})
+    if owners:
+        return [], f"no pod created: the job's pods belong to {', '.join(owners)}, whose controller adds them"
+    created: list[str] = []
+    for sub, node, product, pods, gpus in joins:
+        template = _template_pod(view, sub, product)
+        if template is None:
+            return created, "no pod created: the job has no pod on the cluster to copy"
+        for i in range(pods):
+            digest = hashlib.sha256(f"{command.id}|{node}|{i}".encode()).hexdigest()[:10]
+            name = f"{pg.get('name', '')}-{sub}-{digest}"[:253]
+            namespace = str(template.get("namespace") or pg.get("namespace"))
+            body = _joining_pod(template["manifest"], name=name, namespace=namespace, subgroup=sub,
+                                product=product, gpus=gpus, node=node, command_id=command.id)
+            out.actions.append(Action("create", "Pod", name, body,
+                                      f"{command.job} grows onto {node}: pod {name} in subgroup {sub}",
+                                      namespace=body["metadata"]["namespace"]))
+            created.append(name)
+    return created, ""
 
 
 def _decide_migrate(command: Command, view: ClusterView, waiting: list[str]) -> Decision:
@@ -612,7 +779,7 @@ def required_rbac() -> list[dict[str, Any]]:
     """The ClusterRole rules the consumer needs: only the verbs it uses."""
     return [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "list"]},
         {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"]},
@@ -689,7 +856,15 @@ class DryRunApi:
         return ActionResult("ok", "dry run")
 
     def _play(self, action: Action) -> None:
-        if action.kind == "Pod":
+        if action.kind == "Pod" and action.verb == "create":
+            meta = action.body["metadata"]
+            if all(p["name"] != action.name for p in self.state.pods):
+                self.state.pods.append({
+                    "name": action.name, "namespace": meta["namespace"], "node": None, "deleting": False,
+                    "subgroup": meta["labels"].get(KAI_SUBGROUP_LABEL),
+                    "manifest": {"metadata": {k: meta[k] for k in ("labels", "annotations")},
+                                 "spec": action.body["spec"]}})
+        elif action.kind == "Pod":
             for p in self.state.pods:
                 if p["name"] == action.name:
                     p["deleting"] = True
@@ -717,6 +892,13 @@ def _gpu_capacity(node: Any) -> int:
         return int(capacity.get("nvidia.com/gpu", 0))
     except (TypeError, ValueError):
         return 0
+
+
+def _owner(pod: Any) -> str | None:
+    """"Kind/name" of the controller that owns a pod (None: a bare pod)."""
+    refs = pod.metadata.owner_references or []
+    ref = next((r for r in refs if r.controller), refs[0] if refs else None)
+    return f"{ref.kind}/{ref.name}" if ref is not None else None
 
 
 def _api_status(exc: Exception) -> int | None:
@@ -787,7 +969,11 @@ class ClientApi:
         pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
         view.pods = [{"name": p.metadata.name, "namespace": p.metadata.namespace, "node": p.spec.node_name,
                       "deleting": p.metadata.deletion_timestamp is not None,
-                      "subgroup": (p.metadata.labels or {}).get("kai.scheduler/subgroup-name")}
+                      "subgroup": (p.metadata.labels or {}).get(KAI_SUBGROUP_LABEL),
+                      "owner": _owner(p), "manifest": {
+                          "metadata": {"labels": dict(p.metadata.labels or {}),
+                                       "annotations": dict(p.metadata.annotations or {})},
+                          "spec": self.api_client.sanitize_for_serialization(p.spec)}}
                      for p in pods]
         groups = self.custom.list_namespaced_custom_object(
             "scheduling.run.ai", "v2alpha2", namespace, "podgroups", label_selector=selector)["items"]
@@ -812,6 +998,8 @@ class ClientApi:
                                      _content_type="application/strategic-merge-patch+json")
             elif action.kind == "Event":
                 self.core.create_namespaced_event(action.namespace, dict(action.body))
+            elif action.kind == "Pod" and action.verb == "create":
+                self.core.create_namespaced_pod(action.namespace, dict(action.body))
             elif action.kind == "Pod":
                 self.core.create_namespaced_pod_eviction(action.name, action.namespace, dict(action.body))
             elif action.kind == "PodGroup":
@@ -935,12 +1123,15 @@ class KubeConsumer:
             view = self.api.view(command, self.namespace)
         except Exception as exc:  # noqa: BLE001 - the cluster did not answer: the command failed
             return [self._ack(command, "failed", f"cannot read the cluster: {exc}")]
-        if command_phase(self._target_annotations(command, view), command.id) == "done":
+        phase = command_phase(self._target_annotations(command, view), command.id)
+        if phase == "done":
             self.finished.add(command.id, self.clock())
             return [self._ack(command, "done", "duplicate")]
         scope = command.job
-        verdict = verify_command(command, self.keyring, now=self.clock(),
-                                 last_seq=self._last_seq(scope, view) if scope else None)
+        # A command the cluster records as applied passed the sequence check when it was applied
+        # (its seq is now the job's last): a restarted consumer resumes it.
+        last_seq = self._last_seq(scope, view) if scope and phase != "applied" else None
+        verdict = verify_command(command, self.keyring, now=self.clock(), last_seq=last_seq)
         if not verdict:
             return [self._ack(command, "rejected", verdict.reason)]
         if command.type not in KUBE_TYPES:
