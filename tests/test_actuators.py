@@ -330,6 +330,31 @@ def test_resize_after_drain_carries_the_planners_diff_when_the_plan_and_inventor
     assert len(policy.jobs["llm"].plan["ranks"]) == 7  # the job's plan follows the resize's ack
 
 
+def test_a_pure_pipeline_is_re_planned_as_one_with_its_stage_boundaries():
+    from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
+
+    invs = [NodeInventory(ts=T0, node="n0", gpus=[GpuInventory(index=g, model="NVIDIA H100 80GB HBM3")
+                                                  for g in range(4)])]
+    plan = plan_job(PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job="pp",
+                                strategy=(1, 4, 1)), cluster_from_inventory(invs))
+    policy = ActionPolicy()
+    policy.process([*invs, plan])
+    policy.jobs["pp"].layers = {0: (0, 9), 1: (10, 17), 2: (18, 25), 3: (26, 31)}  # a rebalance's
+    cp = commands(policy.process([failure("n0", 2, job="pp", rank=2)]))[0]
+    drain = commands(policy.process([ack(cp, ts=T0 + 10)]))[0]
+    resize = commands(policy.process([ack(drain, ts=T0 + 20)]))[0]
+    p = resize.params
+    # Not the planner's free choice (data parallelism over 3 GPUs, faster): the training script
+    # runs a stage per rank, so the re-plan stays a pipeline, with its boundaries in the command.
+    assert p["strategy"] == {"dp": 1, "tp": 1, "pp": 3} and p["world_size"] == 3
+    spans = [p["layers"][str(s)] for s in range(3)]
+    assert spans[0][0] == 0 and spans[-1][1] == 31
+    assert all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert p["samples"] == {"0": 64}
+    policy.process([ack(resize, ts=T0 + 30)])
+    assert policy.jobs["pp"].layers == {}  # the new plan's split is in force, not the old rebalance's
+
+
 def test_approval_mode_holds_commands_until_an_operator_approves():
     cfg = PolicyConfig.model_validate({"failure": {"mode": "approve"}})
     policy = ActionPolicy(cfg)

@@ -447,8 +447,13 @@ def test_plugin_handlers_in_a_one_rank_group(solo_group, tmp_path: Path) -> None
     acks = run(Command(id="rs", type="resize", seq=3, params={"world_size": 1, "samples": {"0": 12}}, **base))
     assert acks[0].detail == "same members: new shares applied" and plugin.shares == [12]
     assert acks[0].step is not None and sampler.shares_at(acks[0].step) == [12]
+    # A re-plan counting GPUs of a tensor-parallel replica: refused, the reason named.
+    acks = run(Command(id="rs-tp", type="resize", seq=4, params={
+        "world_size": 2, "strategy": {"dp": 1, "tp": 2, "pp": 1}, "samples": {"0": 12}}, **base))
+    assert acks[0].status == "failed" and "tp 2 x pp 1 per data-parallel replica" in acks[0].detail
+    assert plugin.shares == [12]
     with pytest.raises(SystemExit) as stop:
-        run(Command(id="mg", type="migrate", seq=4,
+        run(Command(id="mg", type="migrate", seq=5,
                     params={"phase": "snapshot", "checkpoint_uri": str(tmp_path / "moved")}, **base))
     assert stop.value.code == 0 and (tmp_path / "moved" / "fleetwise.json").is_file()
     records = bus.poll(T.TELEMETRY_STEPS.name, "solo")

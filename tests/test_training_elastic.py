@@ -194,5 +194,63 @@ def test_a_node_killed_with_sigkill_restarts_smaller_from_the_last_checkpoint(tm
     _assert_exact(job, steps)
 
 
+@pytest.mark.timeout(300)
+def test_a_pipeline_loses_a_stage_is_re_split_and_grows_a_stage_back(tmp_path: Path) -> None:
+    # Three stages of a 6-layer pipeline (2 layers each). The last stage's GPU is drained: the
+    # group restarts as two stages (the script's own even split, 3 + 3). The control plane's
+    # re-plan for two GPUs (a resize to the same members with new `layers`) moves the boundary
+    # in the running group; a growth onto a new node with three stages' boundaries restarts it
+    # as three stages on them. A re-plan to data parallelism is refused: a pipeline script cannot
+    # change form while it runs. The losses stay the uninterrupted single-process run's.
+    steps = 40
+    job = Job(tmp_path, steps, "16,16,16", ["--step-delay", "0.08", "--pipeline-layers", "6"])
+    pp = lambda n: {"dp": 1, "tp": 1, "pp": n}  # noqa: E731
+    try:
+        for node in ("n0", "n1", "n2"):
+            job.start(node)
+        job.wait(lambda: job.max_step(3) >= 4, 120, "three stages to train")
+        job.send(id="ckpt-1", type="checkpoint", params={"before": "drain"})
+        job.send(id="drain-1", type="drain", node="n2", gpu=0, requires=["ckpt-1"])
+        drained = job.wait(lambda: job.ack("drain-1", "done"), 120, "the drain to finish at two stages")
+        assert drained.result["world_size"] == 2 and drained.result["layers"] == {"0": [0, 2], "1": [3, 5]}
+        job.wait(lambda: job.max_step(2) >= drained.step + 3, 60, "two stages to train")
+        job.send(id="replan-1", type="resize", params={
+            "world_size": 2, "leave": [["n2", 0]], "strategy": pp(2), "samples": {"0": 48},
+            "layers": {"0": [0, 1], "1": [2, 5]}})
+        moved = job.wait(lambda: job.ack("replan-1", "done"), 60, "the re-plan's boundaries")
+        assert moved.detail == "same members: new layers applied", moved.detail
+        assert moved.result["layers"] == {"0": [0, 1], "1": [2, 5]}
+        job.send(id="to-dp", type="resize", params={"world_size": 2, "strategy": {"dp": 2, "tp": 1, "pp": 1},
+                                                   "samples": {"0": 24, "1": 24}})
+        refused = job.wait(lambda: job.ack("to-dp", "failed"), 60, "a re-plan to data parallelism refused")
+        assert "cannot change form while it runs" in refused.detail
+        job.wait(lambda: job.max_step(2) >= moved.step + 2, 60, "two stages on the new boundaries")
+        job.send(id="grow-1", type="resize", params={
+            "world_size": 3, "join": [["n3", 0]], "strategy": pp(3), "samples": {"0": 48},
+            "layers": {"0": [0, 0], "1": [1, 3], "2": [4, 5]}})
+        job.wait(lambda: job.ack("grow-1", "applied"), 60, "the growth's checkpoint")
+        job.start("n3")
+        grown = job.wait(lambda: job.ack("grow-1", "done"), 120, "three stages again")
+        assert grown.result["world_size"] == 3 and grown.result["layers"] == {
+            "0": [0, 0], "1": [1, 3], "2": [4, 5]}
+        codes = job.finish(120)
+    finally:
+        job.close()
+    assert codes["n2"] not in (None, 0) and all(codes[n] == 0 for n in ("n0", "n1", "n3")), codes
+    rows = sorted(job.rows(), key=lambda r: r["t"])
+    last = {(r["step"], r["rank"]): (r["world"], r["layers"]) for r in rows}  # each step's final run
+    phases = ((0, drained.step, 3, [[0, 1], [2, 3], [4, 5]]), (drained.step, moved.step, 2, [[0, 2], [3, 5]]),
+              (moved.step, grown.step, 2, [[0, 1], [2, 5]]), (grown.step, steps, 3, [[0, 0], [1, 3], [4, 5]]))
+    for begin, end, world, spans in phases:
+        for step in range(begin, end):
+            assert [last[step, r] for r in range(world)] == [(world, s) for s in spans], step
+    losses, ids = trajectory(rows)
+    expected = reference_losses(steps, NUM_SAMPLES, GLOBAL, pipeline_layers=6)
+    assert len(losses) == steps and all(len(ids[s]) == GLOBAL for s in range(steps))
+    for step, (got, want) in enumerate(zip(losses, expected, strict=True)):
+        assert abs(got - want) <= 1e-9 * abs(want), f"step {step}: loss {got!r} != uninterrupted {want!r}"
+    assert {a.command_id for a in job.acks if a.status in ("rejected", "failed")} == {"to-dp"}
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

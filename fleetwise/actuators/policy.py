@@ -486,7 +486,7 @@ class ActionPolicy:
         new_plan = pending.follow_up.get("plan")
         if pending.type == "resize" and ack.status == "done" and new_plan and c.get("job"):
             job = self._job(c["job"])
-            job.plan, job.shares = new_plan, {}  # the job runs the new plan now
+            job.plan, job.shares, job.layers = new_plan, {}, {}  # the job runs the new plan now
             job.ranks = {int(r["rank"]): (str(r["node"]), int(r["gpu"])) for r in new_plan["ranks"]}
         if ack.status == "done" and pending.follow_up.get("then"):
             nxt = Command.model_validate({**pending.follow_up["then"], "ts": ack.ts,
@@ -1015,8 +1015,11 @@ class ActionPolicy:
 
 
 def _replanned(before_step_s: float, plan: Plan, diffs: Sequence[Any]) -> dict[str, Any]:
-    """A resize's params for a re-planned job: its new size, shares, degrees and per-GPU diff."""
-    return {
+    """A resize's params for a re-planned job: its new size, shares, degrees, stage boundaries
+    (a pipeline's, as a rebalance gives them) and per-GPU diff."""
+    layers = ({"layers": {str(r.stage): list(r.layers) for r in sorted(plan.ranks, key=lambda r: r.stage)}}
+              if plan.pp > 1 else {})
+    return {**layers,
         "world_size": len(plan.ranks),
         "samples": {str(d): n for d, n in sorted(replica_samples(plan).items())},
         "global_samples": plan.global_batch, "strategy": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp},

@@ -207,7 +207,18 @@ KEEP_DEGREES_TOLERANCE = 0.05
 
 
 def _keep_degrees(plan: Plan, request: PlanRequest, cluster: Cluster) -> Plan:
-    """Plan on the new GPU set, keeping TP and PP unless that is clearly slower."""
+    """Plan on the new GPU set, keeping TP and PP unless that is clearly slower.
+
+    A pure pipeline (one stage per GPU: tp 1, dp 1) stays one, with a stage per GPU of the new
+    set, whenever that fits: its training script runs one stage per rank and cannot become
+    data-parallel while it runs (the plugin refuses such a re-plan)."""
+    if plan.tp == 1 and plan.dp == 1 and plan.pp > 1:
+        try:
+            kept = plan_job(replace(request, strategy=(1, len(cluster.slots), 1), exhaustive=False), cluster)
+            kept.notes.append(f"re-planned as a pipeline of one stage per GPU: pp {plan.pp} -> {kept.pp}")
+            return kept
+        except (InfeasiblePlanError, ValueError):
+            pass
     fresh = plan_job(replace(request, strategy=None), cluster)
     if (fresh.tp, fresh.pp) == (plan.tp, plan.pp):
         fresh.notes.append(f"re-planned keeping tp={plan.tp} pp={plan.pp}; dp {plan.dp} -> {fresh.dp}")

@@ -75,6 +75,22 @@ def _even(total: int, world: int) -> list[int]:
     return scaled_shares([1] * world, {}, total)
 
 
+def _layer_range(layout: Mapping[int, tuple[int, int]]) -> tuple[int, int]:
+    return min(f for f, _ in layout.values()), max(b for _, b in layout.values())
+
+
+def _form_hint(strategy: Mapping[str, Any] | None, pipeline: bool) -> str:
+    """Why a re-plan's `world_size` (GPUs) differs from this group's ranks, when it says."""
+    if not strategy or pipeline:
+        return ""
+    per_replica = int(strategy.get("tp", 1)) * int(strategy.get("pp", 1))
+    if per_replica == 1:
+        return ""
+    return (f" (the re-plan counts GPUs: tp {strategy.get('tp', 1)} x pp {strategy.get('pp', 1)} per "
+            "data-parallel replica; this plugin's group holds one rank per replica, and a job with "
+            "tensor or pipeline parallelism in each replica is resized by restarting it on the new plan)")
+
+
 def _shares_list(samples: Mapping[str, Any] | Sequence[int], world: int, field: str) -> list[int]:
     if isinstance(samples, Mapping):
         try:
@@ -268,6 +284,7 @@ class TrainingPlugin:
         members: list[Any] = [None] * self.world_size
         dist.all_gather_object(members, (self.node, self.gpu, stage, layers), group=group)
         self.members: list[tuple[str, int]] = [(str(m[0]), int(m[1])) for m in members]
+        self.stages: list[int] | None = [int(m[2]) for m in members] if stage is not None else None
         # Stage -> (first, last) layers, inclusive (as a plan's ranks give them); None: no pipeline.
         self.layout: dict[int, tuple[int, int]] | None = (
             {int(m[2]): (int(m[3][0]), int(m[3][1])) for m in members} if stage is not None else None)
@@ -415,9 +432,10 @@ class TrainingPlugin:
         self._ack(command, "done", result=result,
                   detail=None if changed else "no change: already in force")
 
-    def _new_layout(self, spec: Any) -> dict[int, tuple[int, int]]:
+    def _new_layout(self, spec: Any, stages: int | None = None) -> dict[int, tuple[int, int]]:
         """`layers` of a rebalance ({stage: [first, last]}, inclusive), checked against this
-        job's stages: every stage once, contiguous, the same layers in all."""
+        job's stages (`stages`: that many instead, for a resize): every stage once, contiguous,
+        the same layers in all."""
         if self.layout is None or self.stage is None or self.rebuild is None:
             raise ValueError("layers: this rank runs no pipeline stage the plugin can rebuild "
                              "(TrainingPlugin(stage=, layers=, rebuild=))")
@@ -426,15 +444,14 @@ class TrainingPlugin:
                              "has no checkpoint_dir")
         if not isinstance(spec, Mapping):
             raise ValueError(f"layers: expected {{stage: [first, last]}}, got {spec!r}")
-        first = min(f for f, _ in self.layout.values())
-        last = max(b for _, b in self.layout.values())
+        first, last = _layer_range(self.layout)
         try:
             layout = stage_spans(spec, first=first, last=last)
         except ValueError as exc:
             raise ValueError(f"layers: {exc}") from None
-        if set(layout) != set(self.layout):
-            raise ValueError(f"layers: stages {sorted(layout)} are not this job's stages "
-                             f"{sorted(self.layout)}")
+        want = set(range(stages)) if stages is not None else set(self.layout)
+        if set(layout) != want:
+            raise ValueError(f"layers: stages {sorted(layout)} are not this job's stages {sorted(want)}")
         return layout
 
     def _resplit(self, layout: dict[int, tuple[int, int]]) -> str:
@@ -466,39 +483,79 @@ class TrainingPlugin:
     def _apply_resize(self, command: Command) -> None:
         p = command.params
         self._resize(command, leave=p.get("leave", []), join=p.get("join", []), samples=p.get("samples"),
-                     world_size=p.get("world_size"))
+                     world_size=p.get("world_size"), strategy=p.get("strategy"), layers=p.get("layers"))
+
+    def _resize_in_place(self, command: Command, samples: Any,
+                         layout: dict[int, tuple[int, int]] | None) -> None:
+        """A resize to the same members: the re-plan's shares and stage boundaries, in place."""
+        new = None
+        if samples is not None:
+            new = (self._pipeline_shares(sum(_shares_list(samples, 1, "samples"))) if self.layout is not None
+                   else _shares_list(samples, self.world_size, "samples"))
+        result: dict[str, Any] = {"world_size": self.world_size}
+        changed = []
+        if new is not None:
+            result["samples"] = {str(i): n for i, n in enumerate(new)}
+            if new != self.shares:
+                changed.append("shares")
+                self.base_shares = list(new)
+                self.sampler.set_shares(new, from_step=self.sampler.step)
+                if self.hook_state is not None:
+                    self.hook_state.set_samples(new[self.rank], sum(new))
+        if layout is not None:
+            result["layers"] = {str(st): list(span) for st, span in sorted(layout.items())}
+            if layout != self.layout:
+                changed.append("layers")
+                self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
+                result["checkpoint_uri"] = self._resplit(layout)
+        detail = (f"same members: new {' and '.join(changed)} applied" if changed
+                  else "no change: same members")
+        self._ack(command, "done", detail=detail, result=result)
+
+    def _pipeline_shares(self, total: int) -> list[int]:
+        """A pipeline without data parallelism: the global batch on the first stage's rank."""
+        assert self.stages is not None
+        return [total if st == 0 else 0 for st in self.stages]
 
     def _resize(self, command: Command, *, leave: Sequence[Sequence[Any]], join: Sequence[Any],
-                samples: Any, world_size: int | None) -> None:
+                samples: Any, world_size: int | None, strategy: Mapping[str, Any] | None = None,
+                layers: Any = None) -> None:
         leaving = [r for r, m in enumerate(self.members) if [m[0], m[1]] in [[n, g] for n, g in leave]]
         if world_size is not None and not leave and not join and int(world_size) < self.world_size:
             leaving = list(range(int(world_size), self.world_size))  # the highest ranks leave
         new_world = self.world_size - len(leaving) + len(join)
         if world_size is not None and int(world_size) != new_world:
             raise ValueError(f"world_size {world_size} does not match {self.world_size} ranks "
-                             f"- {len(leaving)} leaving + {len(join)} joining")
+                             f"- {len(leaving)} leaving + {len(join)} joining"
+                             + _form_hint(strategy, self.layout is not None))
         if new_world < 1:
             raise ValueError("a resize cannot leave no rank")
-        if samples is not None:
+        layout = None
+        if self.layout is not None:
+            # A pipeline of one stage per rank: the re-plan must be one too (its replica's
+            # samples are the global batch, read by the first stage).
+            if strategy and (int(strategy.get("dp", 1)) != 1 or int(strategy.get("tp", 1)) != 1):
+                raise ValueError(
+                    f"the re-plan is dp {strategy.get('dp', 1)} x tp {strategy.get('tp', 1)} x pp "
+                    f"{strategy.get('pp', 1)}; this job runs one pipeline stage per rank, without data or "
+                    "tensor parallelism, and cannot change form while it runs")
+            if samples is not None:
+                _shares_list(samples, 1, "samples")
+            if layers is not None:
+                layout = self._new_layout(layers, stages=new_world)
+        elif samples is not None:
             _shares_list(samples, new_world, "samples")
         if new_world == self.world_size and not leaving:
             # Same members (e.g. the re-planned resize after a drain this job already did): only
-            # the plan's new shares, if any, apply.
-            if samples is not None and _shares_list(samples, new_world, "samples") != self.shares:
-                new = _shares_list(samples, new_world, "samples")
-                self.base_shares = list(new)
-                self.sampler.set_shares(new, from_step=self.sampler.step)
-                if self.hook_state is not None:
-                    self.hook_state.set_samples(new[self.rank], sum(new))
-                self._ack(command, "done", detail="same members: new shares applied",
-                          result={"samples": {str(i): n for i, n in enumerate(new)}, "world_size": new_world})
-                return
-            self._ack(command, "done", detail="no change: same members")
+            # the plan's new shares and stage boundaries, if any, apply.
+            self._resize_in_place(command, samples, layout)
             return
         self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
         resize = {"id": command.id, "type": command.type, "from_world": self.world_size,
                   "world_size": new_world, "samples": samples, "leaving": leaving,
                   "join": [list(j) for j in join]}
+        if layout is not None:
+            resize["layers"] = {str(st): list(span) for st, span in sorted(layout.items())}
         where = self.checkpoint(extra={"resize": resize})
         self._ack(command, "applied", detail=f"checkpointed; {len(leaving)} leaving, {len(join)} joining",
                   result={"checkpoint_uri": where, "step": self.step, "world_size": new_world})
@@ -550,16 +607,24 @@ class TrainingPlugin:
             elastic.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None)
         if path is None:
             return self.step
-        saved = elastic.read_meta(path).get("layers")
-        layout = {int(k): (int(v[0]), int(v[1])) for k, v in saved.items()} if saved else None
+        saved_meta = elastic.read_meta(path)
+        saved = saved_meta.get("layers")
+        # A resize to another number of stages names the new boundaries (or leaves this group's own).
+        wanted = (saved_meta.get("resize") or {}).get("layers") or saved
+        layout = {int(k): (int(v[0]), int(v[1])) for k, v in wanted.items()} if wanted else None
         if layout is not None and self.layout is not None and layout != self.layout:
-            # Saved under other stage boundaries (a re-split): build this stage's layers as then.
-            if self.rebuild is None or set(layout) != set(self.layout):
-                raise ValueError(f"{path} was saved with stage layers {saved}; this group's stages are "
-                                 f"{ {str(k): list(v) for k, v in sorted(self.layout.items())} } and the "
-                                 "plugin has no rebuild callback for other boundaries")
-            self.model, self.optimizer = self.rebuild(layout[self.stage], dict(layout))  # type: ignore[index]
-            self.layout = layout
+            mine = {str(k): list(v) for k, v in sorted(self.layout.items())}
+            if set(layout) == set(self.layout):
+                # Saved under other stage boundaries (a re-split): build this stage's layers as then.
+                if self.rebuild is None:
+                    raise ValueError(f"{path} was saved with stage layers {wanted}; this group's stages are "
+                                     f"{mine} and the plugin has no rebuild callback for other boundaries")
+                self.model, self.optimizer = self.rebuild(layout[self.stage], dict(layout))  # type: ignore[index]
+                self.layout = layout
+            elif _layer_range(layout) != _layer_range(self.layout):
+                raise ValueError(f"{path} holds layers {wanted}; this group's stages {mine} hold others")
+            # Else another number of stages (a resize without boundaries for it): this group's own
+            # split; every stage loads its layers by parameter name, whichever stage saved them.
         meta = elastic.load_checkpoint(path, self.model, self.optimizer, group=self.group)
         self.step = int(meta["step"])
         self.sampler.load_state_dict(meta["sampler"])
@@ -571,9 +636,11 @@ class TrainingPlugin:
         resize = meta.get("resize")
         if len(self.sampler.shares) != self.world_size or resize:
             total = sum(self.sampler.shares)
-            wanted = resize.get("samples") if resize else None
-            if wanted is not None and len(wanted) == self.world_size:
-                new = _shares_list(wanted, self.world_size, "samples")
+            samples = resize.get("samples") if resize else None
+            if self.stages is not None:
+                new = self._pipeline_shares(sum(_shares_list(samples, 1, "samples")) if samples else total)
+            elif samples is not None and len(samples) == self.world_size:
+                new = _shares_list(samples, self.world_size, "samples")
             else:
                 new = _even(total, self.world_size)
             self.sampler.set_shares(new, from_step=self.sampler.step, rank=self.rank)
@@ -589,6 +656,8 @@ class TrainingPlugin:
             self.gate.finished(resize["id"])
             result = {"checkpoint_uri": path.resolve().as_uri(), "step": self.step,
                       "world_size": self.world_size}
+            if self.layout is not None:
+                result["layers"] = {str(k): list(v) for k, v in sorted(self.layout.items())}
             self._publish_ack(self.gate.ack(resize["id"], "done", self.clock(), step=self.step, detail=detail,
                                             result=result))
         self._step_start = time.perf_counter()
