@@ -574,6 +574,41 @@ def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
     assert json.loads(cm.data["migration.json"])["checkpoint_uri"] == "s3://c/1"
 
 
+def test_a_migration_transfer_moves_the_job_s_pods_to_the_destination(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "b200"])
+    home, there = cluster.node_name(0), cluster.node_name(1)
+    cluster.deploy("mv", {home: nodes[home]})
+    cluster.set_running("mv")
+    (old,) = cluster.pods("mv")
+    consumer = _consumer(cluster)
+    assert consumer.on_ack(Ack(command_id="snap-1", ts=NOW, by="training-plugin", status="done")) == []
+    # As the policy sends it: the destination's GPUs, after the snapshot (its requirement).
+    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
+    move = sign(_cmd(type="migrate", job="mv", requires=["snap-1"], params={
+        "phase": "transfer", "checkpoint_uri": "file:///ckpt/mv", "destination": dest}), KEYS)
+    (ack,) = consumer.on_command(move)
+    assert ack.status == "done", ack.detail
+    pg = cluster.pod_group("mv")
+    assert pg["spec"]["subGroups"] == [{"name": "b200", "minMember": 1}] and pg["spec"]["minMember"] == 1
+    subs = json.loads(pg["metadata"]["annotations"]["fleetwise.io/subgroups"])
+    assert subs["b200"]["product"] == "NVIDIA-B200"
+    pods = cluster.pods("mv")
+    (new,) = [p for n, p in pods.items() if n != old]
+    assert new.metadata.annotations[ANN_JOINED_BY] == move.id
+    assert new.spec.node_selector["nvidia.com/gpu.product"] == "NVIDIA-B200"
+    required = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    assert {"kubernetes.io/hostname": [there]}.items() <= {
+        e.key: e.values for e in required.node_selector_terms[0].match_expressions}.items()
+    assert old not in pods or pods[old].metadata.deletion_timestamp is not None  # evicted
+    cm = cluster.core.read_namespaced_config_map("mv-fleetwise", cluster.ns)
+    assert json.loads(cm.data["migration.json"]) == {"command": move.id, "phase": "transfer",
+                                                     "checkpoint_uri": "file:///ckpt/mv", "destination": dest}
+    # Once done on the cluster, a restarted consumer changes nothing.
+    (ack,) = _consumer(cluster).on_command(move)
+    assert (ack.status, ack.detail) == ("done", "duplicate")
+    assert set(cluster.pods("mv")) == set(pods)
+
+
 def test_consolidate_hibernates_after_the_moves_and_wakes_when_work_returns(cluster):
     (node,) = cluster.add_nodes(["h100-sxm"])
     consumer = _consumer(cluster)

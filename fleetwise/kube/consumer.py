@@ -117,6 +117,16 @@ KUBE_TYPES = frozenset({"drain", "resize", "migrate", "consolidate"})
 # ---- the cluster as the decision sees it ---------------------------------------------------------
 
 
+def _command_nodes(command: Command) -> set[str]:
+    """The nodes a command's decision reads: its node, a resize's leaving and joining nodes, a
+    migration's destination."""
+    names = {command.node} if command.node else set()
+    dest = command.params.get("destination") or {}
+    for pairs in (command.params.get("leave"), command.params.get("join"), dest.get("gpus")):
+        names |= {str(p[0]) for p in pairs or [] if p}
+    return names
+
+
 @dataclass
 class ClusterView:
     """What the decision reads: nodes by name, the job's pods, its PodGroup and ConfigMap.
@@ -138,9 +148,7 @@ class ClusterView:
     def assumed(cls, command: Command, namespace: str = "default", pods_per_node: int = 1) -> ClusterView:
         """A plausible cluster for a dry run without one: the command's nodes exist, schedulable,
         each running `pods_per_node` pods of the job."""
-        names = {command.node} if command.node else set()
-        for key in ("leave", "join"):
-            names |= {str(p[0]) for p in command.params.get(key, []) if p}
+        names = _command_nodes(command)
         view = cls(nodes={n: {"labels": {}, "annotations": {}, "unschedulable": False, "taints": []}
                           for n in sorted(names)})
         if command.job:
@@ -440,11 +448,7 @@ def _decide_drain(command: Command, view: ClusterView, waiting: list[str], now: 
             out.actions.append(gang)
     if pods:
         for p in pods:
-            out.actions.append(Action("evict", "Pod", p["name"], {
-                "apiVersion": "policy/v1", "kind": "Eviction",
-                "metadata": {"name": p["name"], "namespace": p["namespace"]}},
-                f"evict {p['name']} of {command.job} from {name} (checkpoint done)",
-                namespace=p["namespace"]))
+            out.actions.append(_evict(p, f"evict {p['name']} of {command.job} from {name} (checkpoint done)"))
     out.finish.append(_node_patch(name, f"{command.id} done", annotations={
         ANN_COMMANDS: _with_id(ann, command.id, "done")}))
     out.done = True
@@ -488,6 +492,37 @@ def _leaving_subgroup(node: str, view: ClusterView, subs: Mapping[str, Mapping[s
             return str(p["subgroup"])
     product = view.nodes.get(node, {}).get("labels", {}).get(GFD_PRODUCT_LABEL)
     return next((k for k, v in sorted(subs.items()) if product and v.get("product") == product), None)
+
+
+Join = tuple[str, str, str, int, int]  # (subgroup, node, GPU product, pods, GPUs per pod)
+
+
+def _place(per_node: Mapping[str, int], view: ClusterView, subs: dict[str, dict[str, Any]],
+           unknown: list[str]) -> list[Join]:
+    """Where GPUs joining on each node go: a subgroup of `subs` whose pods they fill exactly, or
+    one made for them (another GPU product, or another pod shape), added to `subs` with no pods
+    yet. Nodes without a known GPU product are appended to `unknown`."""
+    joins: list[Join] = []
+    for node, count in per_node.items():
+        product = view.nodes.get(node, {}).get("labels", {}).get(GFD_PRODUCT_LABEL)
+        if not product:
+            unknown.append(node)
+            continue
+        sub = _joining_subgroup(product, count, subs)
+        if sub is None:
+            sub, model = _new_subgroup(product, count, subs)
+            subs[sub] = {"product": product, "gpus_per_pod": count, "pods": 0,
+                         **({"gpu_model": model} if model else {})}
+        per_pod = int(subs[sub]["gpus_per_pod"])
+        joins.append((sub, node, product, count // per_pod, per_pod))
+    return joins
+
+
+def _evict(pod: Mapping[str, Any], why: str) -> Action:
+    """An eviction through the Eviction API (PodDisruptionBudgets apply; never a delete)."""
+    return Action("evict", "Pod", pod["name"], {
+        "apiVersion": "policy/v1", "kind": "Eviction",
+        "metadata": {"name": pod["name"], "namespace": pod["namespace"]}}, why, namespace=pod["namespace"])
 
 
 def _joining_subgroup(product: str, gpus: int, subs: Mapping[str, Mapping[str, Any]]) -> str | None:
@@ -556,6 +591,11 @@ def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subg
             "spec": spec}
 
 
+def _joined_by(pod: Mapping[str, Any]) -> str | None:
+    """The command that created a pod (a growth's or a move's), or None."""
+    return (pod.get("manifest") or {}).get("metadata", {}).get("annotations", {}).get(ANN_JOINED_BY)
+
+
 def _template_pod(view: ClusterView, subgroup: str, product: str) -> Mapping[str, Any] | None:
     """A pod of the job to copy for `subgroup`: one of that subgroup, else one on a node of the
     same product, else any (pods being deleted are not copied)."""
@@ -589,21 +629,9 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
             unknown.append(node)
         else:
             gpus[sub] -= count
-    joins: list[tuple[str, str, str, int, int]] = []  # (subgroup, node, product, pods, GPUs per pod)
-    for node, count in _per_node(params.get("join")).items():
-        product = view.nodes.get(node, {}).get("labels", {}).get(GFD_PRODUCT_LABEL)
-        if not product:
-            unknown.append(node)
-            continue
-        sub = _joining_subgroup(product, count, new_subs)
-        if sub is None:  # another GPU product, or another pod shape: a subgroup of its own
-            sub, model = _new_subgroup(product, count, new_subs)
-            new_subs[sub] = {"product": product, "gpus_per_pod": count, "pods": 0,
-                             **({"gpu_model": model} if model else {})}
-            gpus[sub] = 0
-        gpus[sub] += count
-        per_pod = int(new_subs[sub]["gpus_per_pod"])
-        joins.append((sub, node, product, count // per_pod, per_pod))
+    joins = _place(_per_node(params.get("join")), view, new_subs, unknown)
+    for sub, _node, _product, pods, per_pod in joins:
+        gpus[sub] = gpus.get(sub, 0) + pods * per_pod
     for name, info in new_subs.items():
         per_pod = max(1, int(info.get("gpus_per_pod", 1)))
         new_subs[name] = {**info, "pods": max(0, gpus[name] // per_pod), "gpus": max(0, gpus[name])}
@@ -640,7 +668,7 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
     return out
 
 
-def _joining_pods(command: Command, view: ClusterView, joins: Sequence[tuple[str, str, str, int, int]],
+def _joining_pods(command: Command, view: ClusterView, joins: Sequence[Join],
                   out: Decision) -> tuple[list[str], str]:
     """Create-pod actions for the joining GPUs (into `out`): (their names, why none were made).
 
@@ -682,6 +710,8 @@ def _decide_migrate(command: Command, view: ClusterView, waiting: list[str]) -> 
     if phase not in ("snapshot", "transfer", "restore"):
         return Decision(error=f"migrate: params.phase must be snapshot, transfer or restore, got {phase!r}")
     dest = params.get("destination") or {}
+    if phase == "transfer" and dest.get("gpus"):
+        return _decide_transfer(command, view)
     record = {"command": command.id, "phase": phase, "checkpoint_uri": params.get("checkpoint_uri"),
               "destination": dest}
     ann = pg.get("annotations", {})
@@ -699,6 +729,56 @@ def _decide_migrate(command: Command, view: ClusterView, waiting: list[str]) -> 
                               namespace=pg.get("namespace"), patch="merge"))
     out.actions.append(_cm_patch(view, command, "migration.json", record,
                                  "the envelope records the migration"))
+    return out
+
+
+def _decide_transfer(command: Command, view: ClusterView) -> Decision:
+    """A migration's transfer (after its snapshot is done): the job's gang re-targeted to the
+    destination's GPUs (`destination.gpus`: [node, gpu] pairs), its pods made there, the old ones
+    evicted. The new pods restore from `checkpoint_uri` (in the envelope's `migration.json`)."""
+    pg = view.pod_group
+    assert pg is not None
+    params = command.params
+    dest = params.get("destination") or {}
+    ann = pg.get("annotations", {})
+    resumed = command_phase(ann, command.id) == "applied"  # the gang was re-targeted already
+    subs: dict[str, dict[str, Any]] = {}
+    unknown: list[str] = []
+    joins = _place(_per_node(dest.get("gpus")), view, subs, unknown)
+    for sub, _node, _product, pods, per_pod in joins:
+        subs[sub]["pods"] += pods
+        subs[sub]["gpus"] = subs[sub].get("gpus", 0) + pods * per_pod
+    if unknown:
+        return Decision(error=f"migrate transfer: destination nodes without a known GPU product: "
+                              f"{', '.join(unknown)}")
+    total = sum(v["pods"] for v in subs.values())
+    record = {"command": command.id, "phase": "transfer", "checkpoint_uri": params.get("checkpoint_uri"),
+              "destination": dest}
+    out = Decision(done=True)
+    if not resumed:
+        out.actions.append(Action("patch", "PodGroup", pg["name"], {
+            "metadata": {"annotations": {ANN_MIGRATION: json.dumps(record, sort_keys=True),
+                                         ANN_SUBGROUPS: json.dumps(subs, sort_keys=True),
+                                         ANN_COMMANDS: _with_id(ann, command.id, "applied")}},
+            "spec": {"minMember": max(1, total), "subGroups": [
+                {"name": k, "minMember": v["pods"]} for k, v in subs.items() if v["pods"]]}},
+            f"{command.job} moves to {', '.join(sorted({j[1] for j in joins}))}: gang {total} pod(s)",
+            namespace=pg.get("namespace"), patch="merge"))
+        out.actions.append(_cm_patch(view, command, "migration.json", record,
+                                     "the new pods read the checkpoint to restore from here"))
+    created, skipped = _joining_pods(command, view, joins, out)
+    old = [p for p in view.pods if not p.get("deleting") and p["name"] not in created
+           and _joined_by(p) != command.id]
+    if not skipped:  # the job's own pods leave only once its new ones exist
+        for p in old:
+            out.actions.append(_evict(p, f"{p['name']} of {command.job} leaves: the job moved"))
+    out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
+        ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
+        namespace=pg.get("namespace"), patch="merge"))
+    out.detail = (f"PodGroup {pg['name']}: minMember {max(1, total)} on the destination"
+                  + (f"; pods created: {', '.join(created)}" if created else "")
+                  + (f"; {skipped}" if skipped else "")
+                  + (f"; evicted: {', '.join(p['name'] for p in old)}" if old and not skipped else ""))
     return out
 
 
@@ -951,12 +1031,7 @@ class ClientApi:
         return count_drained(nodes())
 
     def view(self, command: Command | None, namespace: str, nodes: Iterable[str] = ()) -> ClusterView:
-        names = set(nodes)
-        if command is not None:
-            if command.node:
-                names.add(command.node)
-            for key in ("leave", "join"):
-                names |= {str(p[0]) for p in command.params.get(key, []) or [] if p}
+        names = set(nodes) | (_command_nodes(command) if command is not None else set())
         view = ClusterView()
         for name in sorted(names):
             node = self._node(name)
