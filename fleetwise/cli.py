@@ -607,8 +607,13 @@ def kube_render_cmd(
     with_topology_object: bool = typer.Option(
         False, "--with-topology-object", help="Also print the Topology."),
     team_queues: list[str] = typer.Option([], "--team-queue", help="TEAM=GPUS: a Queue per team (repeat)."),
+    command: str | None = typer.Option(
+        None, "--command", help="The trainer's command line, e.g. a torchrun with a c10d rendezvous "
+        "whose --nnodes range allows resizes (pods a resize or a migration adds are copies: same command)."),
 ) -> None:
     """KAI objects for a job (multi-document YAML for `kubectl apply -f -`)."""
+    import shlex
+
     from fleetwise.kube.render import (
         DEFAULT_IMAGE,
         RenderError,
@@ -619,6 +624,14 @@ def kube_render_cmd(
     )
     from fleetwise.planner.exports import ExportError
 
+    argv: list[str] | None = None
+    if command is not None:
+        try:
+            argv = shlex.split(command)
+        except ValueError as exc:
+            fail(f"--command: {exc}")
+        if not argv:
+            fail("--command is empty")
     plan, name, default_queue = _plan_or_intent(plan_file, intent_file, gpus, job)
     quotas: dict[str, float] = {}
     for item in team_queues:
@@ -638,7 +651,7 @@ def kube_render_cmd(
         objects += render_plan(
             plan, name, queue or default_queue, gpus_per_pod=gpus_per_pod, namespace=namespace,
             workload=workload, image=image or DEFAULT_IMAGE, priority_class=priority_class,
-            preemptible=preemptible, topology_name=topology, with_topology=not no_topology,
+            preemptible=preemptible, topology_name=topology, with_topology=not no_topology, command=argv,
         )
     except RenderError as exc:
         fail(str(exc))

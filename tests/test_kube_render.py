@@ -197,12 +197,24 @@ def test_kube_render_from_plan_and_intent(tmp_path: Path, mixed_plan):
     assert result.exit_code == 0, result.output
     pg = next(o for o in yaml.safe_load_all(result.stdout) if o["kind"] == "PodGroup")
     assert pg["spec"]["queue"] == "team-b" and pg["metadata"]["name"] == "from-intent"
+    # The trainer's command; every pod knows its node (commands name nodes, not pods).
+    launch = "torchrun --nnodes=1:4 --rdzv-backend c10d --rdzv-endpoint 'trainer:29400' train.py --lr 3e-4"
+    result = _cli("kube", "render", "--intent", str(intent), "--gpus", "h100-sxm:8", "--command", launch)
+    assert result.exit_code == 0, result.output
+    (pod,) = [o for o in yaml.safe_load_all(result.stdout) if o["kind"] == "Pod"]
+    (trainer,) = pod["spec"]["containers"]
+    assert trainer["command"] == ["torchrun", "--nnodes=1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                  "trainer:29400", "train.py", "--lr", "3e-4"]
+    node_name = {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert {"name": "FLEETWISE_NODE", "valueFrom": node_name} in trainer["env"]
     for args, message in (
         ((), "exactly one of --plan"),
         (("--intent", str(intent)), "--intent needs --gpus"),
         (("--plan", str(tmp_path / "missing.json")), "does not exist"),
         (("--plan", str(plan_file), "--team-queue", "oops"), "TEAM=GPUS"),
         (("--plan", str(plan_file), "--workload", "pytorchjob"), "use --workload jobset or pods"),
+        (("--plan", str(plan_file), "--command", "  "), "--command is empty"),
+        (("--plan", str(plan_file), "--command", "train.py 'unclosed"), "--command: No closing quotation"),
     ):
         result = _cli("kube", "render", *args)
         assert result.exit_code == 2, result.output

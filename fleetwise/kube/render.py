@@ -121,8 +121,11 @@ def _quantity(value: Any) -> str:
     return str(value)
 
 
-def _pod_spec(template: Mapping[str, Any], image: str, cm_name: str, job: str) -> dict[str, Any]:
-    """A full pod spec from an envelope pod template (strings for quantities)."""
+def _pod_spec(template: Mapping[str, Any], image: str, cm_name: str, job: str,
+              command: Sequence[str] | None = None) -> dict[str, Any]:
+    """A full pod spec from an envelope pod template (strings for quantities). `FLEETWISE_NODE`
+    is the node's name (the downward API): commands name nodes, and a pod's hostname is its own
+    name, not its node's."""
     spec = copy.deepcopy(dict(template["spec"]))
     product = spec.get("nodeSelector", {}).get(GFD_PRODUCT_LABEL)
     gpus = int(spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
@@ -138,9 +141,11 @@ def _pod_spec(template: Mapping[str, Any], image: str, cm_name: str, job: str) -
     spec["containers"] = [{
         "name": "trainer",
         "image": image,
+        **({"command": list(command)} if command else {}),
         "env": [
             {"name": "FLEETWISE_JOB", "value": job},
             {"name": "FLEETWISE_MICROBATCH_MAP", "value": MICROBATCH_MAP_PATH},
+            {"name": "FLEETWISE_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         ],
         "resources": {
             "limits": {"nvidia.com/gpu": _quantity(gpus)},
@@ -164,11 +169,13 @@ def render_envelope(
     preemptible: bool | None = None,
     topology: Mapping[str, Mapping[str, str]] | None = None,
     topology_name: str = "fleetwise",
+    command: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Objects for one job from its KAI envelope (`exports.kai_envelope`), in apply order.
 
     `topology`: GPU model -> constraint (`topology_needs`); with one GPU group it goes on the
     PodGroup, otherwise on each group's subGroup (a mixed job's types sit in different racks).
+    `command`: the trainer container's command (default: the image's entrypoint).
     """
     if workload not in WORKLOADS:
         raise RenderError(f"workload {workload!r}: expected one of {', '.join(WORKLOADS)}")
@@ -228,7 +235,7 @@ def render_envelope(
             "labels": {**tmpl["metadata"]["labels"], **labels, "fleetwise.io/subgroup": sub},
             "annotations": dict(tmpl["metadata"]["annotations"]),
         }
-        pod_spec = _pod_spec(tmpl, image, cm_name, job)
+        pod_spec = _pod_spec(tmpl, image, cm_name, job, command)
         if priority_class:
             pod_spec["priorityClassName"] = priority_class
         templates.append((sub, int(tmpl["replicas"]), meta, pod_spec))
@@ -299,6 +306,7 @@ def render_plan(
     preemptible: bool | None = None,
     topology_name: str = "fleetwise",
     with_topology: bool = True,
+    command: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """`render_envelope` of the plan's envelope, its micro-batch map and topology needs."""
     env = kai_envelope(plan, job, queue, gpus_per_pod=gpus_per_pod, namespace=namespace)
@@ -310,6 +318,7 @@ def render_plan(
         env, mb_map=mb, namespace=namespace, workload=workload, image=image,
         priority_class=priority_class, preemptible=preemptible,
         topology=topology_needs(plan) if with_topology else None, topology_name=topology_name,
+        command=command,
     )
 
 
