@@ -123,6 +123,13 @@ def test_decide_growth_pods_per_product_and_pod_shape():
     half = decide(_cmd(type="resize", job="j", params={"join": [["n1", g] for g in range(4)]}), _grow_view())
     subs = json.loads(half.actions[0].body["metadata"]["annotations"]["fleetwise.io/subgroups"])
     assert subs["h100-sxm-x4"]["gpus_per_pod"] == 4 and subs["h100-sxm"]["pods"] == 1
+    # A pod of the job still live on a joining node holds its GPUs: none made there; one that
+    # ended does not.
+    for phase, made in (("Running", 0), ("Succeeded", 1)):
+        view = _grow_view()
+        view.pods.append({**view.pods[0], "name": "j-h100-sxm-1", "node": "n1", "phase": phase})
+        d = decide(_cmd(type="resize", job="j", params={"join": [["n1", g] for g in range(8)]}), view)
+        assert len([a for a in d.actions if a.verb == "create"]) == made
     # Pods a controller owns are its to add; a job with no pod has nothing to copy.
     for view, why in ((_grow_view(owner="JobSet/j"), "belong to JobSet/j"),
                       (_grow_view(pods=False), "no pod")):
@@ -479,6 +486,7 @@ def test_resize_updates_the_gang_and_the_envelope(cluster):
         "world_size": 32, "join": [[gone, g] for g in range(8)]}), KEYS)
     assert [a.status for a in consumer.on_command(grow)] == ["done"]
     assert cluster.pod_group("rs")["spec"]["minMember"] == 4
+    assert len(cluster.pods("rs")) == 4  # its pod there had not ended: it holds the GPUs again
     # A replayed older command is out of sequence: for this consumer, and for a restarted one,
     # which reads the job's last applied seq from its PodGroup.
     assert cluster.pod_group("rs")["metadata"]["annotations"][ANN_LAST_SEQ] == "2"

@@ -134,7 +134,7 @@ class ClusterView:
     Nodes: {"labels": {}, "annotations": {}, "unschedulable": bool, "taints": [{key, value,
     effect}], "gpus": int (capacity `nvidia.com/gpu`; absent: unknown)}. Pods: {"name",
     "namespace", "node", "deleting": bool, "subgroup", "owner": "Kind/name" of its controller or
-    None, "manifest": {"metadata": {labels, annotations}, "spec"} (what a new pod copies)}.
+    None, "phase", "manifest": {"metadata": {labels, annotations}, "spec"} (what a new pod copies)}.
     pod_group: {"name", "namespace", "spec", "annotations"} or None. configmap: {"name",
     "namespace", "data"} or None.
     """
@@ -591,6 +591,11 @@ def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subg
             "spec": spec}
 
 
+def _live(pod: Mapping[str, Any]) -> bool:
+    """Not being deleted and not ended (pending, running or unknown)."""
+    return not pod.get("deleting") and pod.get("phase") not in ("Succeeded", "Failed")
+
+
 def _joined_by(pod: Mapping[str, Any]) -> str | None:
     """The command that created a pod (a growth's or a move's), or None."""
     return (pod.get("manifest") or {}).get("metadata", {}).get("annotations", {}).get(ANN_JOINED_BY)
@@ -669,12 +674,14 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
 
 
 def _joining_pods(command: Command, view: ClusterView, joins: Sequence[Join],
-                  out: Decision) -> tuple[list[str], str]:
+                  out: Decision, *, count_live: bool = True) -> tuple[list[str], str]:
     """Create-pod actions for the joining GPUs (into `out`): (their names, why none were made).
 
     Only a job of bare pods gets them here: pods a controller owns (a JobSet, a PyTorchJob) are
     that controller's to add. Names are derived from the command, node and index, so a resumed
-    consumer's second create is a 409 ("exists"), never a second pod."""
+    consumer's second create is a 409 ("exists"), never a second pod. With `count_live`, a pod
+    of the job still pending or running on the node in the subgroup (made before this command:
+    a node that left by a resize and comes back before its pod ended) counts as one of them."""
     if not any(pods for _, _, _, pods, _ in joins):
         return [], ""
     pg = view.pod_group or {}
@@ -686,7 +693,9 @@ def _joining_pods(command: Command, view: ClusterView, joins: Sequence[Join],
         template = _template_pod(view, sub, product)
         if template is None:
             return created, "no pod created: the job has no pod on the cluster to copy"
-        for i in range(pods):
+        live = sum(1 for p in view.pods if count_live and p.get("node") == node and p.get("subgroup") == sub
+                   and _live(p) and _joined_by(p) != command.id)
+        for i in range(pods - live):
             digest = hashlib.sha256(f"{command.id}|{node}|{i}".encode()).hexdigest()[:10]
             name = f"{pg.get('name', '')}-{sub}-{digest}"[:253]
             namespace = str(template.get("namespace") or pg.get("namespace"))
@@ -766,7 +775,7 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
             namespace=pg.get("namespace"), patch="merge"))
         out.actions.append(_cm_patch(view, command, "migration.json", record,
                                      "the new pods read the checkpoint to restore from here"))
-    created, skipped = _joining_pods(command, view, joins, out)
+    created, skipped = _joining_pods(command, view, joins, out, count_live=False)
     old = [p for p in view.pods if not p.get("deleting") and p["name"] not in created
            and _joined_by(p) != command.id]
     if not skipped:  # the job's own pods leave only once its new ones exist
@@ -1045,7 +1054,7 @@ class ClientApi:
         view.pods = [{"name": p.metadata.name, "namespace": p.metadata.namespace, "node": p.spec.node_name,
                       "deleting": p.metadata.deletion_timestamp is not None,
                       "subgroup": (p.metadata.labels or {}).get(KAI_SUBGROUP_LABEL),
-                      "owner": _owner(p), "manifest": {
+                      "phase": p.status.phase if p.status else None, "owner": _owner(p), "manifest": {
                           "metadata": {"labels": dict(p.metadata.labels or {}),
                                        "annotations": dict(p.metadata.annotations or {})},
                           "spec": self.api_client.sanitize_for_serialization(p.spec)}}
