@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import statistics
 import threading
@@ -458,6 +459,65 @@ def test_plugin_handlers_in_a_one_rank_group(solo_group, tmp_path: Path) -> None
     assert stop.value.code == 0 and (tmp_path / "moved" / "fleetwise.json").is_file()
     records = bus.poll(T.TELEMETRY_STEPS.name, "solo")
     assert [r.step for r in records] == list(range(len(records))) and all(r.model == "H100" for r in records)
+
+
+@pytest.mark.timeout(60)
+def test_a_migration_snapshot_in_the_job_s_store_is_where_the_moved_job_resumes(
+        solo_group, tmp_path: Path) -> None:
+    # The policy names a migration's checkpoint in the job's own store (it cannot know where each
+    # job keeps its checkpoints); the moved job's new pods find it as their newest checkpoint, and
+    # the migration's restore phase then loads nothing twice.
+    from fleetwise.training import elastic
+    from fleetwise.training.control import TrainingPlugin
+    from fleetwise.training.example import make_model
+    from fleetwise.training.sampler import ShareSampler
+
+    torch = solo_group
+    bus = LocalTransport(tmp_path / "bus")
+
+    def plugin(ckpt: Path) -> TrainingPlugin:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return TrainingPlugin(job="mv", model=model, optimizer=opt, sampler=ShareSampler(1000, [10], 0),
+                              transport=bus, checkpoint_dir=ckpt, keys=KEYS, node="n0", model_name="H100")
+
+    old = plugin(tmp_path / "ckpt")
+    for _ in range(3):
+        old.end_step(samples=10)
+    old.checkpoint()  # a periodic one at step 3
+    old.end_step(samples=10)
+    where = old.checkpoint("fleetwise://checkpoints/mv/migrate-1700000000")
+    assert where == (tmp_path / "ckpt" / "migrate-1700000000").resolve().as_uri()
+    assert elastic.latest_checkpoint(tmp_path / "ckpt").name == "migrate-1700000000"  # step 4 > 3
+    for uri, message in (("fleetwise://checkpoints/other/migrate-1", "job 'other''s store, not 'mv''s"),
+                         ("fleetwise://checkpoints/mv/../x", "expected fleetwise://checkpoints/<job>/<name>"),
+                         ("s3://bucket/x", "only file:// URIs and paths")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            elastic.resolve_checkpoint_uri(uri, job="mv", root=tmp_path / "ckpt")
+    now = time.time()
+    snapshot = "fleetwise://checkpoints/mv/migrate-1700000000"
+    restore = Command(id="mv-restore", type="migrate", seq=1, ts=now, job="mv", reason="t",
+                      expires_ts=now + 600, params={"phase": "restore", "checkpoint_uri": snapshot})
+    # The new pods' group starts from its newest checkpoint: the snapshot.
+    moved = plugin(tmp_path / "ckpt")
+    assert moved.restore() == 4 and moved.resumed_step == 4
+    bus.publish(T.COMMANDS_TRAINING.name, "mv", sign(restore, KEYS))
+    for _ in range(3):
+        moved.end_step(samples=10)
+    moved.acks.flush()
+    (ack,) = [a for a in bus.poll(T.ACKS.name, "mv") if a.command_id == "mv-restore" and a.status == "done"]
+    assert "already resumed from step 4" in ack.detail and moved.step == 7  # nothing rolled back
+    # A group that did not start from it (another store, where the name finds nothing) fails
+    # the command with the reason; given the snapshot's own URI, it loads it.
+    fresh = plugin(tmp_path / "elsewhere")
+    assert fresh.restore() == 0 and fresh.resumed_step is None
+    fresh._apply(restore.model_copy(update={"id": "mv-restore-2"}))
+    fresh.acks.flush()
+    (ack,) = [a for a in bus.poll(T.ACKS.name, "mv") if a.command_id == "mv-restore-2"]
+    assert ack.status == "failed" and "no complete checkpoint at" in ack.detail and fresh.step == 0
+    fresh._apply(restore.model_copy(update={"id": "mv-restore-3", "params": {
+        "phase": "restore", "checkpoint_uri": where}}))
+    assert fresh.step == 4 and fresh.resumed_step == 4
 
 
 @pytest.mark.timeout(60)

@@ -275,6 +275,7 @@ class TrainingPlugin:
         self.gpu = int(gpu if gpu is not None else os.environ.get("LOCAL_RANK", 0))
         self.model_name = model_name or gpu_model()
         self.step = 0
+        self.resumed_step: int | None = None  # the step of the checkpoint this group last loaded
         self.base_shares: list[int] = list(sampler.shares)
         self.gate = CommandGate(job, keys, node=self.node, gpu=self.gpu, rank=self.rank)
         if (stage is None) != (layers is None):
@@ -574,8 +575,19 @@ class TrainingPlugin:
         elif phase == "restore":
             if not uri:
                 raise ValueError("migrate restore needs params.checkpoint_uri")
-            self.restore(uri)
-            self._ack(command, "done", result={"checkpoint_uri": uri, "step": self.step})
+            path = elastic.resolve_checkpoint_uri(uri, job=self.job, root=self.checkpoint_dir)
+            if not (path / elastic.META_FILE).is_file():
+                raise ValueError(f"migrate restore: no complete checkpoint at {path}")
+            snapshot_step = int(elastic.read_meta(path)["step"])
+            if self.resumed_step is not None and self.resumed_step >= snapshot_step:
+                # The group started from this snapshot (the newest checkpoint in its store) or a
+                # later one: loading it again would throw the steps since away.
+                self._ack(command, "done", detail=f"already resumed from step {self.resumed_step} "
+                          f"(the snapshot is step {snapshot_step}): nothing loaded",
+                          result={"checkpoint_uri": path.resolve().as_uri(), "step": self.step})
+                return
+            self.restore(path)
+            self._ack(command, "done", result={"checkpoint_uri": path.resolve().as_uri(), "step": self.step})
         else:
             self._ack(command, "done", detail=f"phase {phase!r} is the orchestrator's: nothing to do here")
 
@@ -597,14 +609,17 @@ class TrainingPlugin:
             if self.checkpoint_dir is None:
                 raise ValueError("no checkpoint URI given and the plugin has no checkpoint_dir")
             uri = elastic.checkpoint_dir_for(self.checkpoint_dir, self.step)
+        uri = elastic.resolve_checkpoint_uri(uri, job=self.job, root=self.checkpoint_dir)
         # Rank 0's consumer state is the job's: every rank writes the same meta through rank 0.
         return elastic.save_checkpoint(uri, self.model, self.optimizer, self._meta(extra), group=self.group)
 
     def restore(self, uri: str | os.PathLike[str] | None = None) -> int:
         """Load `uri`, else the newest checkpoint in `checkpoint_dir` (none: start at step 0);
         returns the step to run next. Re-splits the shares when the world size changed."""
-        path = elastic.path_of(uri) if uri is not None else (
-            elastic.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None)
+        if uri is not None:
+            path: Any = elastic.resolve_checkpoint_uri(uri, job=self.job, root=self.checkpoint_dir)
+        else:
+            path = elastic.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
         if path is None:
             return self.step
         saved_meta = elastic.read_meta(path)
@@ -626,7 +641,7 @@ class TrainingPlugin:
             # Else another number of stages (a resize without boundaries for it): this group's own
             # split; every stage loads its layers by parameter name, whichever stage saved them.
         meta = elastic.load_checkpoint(path, self.model, self.optimizer, group=self.group)
-        self.step = int(meta["step"])
+        self.step = self.resumed_step = int(meta["step"])
         self.sampler.load_state_dict(meta["sampler"])
         self.base_shares = list(meta.get("base_shares") or self.sampler.shares)
         if self.rank == 0:

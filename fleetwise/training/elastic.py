@@ -61,6 +61,7 @@ __all__ = [
     "leave_agent",
     "load_checkpoint",
     "path_of",
+    "resolve_checkpoint_uri",
     "read_meta",
     "save_checkpoint",
     "serve_store",
@@ -81,6 +82,29 @@ def path_of(uri: str | os.PathLike[str]) -> Path:
     if "://" in text:
         raise ValueError(f"checkpoint URI {text!r}: only file:// URIs and paths are supported here")
     return Path(text)
+
+
+JOB_STORE = "fleetwise://checkpoints/"  # the policy's URIs: a job's own checkpoint store
+
+
+def resolve_checkpoint_uri(uri: str | os.PathLike[str], *, job: str,
+                           root: str | os.PathLike[str] | None) -> Path:
+    """A checkpoint URI as a path. `fleetwise://checkpoints/<job>/<entry>` (what the control
+    plane puts in a migration, which cannot know where each job keeps its checkpoints) is
+    `<entry>` under this job's checkpoint directory `root`; `file://` URIs and paths as
+    `path_of`."""
+    text = os.fspath(uri)
+    if not text.startswith(JOB_STORE):
+        return path_of(text)
+    owner, _, entry = text[len(JOB_STORE):].partition("/")
+    if owner != job:
+        raise ValueError(f"checkpoint URI {text!r} is job {owner!r}'s store, not {job!r}'s")
+    if not entry or "/" in entry or entry in (".", ".."):
+        raise ValueError(f"checkpoint URI {text!r}: expected {JOB_STORE}<job>/<name>")
+    if root is None:
+        raise ValueError(f"checkpoint URI {text!r} is in the job's checkpoint store, and the plugin "
+                         "has no checkpoint_dir")
+    return path_of(root) / entry
 
 
 def checkpoint_dir_for(root: str | os.PathLike[str], step: int) -> Path:
@@ -129,12 +153,19 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under `root` (highest step with its meta file), or None."""
+    """The newest complete checkpoint under `root` (the highest step in its meta file, periodic
+    `step-*` or named, such as a migration's snapshot; ties by name), or None."""
     base = path_of(root)
     if not base.is_dir():
         return None
-    done = sorted(p for p in base.glob("step-*") if (p / META_FILE).is_file())
-    return done[-1] if done else None
+    done = []
+    for p in base.iterdir():
+        if (p / META_FILE).is_file():
+            try:
+                done.append((int(read_meta(p)["step"]), p.name, p))
+            except (ValueError, KeyError, TypeError):
+                continue  # not a checkpoint's meta
+    return max(done)[2] if done else None
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any,
