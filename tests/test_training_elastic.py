@@ -194,6 +194,48 @@ def test_a_node_killed_with_sigkill_restarts_smaller_from_the_last_checkpoint(tm
     _assert_exact(job, steps)
 
 
+@pytest.mark.timeout(240)
+def test_a_migration_stops_the_job_and_the_moved_job_resumes_from_its_snapshot(tmp_path: Path) -> None:
+    # The policy's three commands: `snapshot` (the plugin checkpoints into the job's own store,
+    # named by the policy, and the job stops), `transfer` (the KAI consumer's: here the test
+    # starts the job's agents on two other nodes, a new rendezvous), `restore` (the new group
+    # already resumed from the snapshot, its newest checkpoint, so nothing is loaded twice).
+    steps = 30
+    job = Job(tmp_path, steps, "24,24", ["--step-delay", "0.08"])
+    uri = "fleetwise://checkpoints/job-e/migrate-1800000000"
+    moved = None
+    try:
+        for node in ("n0", "n1"):
+            job.start(node)
+        job.wait(lambda: job.max_step(2) >= 5, 120, "two ranks to train")
+        snap = job.send(id="mg-snapshot", type="migrate", params={"phase": "snapshot", "checkpoint_uri": uri})
+        taken = job.wait(lambda: job.ack(snap.id, "done"), 60, "the snapshot")
+        codes = job.finish(60)
+        assert codes == {"n0": 0, "n1": 0}, codes  # the job stopped there, cleanly
+        assert taken.result["checkpoint_uri"] == (tmp_path / "ckpt" / "migrate-1800000000").resolve().as_uri()
+        job.seq += 1  # the transfer (seq 2) goes to the KAI consumer
+        moved = Job(tmp_path, steps, "24,24", ["--step-delay", "0.08"])  # a new rendezvous
+        moved.seq = job.seq
+        for node in ("m0", "m1"):
+            moved.start(node)
+        moved.bus.publish(T.ACKS.name, "job-e", Ack(command_id="mg-transfer", ts=time.time(),
+                                                     by="kube-consumer", status="done"))
+        restore = moved.send(id="mg-restore", type="migrate", requires=["mg-transfer"],
+                             params={"phase": "restore", "checkpoint_uri": uri})
+        done = moved.wait(lambda: moved.ack(restore.id, "done"), 120, "the restore phase")
+        assert f"already resumed from step {taken.result['step']}" in done.detail
+        assert moved.finish(120) == {"m0": 0, "m1": 0}
+    finally:
+        job.close()
+        if moved is not None:
+            moved.close()
+    rows = job.rows()
+    assert {r["resumed"] for r in rows if r["node"] in ("m0", "m1")} == {taken.result["step"]}
+    assert min(r["step"] for r in rows if r["node"] in ("m0", "m1")) == taken.result["step"]
+    _assert_exact(job, steps)
+    assert not [a for a in moved.acks + job.acks if a.status in ("rejected", "failed")]
+
+
 @pytest.mark.timeout(300)
 def test_a_pipeline_loses_a_stage_is_re_split_and_grows_a_stage_back(tmp_path: Path) -> None:
     # Three stages of a 6-layer pipeline (2 layers each). The last stage's GPU is drained: the
