@@ -617,6 +617,55 @@ def test_a_migration_transfer_moves_the_job_s_pods_to_the_destination(cluster):
     assert set(cluster.pods("mv")) == set(pods)
 
 
+def test_consolidation_moves_a_job_s_ranks_before_its_node_hibernates(cluster):
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "h100-sxm"])
+    stay, leave, to = (cluster.node_name(i) for i in range(3))
+    cluster.deploy("cm", {n: m for n, m in nodes.items() if n != to})
+    cluster.set_running("cm")
+    before = cluster.pods("cm")
+    (kept,) = [n for n, p in before.items() if p.spec.node_name == stay]
+    (gone,) = [n for n, p in before.items() if p.spec.node_name == leave]
+    consumer = _consumer(cluster)
+    moves = [{"rank": 8 + g, "from": {"node": leave, "gpu": g}, "to": {"node": to, "gpu": g}}
+             for g in range(8)]
+    move = sign(_cmd(type="consolidate", job="cm", node=leave, requires=["cm-ckpt"],
+                     params={"action": "move", "moves": moves, "checkpoint_first": True}), KEYS)
+    hibernate = sign(_cmd(type="consolidate", node=leave, requires=[move.id],
+                          params={"action": "hibernate", "gpus": list(range(8))}), KEYS)
+    assert [a.status for a in consumer.on_command(move)] == ["received"]  # the checkpoint first
+    assert [a.status for a in consumer.on_command(hibernate)] == ["received"]
+    assert set(cluster.pods("cm")) == set(before)
+    (moved,) = consumer.on_ack(Ack(command_id="cm-ckpt", ts=NOW, by="training-plugin", status="done"))
+    assert (moved.command_id, moved.status) == (move.id, "done"), moved.detail
+    (slept,) = consumer.tick()  # what waits on the consumer's own commands goes on at its next tick
+    assert (slept.command_id, slept.status) == (hibernate.id, "done")
+    pods = cluster.pods("cm")
+    (new,) = [p for n, p in pods.items() if n not in before]
+    required = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    assert {e.key: e.values for e in required.node_selector_terms[0].match_expressions}[
+        "kubernetes.io/hostname"] == [to]
+    assert pods[kept].metadata.deletion_timestamp is None  # the node the job keeps: untouched
+    assert gone not in pods or pods[gone].metadata.deletion_timestamp is not None
+    pg = cluster.pod_group("cm")
+    assert pg["spec"]["minMember"] == 2 and pg["spec"]["subGroups"] == [{"name": "h100-sxm", "minMember": 2}]
+    assert cluster.node(leave).metadata.labels[HIBERNATE_LABEL] == "true"
+    # A consumer that stopped after the gang changed finishes the same moves from the PodGroup's
+    # record (the cluster's pods alone no longer tell what was moved).
+    cluster.core.delete_namespaced_pod(new.metadata.name, cluster.ns, grace_period_seconds=0)
+    ids = json.loads(pg["metadata"]["annotations"][ANN_COMMANDS])
+    cluster.custom.patch_namespaced_custom_object(
+        "scheduling.run.ai", "v2alpha2", cluster.ns, "podgroups", "cm",
+        {"metadata": {"annotations": {ANN_COMMANDS: json.dumps({**ids, move.id: "applied"})}}})
+    deadline = time.monotonic() + 10
+    while new.metadata.name in cluster.pods("cm") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    restarted = _consumer(cluster)
+    restarted.on_ack(Ack(command_id="cm-ckpt", ts=NOW, by="training-plugin", status="done"))
+    (ack,) = restarted.on_command(move)
+    assert ack.status == "done", ack.detail
+    assert set(cluster.pods("cm")) == set(pods) and cluster.pod_group("cm")["spec"]["minMember"] == 2
+
+
 def test_consolidate_hibernates_after_the_moves_and_wakes_when_work_returns(cluster):
     (node,) = cluster.add_nodes(["h100-sxm"])
     consumer = _consumer(cluster)

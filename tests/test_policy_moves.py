@@ -50,12 +50,21 @@ def test_sustained_low_utilisation_consolidates_and_hibernates_on_the_ack():
     policy.process(inventory(4))
     out = feed_util(policy, 30, lambda k: 10.0 if job_layout(k)[0] else 0.0, job_layout)
     cmds = [r for r in out if isinstance(r, Command)]
-    assert cmds and all(c.type == "consolidate" and c.signature for c in cmds)
-    hibernate = [c for c in cmds if c.params["action"] == "hibernate"]
-    moves = [c for c in cmds if c.params["action"] == "move"]
+    assert cmds and all(c.signature for c in cmds)
+    hibernate = [c for c in cmds if c.type == "consolidate" and c.params["action"] == "hibernate"]
+    checkpoints = [c for c in cmds if c.type == "checkpoint"]
     assert hibernate and hibernate[0].params["savings"]["watts"] > 0
-    # b and c fit beside each other: at least one job moves, emptying its node.
-    assert moves
+    # b and c fit beside each other: at least one job moves, emptying its node. Its pods there
+    # are evicted, so it checkpoints first; the move goes out on that checkpoint's done ack.
+    assert checkpoints and all(c.params["before"] == "move" for c in checkpoints)
+    assert all(c.type != "consolidate" or c.params["action"] != "move" for c in cmds)
+    moves = []
+    for cp in checkpoints:
+        done = Ack(command_id=cp.id, ts=cp.ts + 10, job=cp.job, by="training-plugin", status="done")
+        (move,) = [r for r in policy.process([done]) if isinstance(r, Command)]
+        assert (move.type, move.params["action"], move.job, move.requires) == ("consolidate", "move", cp.job,
+                                                                              [cp.id])
+        moves.append(move)
     for h in hibernate:  # a hibernation waits for the moves that empty its node
         assert set(h.requires) <= {m.id for m in moves}
     # Nothing is asleep until the consumer says so; then the node's GPUs leave every plan.
@@ -63,6 +72,9 @@ def test_sustained_low_utilisation_consolidates_and_hibernates_on_the_ack():
     assert policy.fleet.status((node, 0)) == "in_service"
     for m in moves:
         policy.process([Ack(command_id=m.id, ts=T0 + 9000, job=m.job, by="kube-consumer", status="done")])
+        # The job runs where its ranks moved.
+        assert all(policy.jobs[m.job].ranks[mv["rank"]] == (mv["to"]["node"], mv["to"]["gpu"])
+                   for mv in m.params["moves"])
     policy.process([Ack(command_id=hibernate[0].id, ts=T0 + 9001, node=node, by="kube-consumer",
                         status="done")])
     assert policy.fleet.status((node, 0)) == "hibernating"
@@ -112,3 +124,15 @@ def test_a_much_cheaper_placement_migrates_in_three_acked_phases():
     restore = [c for c in policy.process([Ack(command_id=transfer[0].id, ts=T0 + 2100, job="llm",
                                               by="kube-consumer", status="done")]) if isinstance(c, Command)]
     assert [c.params["phase"] for c in restore] == ["restore"] and restore[0].requires == [transfer[0].id]
+
+
+def test_a_done_move_carries_the_job_s_plan_to_the_new_gpus():
+    from fleetwise.actuators.policy import JobState
+
+    plan = {"pp": 1, "dp": 2, "ranks": [{"rank": 0, "node": "n0", "gpu": 0, "model": "h100-sxm"},
+                                        {"rank": 1, "node": "n2", "gpu": 1, "model": "h100-sxm"}]}
+    job = JobState(ranks={0: ("n0", 0), 1: ("n2", 1)}, plan=plan)
+    ActionPolicy._moved(job, [{"rank": 1, "from": {"node": "n2", "gpu": 1}, "to": {"node": "n1", "gpu": 5}}])
+    assert job.ranks == {0: ("n0", 0), 1: ("n1", 5)}
+    assert [(r["node"], r["gpu"]) for r in job.plan["ranks"]] == [("n0", 0), ("n1", 5)]
+    assert plan["ranks"][1]["node"] == "n2"  # a new plan object: the old one is not edited in place

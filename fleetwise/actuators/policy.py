@@ -14,7 +14,7 @@ job's resize over its remaining GPUs is sent once the drain is `done`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -488,6 +488,9 @@ class ActionPolicy:
             job = self._job(c["job"])
             job.plan, job.shares, job.layers = new_plan, {}, {}  # the job runs the new plan now
             job.ranks = {int(r["rank"]): (str(r["node"]), int(r["gpu"])) for r in new_plan["ranks"]}
+        if pending.type == "consolidate" and ack.status == "done" and c.get("job") \
+                and c.get("params", {}).get("action") == "move":
+            self._moved(self._job(c["job"]), c["params"].get("moves") or [])
         if ack.status == "done" and pending.follow_up.get("then"):
             nxt = Command.model_validate({**pending.follow_up["then"], "ts": ack.ts,
                                           "requires": [pending.id]})
@@ -501,6 +504,16 @@ class ActionPolicy:
             for gpu in wake["gpus"]:
                 self.fleet.set_status((wake["node"], int(gpu)), "in_service", ack.ts, c["reason"], pending.id)
         return out
+
+    @staticmethod
+    def _moved(job: JobState, moves: Sequence[Mapping[str, Any]]) -> None:
+        """A consolidation's moves are done: the job's ranks (and its plan's) run on their new GPUs."""
+        to = {int(m["rank"]): (str(m["to"]["node"]), int(m["to"]["gpu"])) for m in moves}
+        job.ranks.update(to)
+        if job.plan:
+            job.plan = {**job.plan, "ranks": [
+                {**r, "node": to[r["rank"]][0], "gpu": to[r["rank"]][1]} if r["rank"] in to else r
+                for r in job.plan["ranks"]]}
 
     def _after_drain(self, drain: PendingCommand, ts: float) -> list[Record]:
         """The job goes on over its remaining GPUs: a resize, re-planned when its plan is known."""
@@ -706,7 +719,18 @@ class ActionPolicy:
                                                 "gco2": round(saved.gco2_saved, 1),
                                                 "gpu_hours": round(saved.gpu_hours_saved, 2),
                                                 "horizon_h": saved.horizon_h}}
-            out += self._send(cmd.model_copy(update={"params": params}), cons.mode, follow)
+            ready = cmd.model_copy(update={"params": params})
+            if action == "move" and cmd.job:
+                # The job's pods on the nodes its ranks leave are evicted: it checkpoints first
+                # (the plugin), and the move (the kube consumer) waits for that checkpoint.
+                checkpoint = Command(
+                    id=command_id("checkpoint", cmd.job, "move", cmd.id), type="checkpoint", ts=cmd.ts,
+                    job=cmd.job, node=cmd.node, reason=f"checkpoint before moving ranks: {cmd.reason}",
+                    evidence=list(cmd.evidence), params={"before": "move"})
+                then = {"then": ready.model_dump(mode="json", exclude_none=True)}
+                out += self._send(checkpoint, cons.mode, then)
+                continue
+            out += self._send(ready, cons.mode, follow)
         return out
 
     def _consider_migrations(self, now: float) -> list[Record]:

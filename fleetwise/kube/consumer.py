@@ -119,11 +119,13 @@ KUBE_TYPES = frozenset({"drain", "resize", "migrate", "consolidate"})
 
 def _command_nodes(command: Command) -> set[str]:
     """The nodes a command's decision reads: its node, a resize's leaving and joining nodes, a
-    migration's destination."""
+    migration's destination, a consolidation's moves' ends."""
     names = {command.node} if command.node else set()
     dest = command.params.get("destination") or {}
     for pairs in (command.params.get("leave"), command.params.get("join"), dest.get("gpus")):
         names |= {str(p[0]) for p in pairs or [] if p}
+    for move in command.params.get("moves") or []:  # a consolidation's
+        names |= {str(move[end]["node"]) for end in ("from", "to") if isinstance(move.get(end), Mapping)}
     return names
 
 
@@ -596,6 +598,12 @@ def _live(pod: Mapping[str, Any]) -> bool:
     return not pod.get("deleting") and pod.get("phase") not in ("Succeeded", "Failed")
 
 
+def _pods_detail(created: Sequence[str], skipped: str, evicted: Sequence[Mapping[str, Any]]) -> str:
+    """The pods part of an ack's detail."""
+    return ((f"; pods created: {', '.join(created)}" if created else "") + (f"; {skipped}" if skipped else "")
+            + (f"; evicted: {', '.join(p['name'] for p in evicted)}" if evicted else ""))
+
+
 def _joined_by(pod: Mapping[str, Any]) -> str | None:
     """The command that created a pod (a growth's or a move's), or None."""
     return (pod.get("manifest") or {}).get("metadata", {}).get("annotations", {}).get(ANN_JOINED_BY)
@@ -666,9 +674,7 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
     out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
         ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
         namespace=pg.get("namespace"), patch="merge"))
-    out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)}" + (
-        f"; pods created: {', '.join(created)}" if created else "") + (
-        f"; {skipped}" if skipped else "") + (
+    out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)}" + _pods_detail(created, skipped, []) + (
         f"; nodes without a known GPU product: {', '.join(sorted(set(unknown)))}" if unknown else "")
     return out
 
@@ -785,9 +791,86 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
         ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
         namespace=pg.get("namespace"), patch="merge"))
     out.detail = (f"PodGroup {pg['name']}: minMember {max(1, total)} on the destination"
-                  + (f"; pods created: {', '.join(created)}" if created else "")
-                  + (f"; {skipped}" if skipped else "")
-                  + (f"; evicted: {', '.join(p['name'] for p in old)}" if old and not skipped else ""))
+                  + _pods_detail(created, skipped, [] if skipped else old))
+    return out
+
+
+def _job_gpus_per_node(view: ClusterView, subs: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """The job's GPUs per node: its live pods there, each holding its subgroup's GPUs per pod."""
+    out: dict[str, int] = {}
+    for p in view.pods:
+        if p.get("node") and _live(p) and p.get("subgroup") in subs:
+            out[p["node"]] = out.get(p["node"], 0) + int(subs[p["subgroup"]].get("gpus_per_pod", 1))
+    return out
+
+
+def _decide_move(command: Command, view: ClusterView) -> Decision:
+    """A consolidation's moves of a job's ranks (after the checkpoint it `requires`): on every
+    node where the job's GPU count changes, its pods there are evicted and pods for the new
+    count made (a node it leaves gets none); the gang follows. What changes is worked out once
+    and kept on the PodGroup, so a restarted consumer finishes the same moves."""
+    pg = view.pod_group
+    assert pg is not None
+    ann = pg.get("annotations", {})
+    moves = command.params.get("moves") or []
+    try:
+        record = json.loads(ann.get(ANN_MOVES, "{}"))
+    except json.JSONDecodeError:
+        record = {}
+    resumed = command_phase(ann, command.id) == "applied" and isinstance(record, dict) \
+        and record.get("command") == command.id
+    if resumed:
+        after = {str(k): int(v) for k, v in record["after"].items()}
+        changed = set(record["changed"])
+    else:
+        subs_now = _subgroups(pg)
+        before = _job_gpus_per_node(view, subs_now)
+        after = dict(before)
+        for m in moves:
+            src, dst = str(m["from"]["node"]), str(m["to"]["node"])
+            after[src] = after.get(src, 0) - 1
+            after[dst] = after.get(dst, 0) + 1
+        if any(v < 0 for v in after.values()):
+            short = sorted(n for n, v in after.items() if v < 0)
+            return Decision(error=f"consolidate move: more ranks leave {', '.join(short)} than the "
+                                  "job's pods there hold")
+        changed = {n for n in after if after[n] != before.get(n, 0)}
+        after = {n: v for n, v in sorted(after.items()) if v > 0}
+        record = {"command": command.id, "moves": moves, "after": after, "changed": sorted(changed)}
+    subs = {k: {**v, "pods": 0, "gpus": 0} for k, v in _subgroups(pg).items()}
+    for p in view.pods:  # the nodes the moves do not touch keep their pods
+        if p.get("node") not in changed and p.get("subgroup") in subs and _live(p):
+            subs[p["subgroup"]]["pods"] += 1
+            subs[p["subgroup"]]["gpus"] += int(subs[p["subgroup"]].get("gpus_per_pod", 1))
+    unknown: list[str] = []
+    joins = _place({n: c for n, c in after.items() if n in changed}, view, subs, unknown)
+    if unknown:
+        return Decision(error=f"consolidate move: nodes without a known GPU product: {', '.join(unknown)}")
+    for sub, _node, _product, pods, per_pod in joins:
+        subs[sub]["pods"] += pods
+        subs[sub]["gpus"] += pods * per_pod
+    total = sum(v["pods"] for v in subs.values())
+    out = Decision(done=True)
+    if not resumed:
+        out.actions.append(Action("patch", "PodGroup", pg["name"], {
+            "metadata": {"annotations": {ANN_MOVES: json.dumps(record, sort_keys=True),
+                                         ANN_SUBGROUPS: json.dumps(subs, sort_keys=True),
+                                         ANN_COMMANDS: _with_id(ann, command.id, "applied")}},
+            "spec": {"minMember": max(1, total), "subGroups": [
+                {"name": k, "minMember": v["pods"]} for k, v in subs.items() if v["pods"]]}},
+            f"consolidation moves of {command.job}: gang {total} pod(s)", namespace=pg.get("namespace"),
+            patch="merge"))
+    created, skipped = _joining_pods(command, view, joins, out, count_live=False)
+    leaving = [p for p in view.pods if p.get("node") in changed and not p.get("deleting")
+               and _joined_by(p) != command.id]
+    if not skipped:  # the old pods go once the new ones exist
+        for p in leaving:
+            out.actions.append(_evict(p, f"{p['name']} of {command.job}: its ranks move (checkpoint done)"))
+    out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
+        ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
+        namespace=pg.get("namespace"), patch="merge"))
+    out.detail = (f"{command.job}: {len(moves)} rank(s) moved; PodGroup {pg['name']}: minMember "
+                  f"{max(1, total)}" + _pods_detail(created, skipped, [] if skipped else leaving))
     return out
 
 
@@ -795,16 +878,7 @@ def _decide_consolidate(command: Command, view: ClusterView, waiting: list[str])
     action = command.params.get("action")
     if action == "move":
         early = _needs_pg(command, view, waiting)
-        if early is not None:
-            return early
-        pg = view.pod_group
-        assert pg is not None
-        body = {"metadata": {"annotations": {
-            ANN_MOVES: json.dumps(command.params.get("moves", []), sort_keys=True),
-            ANN_COMMANDS: _with_id(pg.get("annotations", {}), command.id, "done")}}}
-        return Decision(done=True, detail=f"{command.job}: moves recorded on PodGroup {pg['name']}", actions=[
-            Action("patch", "PodGroup", pg["name"], body, f"consolidation moves of {command.job}",
-                   namespace=pg.get("namespace"), patch="merge")])
+        return early if early is not None else _decide_move(command, view)
     if action not in ("hibernate", "wake"):
         return Decision(error=f"consolidate: params.action must be hibernate, wake or move, got {action!r}")
     node, error = _node_or_error(command, view)
