@@ -574,8 +574,10 @@ def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subg
         spec["nodeSelector"][GFD_PRODUCT_LABEL] = product
     pin = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
     required = (spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
-                .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": [{}]}))
-    for term in required.setdefault("nodeSelectorTerms", [{}]) or [{}]:
+                .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
+    # Terms are ORed: the node pin (and the GPU terms) go into every one of them.
+    terms = required["nodeSelectorTerms"] = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
         exprs = [e for e in term.get("matchExpressions", []) if e.get("key") != HOSTNAME_LABEL]
         for e in exprs:
             if e.get("key") == GFD_PRODUCT_LABEL:
@@ -584,8 +586,6 @@ def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subg
         if gpus > 1:
             exprs.append({"key": GPU_COUNT_LABEL, "operator": "Gt", "values": [str(gpus - 1)]})
         term["matchExpressions"] = [*exprs, pin]
-    if not required["nodeSelectorTerms"]:
-        required["nodeSelectorTerms"] = [{"matchExpressions": [pin]}]
     labels = {**(meta.get("labels") or {}), KAI_SUBGROUP_LABEL: subgroup, "fleetwise.io/subgroup": subgroup}
     annotations = {**(meta.get("annotations") or {}), ANN_JOINED_BY: command_id}
     return {"apiVersion": "v1", "kind": "Pod",
