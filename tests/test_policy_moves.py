@@ -124,6 +124,15 @@ def test_a_much_cheaper_placement_migrates_in_three_acked_phases():
     restore = [c for c in policy.process([Ack(command_id=transfer[0].id, ts=T0 + 2100, job="llm",
                                               by="kube-consumer", status="done")]) if isinstance(c, Command)]
     assert [c.params["phase"] for c in restore] == ["restore"] and restore[0].requires == [transfer[0].id]
+    # Until the job runs there, the destination is not free for another job to grow onto.
+    assert not {("m0", g) for g in range(8)} & set(policy._free_gpus())
+    assert policy.jobs["llm"].ranks[0][0] == "n0"
+    policy.process([Ack(command_id=restore[0].id, ts=T0 + 2200, job="llm", by="training-plugin",
+                        status="done")])
+    job = policy.jobs["llm"]
+    assert set(job.ranks.values()) == {("m0", g) for g in range(8)}  # it runs on the destination
+    assert {r["model"] for r in job.plan["ranks"]} == {"b200"} and job.plan["job"] == "llm"
+    assert set(policy._free_gpus()) == {("n0", g) for g in range(8)}  # and its old GPUs are free
 
 
 def test_a_done_move_carries_the_job_s_plan_to_the_new_gpus():

@@ -139,6 +139,7 @@ class Migration:
     current_total: float
     best_total: float
     transfer_s: float
+    plan: Plan | None = None  # the job planned on the destination (None: placement only estimated it)
 
 
 def migration_for(plan: Plan, inventory: Sequence[NodeInventory], out_of_service: Iterable[GpuKey],
@@ -179,7 +180,9 @@ def migration_for(plan: Plan, inventory: Sequence[NodeInventory], out_of_service
     if best.total > stay.total * (1.0 - min_saving):
         return None
     return Migration(job=plan.job, destination=list(best.gpus), site=best.site, gpu_type=best.gpu_type,
-                     current_total=stay.total, best_total=best.total, transfer_s=best.transfer_s)
+                     current_total=stay.total, best_total=best.total, transfer_s=best.transfer_s,
+                     plan=best.plan.model_copy(update={"constraints": plan.constraints})
+                     if best.plan is not None else None)
 
 
 def hibernating_nodes(gpus: Mapping[GpuKey, str]) -> set[str]:

@@ -485,9 +485,15 @@ class ActionPolicy:
                 out += self._after_drain(pending, ack.ts)
         new_plan = pending.follow_up.get("plan")
         if pending.type == "resize" and ack.status == "done" and new_plan and c.get("job"):
+            self._runs(self._job(c["job"]), new_plan)
+        migrated = pending.follow_up.get("migrated")
+        if migrated and ack.status == "done" and c.get("job"):
             job = self._job(c["job"])
-            job.plan, job.shares, job.layers = new_plan, {}, {}  # the job runs the new plan now
-            job.ranks = {int(r["rank"]): (str(r["node"]), int(r["gpu"])) for r in new_plan["ranks"]}
+            if migrated.get("plan"):
+                self._runs(job, migrated["plan"])
+            else:  # placement only estimated the destination: the ranks there, in order
+                job.plan, job.shares, job.layers = None, {}, {}
+                job.ranks = {r: (str(n), int(g)) for r, (n, g) in enumerate(migrated["ranks_to"])}
         if pending.type == "consolidate" and ack.status == "done" and c.get("job") \
                 and c.get("params", {}).get("action") == "move":
             self._moved(self._job(c["job"]), c["params"].get("moves") or [])
@@ -504,6 +510,13 @@ class ActionPolicy:
             for gpu in wake["gpus"]:
                 self.fleet.set_status((wake["node"], int(gpu)), "in_service", ack.ts, c["reason"], pending.id)
         return out
+
+    @staticmethod
+    def _runs(job: JobState, plan: dict[str, Any]) -> None:
+        """The job runs `plan` now (a resize's or a migration's done): its ranks are the plan's,
+        and shares or stage boundaries sent for the old plan no longer hold."""
+        job.plan, job.shares, job.layers = plan, {}, {}
+        job.ranks = {int(r["rank"]): (str(r["node"]), int(r["gpu"])) for r in plan["ranks"]}
 
     @staticmethod
     def _moved(job: JobState, moves: Sequence[Mapping[str, Any]]) -> None:
@@ -765,8 +778,12 @@ class ActionPolicy:
                 Command(id=command_id("migrate", name, "restore", now), type="migrate",
                         params={"phase": "restore", "checkpoint_uri": uri, "destination": dest}, **base),
             ]
+            # Once the job runs there (the restore's done), its plan is the destination's.
+            moved = {"plan": _plan_on(move.plan, name) if move.plan is not None else None,
+                     "ranks_to": gpus}
             follow = {"then": phases[1].model_dump(mode="json", exclude_none=True),
-                      "after": {"then": phases[2].model_dump(mode="json", exclude_none=True)}}
+                      "after": {"then": phases[2].model_dump(mode="json", exclude_none=True),
+                                "after": {"migrated": moved}}}
             out += self._send(phases[0], pol.mode, follow)
         return out
 
@@ -844,7 +861,7 @@ class ActionPolicy:
         predictions named) and no open command is bringing into a job, in node and index order."""
         busy = {k for _, job in self._live_jobs() for k in job.ranks.values()}
         for p in self.fleet.open_commands():
-            busy.update((str(n), int(g)) for n, g in p.command.get("params", {}).get("join", []) or [])
+            busy.update(_claimed(p.command, p.follow_up))
             if p.target is not None:
                 busy.add(p.target)
         busy |= self.peers.out()
@@ -1036,6 +1053,29 @@ class ActionPolicy:
                 )
                 out += self._send(cmd, self.config.resize.mode)
         return out
+
+
+def _plan_on(plan: Plan, job: str) -> dict[str, Any]:
+    """A destination's plan as the job's (JSON, named for the job)."""
+    return plan.model_copy(update={"job": job}).model_dump(mode="json", exclude_none=True)
+
+
+def _claimed(command: Mapping[str, Any], follow_up: Mapping[str, Any] | None) -> set[GpuKey]:
+    """GPUs a command, or the commands that follow it, bring into a job: a growth's `join`, a
+    migration's destination, a consolidation move's targets."""
+    out: set[GpuKey] = set()
+    chain: list[Mapping[str, Any]] = [command]
+    nxt = follow_up or {}
+    while nxt:
+        if nxt.get("then"):
+            chain.append(nxt["then"])
+        nxt = nxt.get("after") or {}
+    for c in chain:
+        params = c.get("params", {}) or {}
+        out.update((str(n), int(g)) for n, g in params.get("join", []) or [])
+        out.update((str(n), int(g)) for n, g in (params.get("destination") or {}).get("gpus", []) or [])
+        out.update((str(m["to"]["node"]), int(m["to"]["gpu"])) for m in params.get("moves", []) or [])
+    return out
 
 
 def _replanned(before_step_s: float, plan: Plan, diffs: Sequence[Any]) -> dict[str, Any]:
