@@ -235,6 +235,85 @@ async def test_a_job_started_with_its_intent_grows_on_the_worker_when_a_node_joi
 
 
 @pytest.mark.kafka
+async def test_a_growth_decided_by_the_worker_makes_the_job_s_pod_on_the_cluster(
+    kafka_bootstrap: str, namespace, cluster, tmp_path,  # noqa: F811 - fixtures imported above
+):
+    """The acting path whole: a job of bare pods on the API server, started for the control
+    plane with its intent; a node's inventory on the broker; the worker's signed resize on
+    fleetwise.commands.kube; the KAI consumer makes the job's pod on that node (a copy of its
+    pod, held to the node) and grows the gang, and acks done on fleetwise.acks."""
+    import asyncio
+    import threading
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+    from fleetwise.kube.consumer import ANN_JOINED_BY, ClientApi, KubeConsumer
+    from fleetwise.schemas import GpuInventory, NodeInventory
+    from fleetwise.training.transport import KafkaTransport
+
+    prefix, new_worker = namespace
+    worker = new_worker().start()
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm"])
+    home, joining = cluster.node_name(0), cluster.node_name(1)
+    cluster.deploy("grows-k8s", {home: nodes[home]})
+
+    def inventory(node: str, ts: float) -> NodeInventory:
+        return NodeInventory(ts=ts, node=node, gpus=[GpuInventory(index=g, model="NVIDIA H100 80GB HBM3")
+                                                     for g in range(8)])
+
+    here = tmp_path / "home.jsonl"
+    here.write_text(inventory(home, START_TS).to_json() + "\n")
+    intent = tmp_path / "job.yaml"
+    intent.write_text("job: grows-k8s\nmodel: llama-7b\nglobal_batch: 64\nconstraints: {max_gpus: 16}\n")
+    await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix), [inventory(home, START_TS)],
+                          key=record_key)
+    started = await asyncio.to_thread(CliRunner().invoke, app, [
+        "job", "start", "--intent", str(intent), "--gpus", str(here), "--bootstrap", kafka_bootstrap,
+        "--topic-prefix", prefix])
+    assert started.exit_code == 0, started.output
+    consumer = KubeConsumer(ClientApi(cluster.kube.api_client()), Keyring(), namespace=cluster.ns,
+                            clock=lambda: START_TS + 600)  # the command's event time, as wall time live
+    transport = KafkaTransport(kafka_bootstrap, prefix=prefix, from_beginning=True)
+    stop = threading.Event()
+    carrying = threading.Thread(target=consumer.run, args=(transport, stop, 0.1), daemon=True)
+    carrying.start()
+    try:
+        deadline = time.monotonic() + 60
+        all_partitions = float(T.TELEMETRY_GPU.partitions)
+        while not (_metric_is(worker, "fleetwise_policy_jobs", 1.0) and _metric_is(
+                worker, "fleetwise_assigned_partitions", all_partitions, topic=T.TELEMETRY_GPU.name)):
+            assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
+            await asyncio.sleep(0.5)
+        await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix),
+                              [inventory(joining, START_TS + 600)], key=record_key)
+
+        def done(messages: list) -> bool:
+            return worker.check_alive() and any(
+                m.topic == topic_name(T.ACKS, prefix) and json.loads(m.value)["by"] == "kube-consumer"
+                and json.loads(m.value)["status"] in ("done", "failed", "rejected") for m in messages)
+
+        try:
+            got = await consume_until(kafka_bootstrap, [topic_name(T.ACKS, prefix)], timeout_s=90, until=done)
+        except TimeoutError as exc:
+            pytest.fail(f"no kube-consumer ack: {exc}\n{worker.log_tail()}\n{consumer.log[-5:]}")
+    finally:
+        stop.set()
+        await asyncio.to_thread(carrying.join, 10)
+        transport.close()
+    (ack,) = [json.loads(m.value) for m in got if json.loads(m.value)["by"] == "kube-consumer"
+              and json.loads(m.value)["status"] != "received"]
+    assert ack["status"] == "done", ack
+    pods = cluster.pods("grows-k8s")
+    (new,) = [p for p in pods.values()
+              if (p.metadata.annotations or {}).get(ANN_JOINED_BY) == ack["command_id"]]
+    required = new.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    assert {e.key: e.values for e in required.node_selector_terms[0].match_expressions}[
+        "kubernetes.io/hostname"] == [joining]
+    assert cluster.pod_group("grows-k8s")["spec"]["minMember"] == 2
+
+
+@pytest.mark.kafka
 async def test_an_approval_acts_only_when_signed_under_the_operators_key(
     kafka_bootstrap: str, namespace, tmp_path,  # noqa: F811
 ):
