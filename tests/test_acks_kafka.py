@@ -183,6 +183,20 @@ def _metric_is(worker, name: str, value: float, **labels: str) -> bool:
         return False
 
 
+async def holds_the_job(worker) -> None:
+    """Until the worker holds the job's plan and every telemetry partition: inventories and plans
+    come on separate topics, and a job's growth is decided by the holder of its state's partition,
+    so a node that joins before then is not a capacity event for it."""
+    import asyncio
+
+    deadline = time.monotonic() + 60
+    all_partitions = float(T.TELEMETRY_GPU.partitions)
+    while not (_metric_is(worker, "fleetwise_policy_jobs", 1.0) and _metric_is(
+            worker, "fleetwise_assigned_partitions", all_partitions, topic=T.TELEMETRY_GPU.name)):
+        assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
+        await asyncio.sleep(0.5)
+
+
 @pytest.mark.kafka
 async def test_a_job_started_with_its_intent_grows_on_the_worker_when_a_node_joins(
     kafka_bootstrap: str, namespace, tmp_path,  # noqa: F811
@@ -215,14 +229,7 @@ async def test_a_job_started_with_its_intent_grows_on_the_worker_when_a_node_joi
         "--topic-prefix", prefix])
     assert started.exit_code == 0, started.output
     assert "started job grows (4 GPUs)" in started.output
-    # The inventories and plans come on separate topics: n2 joins once the worker holds the plan,
-    # and its telemetry partitions (the job's growth is decided by the holder of its state's).
-    deadline = time.monotonic() + 60
-    all_partitions = float(T.TELEMETRY_GPU.partitions)
-    while not (_metric_is(worker, "fleetwise_policy_jobs", 1.0) and _metric_is(
-            worker, "fleetwise_assigned_partitions", all_partitions, topic=T.TELEMETRY_GPU.name)):
-        assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
-        await asyncio.sleep(0.5)
+    await holds_the_job(worker)
     await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix),
                           [inventory("n2", START_TS + 600)], key=record_key)
     got = await commands_until(kafka_bootstrap, prefix, "resize", worker, copies=2)
@@ -279,12 +286,7 @@ async def test_a_growth_decided_by_the_worker_makes_the_job_s_pod_on_the_cluster
     carrying = threading.Thread(target=consumer.run, args=(transport, stop, 0.1), daemon=True)
     carrying.start()
     try:
-        deadline = time.monotonic() + 60
-        all_partitions = float(T.TELEMETRY_GPU.partitions)
-        while not (_metric_is(worker, "fleetwise_policy_jobs", 1.0) and _metric_is(
-                worker, "fleetwise_assigned_partitions", all_partitions, topic=T.TELEMETRY_GPU.name)):
-            assert time.monotonic() < deadline and worker.check_alive(), worker.log_tail()
-            await asyncio.sleep(0.5)
+        await holds_the_job(worker)
         await produce_records(kafka_bootstrap, topic_name(T.INVENTORY, prefix),
                               [inventory(joining, START_TS + 600)], key=record_key)
 

@@ -671,9 +671,7 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
             "leave": params.get("leave", []), "join": params.get("join", [])},
             "the envelope records the new world size and shares"))
     created, skipped = _joining_pods(command, view, joins, out)
-    out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
-        ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
-        namespace=pg.get("namespace"), patch="merge"))
+    out.finish.append(_pg_done(pg, command))
     out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)}" + _pods_detail(created, skipped, []) + (
         f"; nodes without a known GPU product: {', '.join(sorted(set(unknown)))}" if unknown else "")
     return out
@@ -747,6 +745,27 @@ def _decide_migrate(command: Command, view: ClusterView, waiting: list[str]) -> 
     return out
 
 
+def _gang_for(pg: Mapping[str, Any], command: Command, subs: Mapping[str, Mapping[str, Any]],
+              records: Mapping[str, Any], why: str) -> Action:
+    """The PodGroup re-targeted to `subs` (its gang their pods), the command recorded `applied`
+    with `records` (annotation -> JSON) beside it."""
+    total = sum(int(v["pods"]) for v in subs.values())
+    ann = {k: json.dumps(v, sort_keys=True) for k, v in {**records, ANN_SUBGROUPS: subs}.items()}
+    ann[ANN_COMMANDS] = _with_id(pg.get("annotations", {}), command.id, "applied")
+    return Action("patch", "PodGroup", pg["name"], {
+        "metadata": {"annotations": ann},
+        "spec": {"minMember": max(1, total), "subGroups": [
+            {"name": k, "minMember": v["pods"]} for k, v in subs.items() if v["pods"]]}},
+        f"{why}: gang {total} pod(s)", namespace=pg.get("namespace"), patch="merge")
+
+
+def _pg_done(pg: Mapping[str, Any], command: Command) -> Action:
+    """The command recorded `done` on the PodGroup (the last action: what a restart reads)."""
+    return Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
+        ANN_COMMANDS: _with_id(pg.get("annotations", {}), command.id, "done")}}}, f"{command.id} done",
+        namespace=pg.get("namespace"), patch="merge")
+
+
 def _decide_transfer(command: Command, view: ClusterView) -> Decision:
     """A migration's transfer (after its snapshot is done): the job's gang re-targeted to the
     destination's GPUs (`destination.gpus`: [node, gpu] pairs), its pods made there, the old ones
@@ -771,14 +790,8 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
               "destination": dest}
     out = Decision(done=True)
     if not resumed:
-        out.actions.append(Action("patch", "PodGroup", pg["name"], {
-            "metadata": {"annotations": {ANN_MIGRATION: json.dumps(record, sort_keys=True),
-                                         ANN_SUBGROUPS: json.dumps(subs, sort_keys=True),
-                                         ANN_COMMANDS: _with_id(ann, command.id, "applied")}},
-            "spec": {"minMember": max(1, total), "subGroups": [
-                {"name": k, "minMember": v["pods"]} for k, v in subs.items() if v["pods"]]}},
-            f"{command.job} moves to {', '.join(sorted({j[1] for j in joins}))}: gang {total} pod(s)",
-            namespace=pg.get("namespace"), patch="merge"))
+        out.actions.append(_gang_for(pg, command, subs, {ANN_MIGRATION: record},
+                                     f"{command.job} moves to {', '.join(sorted({j[1] for j in joins}))}"))
         out.actions.append(_cm_patch(view, command, "migration.json", record,
                                      "the new pods read the checkpoint to restore from here"))
     created, skipped = _joining_pods(command, view, joins, out, count_live=False)
@@ -787,9 +800,7 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
     if not skipped:  # the job's own pods leave only once its new ones exist
         for p in old:
             out.actions.append(_evict(p, f"{p['name']} of {command.job} leaves: the job moved"))
-    out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
-        ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
-        namespace=pg.get("namespace"), patch="merge"))
+    out.finish.append(_pg_done(pg, command))
     out.detail = (f"PodGroup {pg['name']}: minMember {max(1, total)} on the destination"
                   + _pods_detail(created, skipped, [] if skipped else old))
     return out
@@ -852,23 +863,15 @@ def _decide_move(command: Command, view: ClusterView) -> Decision:
     total = sum(v["pods"] for v in subs.values())
     out = Decision(done=True)
     if not resumed:
-        out.actions.append(Action("patch", "PodGroup", pg["name"], {
-            "metadata": {"annotations": {ANN_MOVES: json.dumps(record, sort_keys=True),
-                                         ANN_SUBGROUPS: json.dumps(subs, sort_keys=True),
-                                         ANN_COMMANDS: _with_id(ann, command.id, "applied")}},
-            "spec": {"minMember": max(1, total), "subGroups": [
-                {"name": k, "minMember": v["pods"]} for k, v in subs.items() if v["pods"]]}},
-            f"consolidation moves of {command.job}: gang {total} pod(s)", namespace=pg.get("namespace"),
-            patch="merge"))
+        out.actions.append(_gang_for(pg, command, subs, {ANN_MOVES: record},
+                                     f"consolidation moves of {command.job}"))
     created, skipped = _joining_pods(command, view, joins, out, count_live=False)
     leaving = [p for p in view.pods if p.get("node") in changed and not p.get("deleting")
                and _joined_by(p) != command.id]
     if not skipped:  # the old pods go once the new ones exist
         for p in leaving:
             out.actions.append(_evict(p, f"{p['name']} of {command.job}: its ranks move (checkpoint done)"))
-    out.finish.append(Action("patch", "PodGroup", pg["name"], {"metadata": {"annotations": {
-        ANN_COMMANDS: _with_id(ann, command.id, "done")}}}, f"{command.id} done",
-        namespace=pg.get("namespace"), patch="merge"))
+    out.finish.append(_pg_done(pg, command))
     out.detail = (f"{command.job}: {len(moves)} rank(s) moved; PodGroup {pg['name']}: minMember "
                   f"{max(1, total)}" + _pods_detail(created, skipped, [] if skipped else leaving))
     return out
