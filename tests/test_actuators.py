@@ -819,6 +819,24 @@ def test_gpus_a_job_leaves_when_it_ends_go_to_a_job_that_may_grow():
     assert "job first ended: second grows from 4 to 6 GPUs" in grow[0].reason
 
 
+def test_gpus_the_telemetry_names_in_a_job_are_not_grown_onto_until_that_job_ends():
+    # A job started outside `fleetwise job start` (no plan on the stream): the control plane
+    # knows it only from the job its GPUs' samples name.
+    import numpy as np
+
+    a, b = node("a"), node("b")
+    policy = ActionPolicy()
+    policy.process([a, b])
+    policy.process([intent_plan("grower", [a], max_gpus=8)])
+    keys = [("b", g) for g in range(4)]
+    policy.observe_utilisation(keys, np.full(4, T0 + 50), np.full(4, 90.0), ["outside"] * 4, list(range(4)))
+    out = policy.process([node("c", gpus=2, ts=T0 + 100)])
+    assert [(c.job, c.params["join"]) for c in commands(out)] == [("grower", [["c", 0], ["c", 1]])]
+    policy.process([ack(commands(out)[0], ts=T0 + 110)])
+    grow = commands(policy.process([JobEnd(job="outside", ts=T0 + 200)]))
+    assert [(c.job, c.params["join"]) for c in grow] == [("grower", [["b", 0], ["b", 1]])]
+
+
 def test_a_gpu_in_flight_to_one_job_is_not_given_to_another():
     a, b = node("a"), node("b")
     policy = ActionPolicy()

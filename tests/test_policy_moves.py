@@ -132,7 +132,10 @@ def test_a_much_cheaper_placement_migrates_in_three_acked_phases():
     job = policy.jobs["llm"]
     assert set(job.ranks.values()) == {("m0", g) for g in range(8)}  # it runs on the destination
     assert {r["model"] for r in job.plan["ranks"]} == {"b200"} and job.plan["job"] == "llm"
-    assert set(policy._free_gpus()) == {("n0", g) for g in range(8)}  # and its old GPUs are free
+    # Its old GPUs are free once their telemetry names no job (until then they may still be in use).
+    assert not set(policy._free_gpus())
+    policy.observe_utilisation(keys, np.full(8, T0 + 2300), np.zeros(8), [None] * 8, [None] * 8)
+    assert set(policy._free_gpus()) == {("n0", g) for g in range(8)}
 
 
 def test_a_done_move_carries_the_job_s_plan_to_the_new_gpus():

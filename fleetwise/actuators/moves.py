@@ -100,6 +100,17 @@ class UtilisationWindow:
             out.setdefault(job, {})[rank] = key
         return out
 
+    def forget_job(self, job: str) -> int:
+        """A job ended: the GPUs its samples named are in no job from now (until a sample names
+        it again). Returns how many labels were dropped."""
+        dropped = 0
+        for i, (ts, idx, jobs, ranks) in enumerate(self._jobs):
+            if job in jobs:
+                dropped += sum(1 for j in jobs if j == job)
+                self._jobs[i] = (ts, idx, [None if j == job else j for j in jobs],
+                                 [None if j == job else r for j, r in zip(jobs, ranks, strict=True)])
+        return dropped
+
     def to_json(self) -> dict:
         return {"window_s": self.window_s}  # a restart rebuilds the window from new samples
 

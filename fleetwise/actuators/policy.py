@@ -857,9 +857,12 @@ class ActionPolicy:
         return out
 
     def _free_gpus(self) -> list[GpuKey]:
-        """In-service GPUs of the inventory that no live job runs on (by its plan or the ranks
-        predictions named) and no open command is bringing into a job, in node and index order."""
+        """In-service GPUs of the inventory that no live job runs on (by its plan, the ranks
+        predictions named, or the job the GPU's latest telemetry names) and no open command is
+        bringing into a job, in node and index order."""
         busy = {k for _, job in self._live_jobs() for k in job.ranks.values()}
+        if self.utilisation is not None:  # jobs the telemetry names (started outside `job start`)
+            busy |= {k for ranks in self.utilisation.placements().values() for k in ranks.values()}
         for p in self.fleet.open_commands():
             busy.update(_claimed(p.command, p.follow_up))
             if p.target is not None:
@@ -965,10 +968,14 @@ class ActionPolicy:
         once they are answered (the retire sweep); until then it gets no more commands and a GPU
         a late prediction names is acted on as a GPU in no job. A second end changes nothing."""
         job = self.jobs.get(end.job)
-        if job is None or job.ended_ts is not None:
-            return []
         # A tombstone carries no event time: the newest the policy has seen stands in for it.
         ts = end.ts if end.ts is not None else (self.newest_ts if math.isfinite(self.newest_ts) else 0.0)
+        # The GPUs its telemetry named are free now (for a job known from telemetry alone too).
+        labelled = self.utilisation.forget_job(end.job) if self.utilisation is not None else 0
+        if job is None:
+            return self._grow_to_intent(ts, f"job {end.job} ended") if labelled else []
+        if job.ended_ts is not None:
+            return []
         in_flight = sorted(p.id for p in self.fleet.open_commands() if p.command.get("job") == end.job)
         if in_flight:
             job.ended_ts = ts
