@@ -30,13 +30,14 @@ What each command does:
   (a job of bare pods: copies of one of its pods, held to the joining node; pods of a JobSet or
   PyTorchJob are their controller's to add), in a new subgroup when the node's GPU product (or
   the pod shape) is one the job did not have;
-- `migrate` (`phase`, `checkpoint_uri`, `destination`): the PodGroup and the envelope
-  ConfigMap record the phase and destination (a `restore` with `destination.gpu_product` and
-  `pods` re-targets the gang);
+- `migrate` (`phase`, `checkpoint_uri`, `destination`): a `transfer` with `destination.gpus`
+  moves the job (the gang re-targeted to the destination, its pods made there as a growth's,
+  the old ones evicted); otherwise the PodGroup and the envelope ConfigMap record the phase and
+  destination (a `restore` with `destination.gpu_product` and `pods` re-targets the gang);
 - `consolidate`: `action: hibernate` cordons the node and labels it
   `fleetwise.io/hibernate=true` (after the moves in `requires` are done); `action: wake`
-  removes the label and uncordons (work returns); `action: move` records the moves on the
-  PodGroup;
+  removes the label and uncordons (work returns); `action: move` (after the job's checkpoint)
+  replaces the job's pods on every node whose GPU count the moves change, the gang following;
 - a GPU return (`OperatorAction(action="return_gpu")` on `fleetwise.operator`, signed under the
   operators' keys: `verify_operator`): the GPU leaves the node's drained set; when none is
   left the drain taint goes and the node is uncordoned (only if Fleetwise cordoned it).
