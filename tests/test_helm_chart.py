@@ -210,10 +210,10 @@ _CLIENT_CALLS = {  # official-client method -> (API group, resource, verb)
     "create_namespaced_event": ("", "events", "create"),
     "read_namespaced_config_map": ("", "configmaps", "get"),
     "patch_namespaced_config_map": ("", "configmaps", "patch"),
-    "list_namespaced_custom_object": ("scheduling.run.ai", "podgroups", "list"),
-    "get_namespaced_custom_object": ("scheduling.run.ai", "podgroups", "get"),
-    "patch_namespaced_custom_object": ("scheduling.run.ai", "podgroups", "patch"),
 }
+# Custom objects: the verb from the method, the group and resource from its arguments.
+_CUSTOM_VERBS = {"list_namespaced_custom_object": "list", "get_namespaced_custom_object": "get",
+                 "patch_namespaced_custom_object": "patch"}
 
 
 def _permissions(rules: Iterable[dict]) -> set[tuple[str, str, str]]:
@@ -229,11 +229,14 @@ def _permissions(rules: Iterable[dict]) -> set[tuple[str, str, str]]:
 def _code_permissions() -> set[tuple[str, str, str]]:
     """What the consumer's API adapter calls, read from its source."""
     source = (REPO / "fleetwise" / "kube" / "consumer.py").read_text()
-    calls = set(re.findall(r"self\.(?:core|custom)\.([a-z_]+)\(", source))
+    calls = set(re.findall(r"self\.core\.([a-z_]+)\(", source))
     unknown = calls - set(_CLIENT_CALLS)
     assert not unknown, f"consumer calls {sorted(unknown)}: add them to _CLIENT_CALLS and the chart's RBAC"
-    assert "podgroups" in source  # the custom-object calls are on PodGroups
-    return {_CLIENT_CALLS[c] for c in calls}
+    call = r'self\.custom\.([a-z_]+)\(\s*"([a-z.]+)",\s*"\w+",\s*[\w.]+,\s*"([a-z]+)"'
+    custom = re.findall(call, source)
+    # Every custom-object call names its group and resource literally (else it would go unseen).
+    assert len(custom) == len(re.findall(r"self\.custom\.[a-z_]+\(", source)), custom
+    return {_CLIENT_CALLS[c] for c in calls} | {(g, plural, _CUSTOM_VERBS[m]) for m, g, plural in custom}
 
 
 def test_consumer_rbac_is_exactly_what_it_calls(helm: str) -> None:

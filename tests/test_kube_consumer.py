@@ -582,6 +582,50 @@ def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
     assert json.loads(cm.data["migration.json"])["checkpoint_uri"] == "s3://c/1"
 
 
+def test_an_elastic_pytorchjob_grows_by_its_worker_replicas(cluster):
+    """Pods a PyTorchJob owns are its operator's to make: a growth raises its Worker replicas
+    (GPUs of its one template only, up to elasticPolicy.maxReplicas), and the gang follows."""
+    from pathlib import Path
+
+    from fleetwise.schemas import JobConstraints
+
+    cluster.kube.install_crds([Path(__file__).parent / "data" / "pytorchjob-crd.yaml"])
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "b200", "h100-sxm"])
+    home, more, other, last = (cluster.node_name(i) for i in range(4))
+    plan = _plan({home: nodes[home]}).model_copy(update={"constraints": JobConstraints(max_gpus=16)})
+    objects = render_plan(plan, "pt", "team-a", namespace=cluster.ns, workload="pytorchjob")
+    cluster.kube.apply(objects)
+    job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "pt")
+    assert job["spec"]["elasticPolicy"]["maxReplicas"] == 2 and job["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "replicas"] == 1
+    # The pod the training operator would make from the Worker template, owned by the job.
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    cluster.core.create_namespaced_pod(cluster.ns, {
+        "metadata": {**template["metadata"], "name": "pt-worker-0", "ownerReferences": [{
+            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt",
+            "uid": job["metadata"]["uid"], "controller": True}]},
+        "spec": {**template["spec"], "nodeName": home}})
+    consumer = _consumer(cluster)
+    grow = sign(_cmd(type="resize", job="pt", seq=1, params={
+        "join": [[more, g] for g in range(8)] + [[other, g] for g in range(8)]}), KEYS)
+    (ack,) = consumer.on_command(grow)
+    assert ack.status == "done", ack.detail
+    assert "PyTorchJob pt: Worker replicas 2" in ack.detail and f"no pod for them: {other}" in ack.detail
+    job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "pt")
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    assert list(cluster.pods("pt")) == ["pt-worker-0"]  # the operator's to make, not ours
+    pg = cluster.pod_group("pt")
+    assert pg["spec"]["minMember"] == 2  # the B200 GPUs get no pod: not in the gang either
+    # Past elasticPolicy.maxReplicas: nothing changes, the reason named.
+    more_still = sign(_cmd(type="resize", job="pt", seq=2, params={"join": [[last, g] for g in range(8)]}),
+                      KEYS)
+    (ack,) = consumer.on_command(more_still)
+    assert "would pass PyTorchJob pt's elasticPolicy.maxReplicas 2" in ack.detail
+    assert cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "pt")[
+        "spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    assert cluster.pod_group("pt")["spec"]["minMember"] == 2
+
+
 def test_a_migration_transfer_moves_the_job_s_pods_to_the_destination(cluster):
     nodes = cluster.add_nodes(["h100-sxm", "b200"])
     home, there = cluster.node_name(0), cluster.node_name(1)

@@ -108,6 +108,7 @@ ANN_MOVES = "fleetwise.io/consolidation"
 ANN_GANG_LEFT = "fleetwise.io/gang-left"  # JSON list of pods the gang no longer counts
 ANN_LAST_SEQ = "fleetwise.io/last-seq"  # the job's last applied command seq (on its PodGroup)
 ANN_JOINED_BY = "fleetwise.io/joined-by"  # on a pod a resize created: the command's id
+ANN_WORKLOAD = "fleetwise.io/workload-replicas"  # a growth's PyTorchJob Worker replicas (a resume: the same)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 KEEP_IDS = 32  # command ids remembered per object
 NODE_PAGE = 500  # nodes per list call when counting drained GPUs (a large cluster is never held whole)
@@ -139,13 +140,14 @@ class ClusterView:
     "namespace", "node", "deleting": bool, "subgroup", "owner": "Kind/name" of its controller or
     None, "phase", "manifest": {"metadata": {labels, annotations}, "spec"} (what a new pod copies)}.
     pod_group: {"name", "namespace", "spec", "annotations"} or None. configmap: {"name",
-    "namespace", "data"} or None.
+    "namespace", "data"} or None. workload: the PyTorchJob that owns the job's pods, or None.
     """
 
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     pods: list[dict[str, Any]] = field(default_factory=list)
     pod_group: dict[str, Any] | None = None
     configmap: dict[str, Any] | None = None
+    workload: dict[str, Any] | None = None  # the PyTorchJob owning the job's pods: {name, namespace, spec}
 
     @classmethod
     def assumed(cls, command: Command, namespace: str = "default", pods_per_node: int = 1) -> ClusterView:
@@ -186,6 +188,8 @@ class Action:
             return f"/api/v1{ns}/configmaps/{self.name}"
         if self.kind == "PodGroup":
             return f"/apis/scheduling.run.ai/v2alpha2{ns}/podgroups/{self.name}"
+        if self.kind == "PyTorchJob":
+            return f"/apis/kubeflow.org/v1{ns}/pytorchjobs/{self.name}"
         raise ValueError(f"unknown kind {self.kind!r}")
 
     def describe(self) -> str:
@@ -644,11 +648,17 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
         else:
             gpus[sub] -= count
     joins = _place(_per_node(params.get("join")), view, new_subs, unknown)
+    scale: tuple[list[Action], dict[str, Any] | None, str] | None = None
+    if view.workload is not None:  # a PyTorchJob's pods: more Worker replicas, of its one template
+        scale = _scale_pytorchjob(command, view, joins, ann if resumed else None)
+        fits = set(scale[1]["nodes"]) if scale[1] else set()
+        joins = [j for j in joins if j[1] in fits]
     for sub, _node, _product, pods, per_pod in joins:
         gpus[sub] = gpus.get(sub, 0) + pods * per_pod
     for name, info in new_subs.items():
         per_pod = max(1, int(info.get("gpus_per_pod", 1)))
-        new_subs[name] = {**info, "pods": max(0, gpus[name] // per_pod), "gpus": max(0, gpus[name])}
+        held = max(0, gpus.get(name, 0))
+        new_subs[name] = {**info, "pods": held // per_pod, "gpus": held}
     spec_subs = [{**s, "minMember": new_subs[s["name"]]["pods"]} if s.get("name") in new_subs else dict(s)
                  for s in pg.get("spec", {}).get("subGroups", [])]
     named = {s.get("name") for s in spec_subs}
@@ -657,10 +667,11 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
     total = sum(int(s["minMember"]) for s in kept) if kept else int(pg.get("spec", {}).get("minMember", 1))
     world = params.get("world_size")
     out = Decision(done=True)
+    scaled = {ANN_WORKLOAD: json.dumps(scale[1], sort_keys=True)} if scale and scale[1] else {}
     if not resumed:
         body: dict[str, Any] = {
             "metadata": {"annotations": {ANN_SUBGROUPS: json.dumps(new_subs, sort_keys=True),
-                                         ANN_COMMANDS: _with_id(ann, command.id, "applied"),
+                                         ANN_COMMANDS: _with_id(ann, command.id, "applied"), **scaled,
                                          **({ANN_WORLD_SIZE: str(world)} if world is not None else {})}},
             "spec": {"minMember": max(1, total), **({"subGroups": kept} if spec_subs else {})},
         }
@@ -671,11 +682,53 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
             "command": command.id, "world_size": world, "samples": params.get("samples", {}),
             "leave": params.get("leave", []), "join": params.get("join", [])},
             "the envelope records the new world size and shares"))
-    created, skipped = _joining_pods(command, view, joins, out)
+    if scale is not None:
+        out.actions += scale[0]
+        created, skipped = [], scale[2]
+    else:
+        created, skipped = _joining_pods(command, view, joins, out)
     out.finish.append(_pg_done(pg, command))
     out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)}" + _pods_detail(created, skipped, []) + (
         f"; nodes without a known GPU product: {', '.join(sorted(set(unknown)))}" if unknown else "")
     return out
+
+
+def _scale_pytorchjob(command: Command, view: ClusterView, joins: Sequence[Join],
+                      resumed: Mapping[str, str] | None) -> tuple[list[Action], dict[str, Any] | None, str]:
+    """A growth of a job whose pods a PyTorchJob owns: its Worker replicas raised by the pods
+    the joins fill with its one template's GPUs (product and GPUs per pod); the training
+    operator makes them and KAI places them. (actions, the record kept on the PodGroup, detail).
+    The replica count is absolute and recorded, so a resumed consumer sets the same one."""
+    wl = view.workload
+    assert wl is not None
+    worker = (wl["spec"].get("pytorchReplicaSpecs") or {}).get("Worker")
+    if not worker or not wl["spec"].get("elasticPolicy"):
+        return [], None, (f"no pod added: PyTorchJob {wl['name']} is not elastic (no elasticPolicy and "
+                          "Worker replicas to raise)")
+    tmpl = (worker.get("template") or {}).get("spec") or {}
+    product = (tmpl.get("nodeSelector") or {}).get(GFD_PRODUCT_LABEL)
+    per_pod = next((int(c["resources"]["limits"]["nvidia.com/gpu"]) for c in tmpl.get("containers", [])
+                    if "nvidia.com/gpu" in (c.get("resources") or {}).get("limits", {})), 0)
+    fit = [j for j in joins if j[2] == product and j[4] == per_pod and j[3]]
+    other = sorted({j[1] for j in joins if j not in fit})
+    before = json.loads(resumed.get(ANN_WORKLOAD, "{}")) if resumed is not None else {}
+    if before.get("command") == command.id:
+        target = int(before["Worker"])
+    else:
+        target = int(worker.get("replicas", 0)) + sum(j[3] for j in fit)
+    limit = wl["spec"]["elasticPolicy"].get("maxReplicas")
+    if limit is not None and target > int(limit):
+        return [], None, (f"no pod added: {target} Worker replicas would pass PyTorchJob {wl['name']}'s "
+                          f"elasticPolicy.maxReplicas {limit}")
+    unfit = (f"; GPUs not of its template ({product}, {per_pod} per pod), no pod for them: {', '.join(other)}"
+             if other else "")
+    if not fit:
+        return [], None, f"no pod added{unfit}"
+    action = Action("patch", "PyTorchJob", wl["name"], {"spec": {"pytorchReplicaSpecs": {"Worker": {
+        "replicas": target}}}}, f"{command.job} grows: {target} Worker replicas (the operator adds pods)",
+        namespace=wl["namespace"], patch="merge")
+    record = {"command": command.id, "Worker": target, "nodes": [j[1] for j in fit]}
+    return [action], record, f"PyTorchJob {wl['name']}: Worker replicas {target}{unfit}"
 
 
 def _joining_pods(command: Command, view: ClusterView, joins: Sequence[Join],
@@ -951,6 +1004,7 @@ def required_rbac() -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"]},
         {"apiGroups": ["scheduling.run.ai"], "resources": ["podgroups"], "verbs": ["list", "patch"]},
+        {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "patch"]},
     ]
 
 
@@ -1144,6 +1198,12 @@ class ClientApi:
             view.pod_group = {"name": g["metadata"]["name"], "namespace": g["metadata"]["namespace"],
                               "spec": g.get("spec", {}),
                               "annotations": g["metadata"].get("annotations") or {}}
+        owners = {p["owner"] for p in view.pods if p.get("owner")}
+        if len(owners) == 1 and next(iter(owners)).startswith("PyTorchJob/"):
+            name = next(iter(owners)).split("/", 1)[1]
+            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs",
+                                                           name)
+            view.workload = {"name": name, "namespace": namespace, "spec": job.get("spec", {})}
         try:
             cm = self.core.read_namespaced_config_map(envelope_configmap_name(pg_name), namespace)
             view.configmap = {"name": cm.metadata.name, "namespace": cm.metadata.namespace,
@@ -1171,6 +1231,10 @@ class ClientApi:
             elif action.kind == "ConfigMap":
                 self.core.patch_namespaced_config_map(action.name, action.namespace, dict(action.body),
                                                       _content_type="application/merge-patch+json")
+            elif action.kind == "PyTorchJob":
+                self.custom.patch_namespaced_custom_object(
+                    "kubeflow.org", "v1", action.namespace, "pytorchjobs", action.name, dict(action.body),
+                    _content_type="application/merge-patch+json")
             else:
                 return ActionResult("error", f"unknown kind {action.kind}")
         except Exception as exc:  # noqa: BLE001 - ApiException: classify by HTTP status

@@ -76,6 +76,7 @@ NVLINK_LEVEL = "nvidia.com/gpu.clique"
 DEFAULT_TOPOLOGY_LEVELS = (ZONE_LEVEL, RACK_LEVEL, NVLINK_LEVEL, "kubernetes.io/hostname")
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 PYTORCHJOB_API = "kubeflow.org/v1"
+ELASTIC_MAX_RESTARTS = 100  # membership changes and failures an elastic PyTorchJob may go through
 
 
 class RenderError(ExportError):
@@ -170,12 +171,14 @@ def render_envelope(
     topology: Mapping[str, Mapping[str, str]] | None = None,
     topology_name: str = "fleetwise",
     command: Sequence[str] | None = None,
+    elastic: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Objects for one job from its KAI envelope (`exports.kai_envelope`), in apply order.
 
     `topology`: GPU model -> constraint (`topology_needs`); with one GPU group it goes on the
     PodGroup, otherwise on each group's subGroup (a mixed job's types sit in different racks).
     `command`: the trainer container's command (default: the image's entrypoint).
+    `elastic`: (min, max) pods of an elastic PyTorchJob (`elasticPolicy`, Workers only).
     """
     if workload not in WORKLOADS:
         raise RenderError(f"workload {workload!r}: expected one of {', '.join(WORKLOADS)}")
@@ -275,20 +278,28 @@ def render_envelope(
                 f"{len(templates)} pod shapes ({kinds}); use --workload jobset or pods")
         sub, replicas, meta, pod_spec = templates[0]
         pod_spec["containers"][0]["name"] = "pytorch"  # the training operator's container name
-        replica_specs: dict[str, Any] = {
-            "Master": {"replicas": 1, "restartPolicy": "Never",
-                       "template": {"metadata": copy.deepcopy(meta), "spec": copy.deepcopy(pod_spec)}},
-        }
-        if replicas > 1:
-            replica_specs["Worker"] = {"replicas": replicas - 1, "restartPolicy": "Never",
-                                       "template": {"metadata": copy.deepcopy(meta),
-                                                    "spec": copy.deepcopy(pod_spec)}}
+
+        def replica(n: int) -> dict[str, Any]:
+            return {"replicas": n, "restartPolicy": "Never",
+                    "template": {"metadata": copy.deepcopy(meta), "spec": copy.deepcopy(pod_spec)}}
+
+        gang = {"queue": queue, "minAvailable": replicas}
+        job_spec: dict[str, Any] = {"runPolicy": {"schedulingPolicy": gang}}
+        if elastic is not None:
+            # Elastic (torchrun --nnodes=min:max under the training operator): Workers only, so
+            # a growth is more Worker replicas (the KAI consumer raises them).
+            job_spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": elastic[0],
+                                         "maxReplicas": elastic[1], "maxRestarts": ELASTIC_MAX_RESTARTS}
+            job_spec["pytorchReplicaSpecs"] = {"Worker": replica(replicas)}
+        else:
+            job_spec["pytorchReplicaSpecs"] = {"Master": replica(1)}
+            if replicas > 1:
+                job_spec["pytorchReplicaSpecs"]["Worker"] = replica(replicas - 1)
         objects.append({
             "apiVersion": PYTORCHJOB_API, "kind": "PyTorchJob",
             "metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
                          "annotations": {KAI_POD_GROUP_ANNOTATION: name}},
-            "spec": {"runPolicy": {"schedulingPolicy": {"queue": queue, "minAvailable": replicas}},
-                     "pytorchReplicaSpecs": replica_specs},
+            "spec": job_spec,
         })
     return objects
 
@@ -308,7 +319,8 @@ def render_plan(
     with_topology: bool = True,
     command: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """`render_envelope` of the plan's envelope, its micro-batch map and topology needs."""
+    """`render_envelope` of the plan's envelope, its micro-batch map and topology needs; a
+    PyTorchJob is elastic when the plan's intent lets the job grow (`max_gpus` above its size)."""
     env = kai_envelope(plan, job, queue, gpus_per_pod=gpus_per_pod, namespace=namespace)
     try:
         mb = microbatch_map(plan)
@@ -318,8 +330,21 @@ def render_plan(
         env, mb_map=mb, namespace=namespace, workload=workload, image=image,
         priority_class=priority_class, preemptible=preemptible,
         topology=topology_needs(plan) if with_topology else None, topology_name=topology_name,
-        command=command,
+        command=command, elastic=_elastic_range(plan, env) if workload == "pytorchjob" else None,
     )
+
+
+def _elastic_range(plan: Plan, envelope: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(min, max) pods of a job whose intent lets it grow or shrink (None: a fixed size): the
+    intent's `min_gpus` / `max_gpus` in whole pods of the envelope's first group."""
+    c = plan.constraints
+    if c is None or (c.max_gpus is None and c.min_gpus is None) or not envelope["node_groups"]:
+        return None
+    per_pod = int(envelope["node_groups"][0]["gpus_per_pod"])
+    pods = sum(int(g["pods"]) for g in envelope["node_groups"])
+    high = max(pods, (c.max_gpus or 0) // per_pod)
+    low = min(pods, max(1, -(-(c.min_gpus or per_pod) // per_pod)))
+    return (low, high) if (low, high) != (pods, pods) else None
 
 
 def render_queues(
