@@ -130,6 +130,13 @@ def test_decide_growth_pods_per_product_and_pod_shape():
         view.pods.append({**view.pods[0], "name": "j-h100-sxm-1", "node": "n1", "phase": phase})
         d = decide(_cmd(type="resize", job="j", params={"join": [["n1", g] for g in range(8)]}), view)
         assert len([a for a in d.actions if a.verb == "create"]) == made
+    # A PyTorchJob that is not elastic gets no replicas; a resize that only lets GPUs go asks
+    # nothing of it.
+    owned = _grow_view(owner="PyTorchJob/j")
+    owned.workload = {"name": "j", "namespace": "ns", "spec": {"pytorchReplicaSpecs": {"Master": {}}}}
+    assert "PyTorchJob j is not elastic" in decide(cmd, owned).detail
+    shrink = decide(_cmd(type="resize", job="j", params={"leave": [["n0", g] for g in range(8)]}), owned)
+    assert shrink.done and "no pod" not in shrink.detail
     # Pods a controller owns are its to add; a job with no pod has nothing to copy.
     for view, why in ((_grow_view(owner="JobSet/j"), "belong to JobSet/j"),
                       (_grow_view(pods=False), "no pod")):

@@ -649,7 +649,7 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
             gpus[sub] -= count
     joins = _place(_per_node(params.get("join")), view, new_subs, unknown)
     scale: tuple[list[Action], dict[str, Any] | None, str] | None = None
-    if view.workload is not None:  # a PyTorchJob's pods: more Worker replicas, of its one template
+    if view.workload is not None and joins:  # a PyTorchJob's: more Worker replicas, of its one template
         scale = _scale_pytorchjob(command, view, joins, ann if resumed else None)
         fits = set(scale[1]["nodes"]) if scale[1] else set()
         joins = [j for j in joins if j[1] in fits]
