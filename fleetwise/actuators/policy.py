@@ -33,6 +33,7 @@ from fleetwise.catalog import GpuSpec, UnknownGpuError, lookup
 from fleetwise.planner.exports import replica_samples
 from fleetwise.planner.search import plan_stage_split
 from fleetwise.planner.shares import proportional_shares
+from fleetwise.planner.stages import layout_json
 from fleetwise.schemas import (
     Ack,
     AuditEvent,
@@ -91,7 +92,7 @@ class JobState:
             "ranks": {str(r): list(k) for r, k in sorted(self.ranks.items())},
             "plan": self.plan, "shares": {str(d): s for d, s in sorted(self.shares.items())},
             "slow": {str(d): f for d, f in sorted(self.slow.items())}, "seq": self.seq,
-            "layers": {str(st): list(span) for st, span in sorted(self.layers.items())},
+            "layers": layout_json(self.layers),
             "last_rebalance_ts": self.last_rebalance_ts, "disruptive_ts": list(self.disruptive_ts),
             "left": [list(k) for k in self.left], "last_ts": self.last_ts, "ended_ts": self.ended_ts,
         }
@@ -604,7 +605,7 @@ class ActionPolicy:
         params: dict[str, Any]
         if job.pipeline_only():
             layout, gain = self._rebalance_layers(job)
-            params = {"layers": {str(st): list(span) for st, span in sorted(layout.items())},
+            params = {"layers": layout_json(layout),
                       "stage_speed_factors": {str(d): round(f, 4) for d, f in sorted(job.slow.items())}}
         else:
             current, new, total = self._rebalance_shares(job)
@@ -1088,8 +1089,7 @@ def _claimed(command: Mapping[str, Any], follow_up: Mapping[str, Any] | None) ->
 def _replanned(before_step_s: float, plan: Plan, diffs: Sequence[Any]) -> dict[str, Any]:
     """A resize's params for a re-planned job: its new size, shares, degrees, stage boundaries
     (a pipeline's, as a rebalance gives them) and per-GPU diff."""
-    layers = ({"layers": {str(r.stage): list(r.layers) for r in sorted(plan.ranks, key=lambda r: r.stage)}}
-              if plan.pp > 1 else {})
+    layers = {"layers": layout_json({r.stage: r.layers for r in plan.ranks})} if plan.pp > 1 else {}
     return {**layers,
         "world_size": len(plan.ranks),
         "samples": {str(d): n for d, n in sorted(replica_samples(plan).items())},

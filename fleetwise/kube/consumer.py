@@ -659,11 +659,8 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
         per_pod = max(1, int(info.get("gpus_per_pod", 1)))
         held = max(0, gpus.get(name, 0))
         new_subs[name] = {**info, "pods": held // per_pod, "gpus": held}
-    spec_subs = [{**s, "minMember": new_subs[s["name"]]["pods"]} if s.get("name") in new_subs else dict(s)
-                 for s in pg.get("spec", {}).get("subGroups", [])]
-    named = {s.get("name") for s in spec_subs}
-    spec_subs += [{"name": k, "minMember": v["pods"]} for k, v in new_subs.items() if k not in named]
-    kept = [s for s in spec_subs if s.get("minMember", 1) >= 1]
+    kept = _spec_subgroups(pg, new_subs, keep_others=True)
+    has_subs = bool(pg.get("spec", {}).get("subGroups") or new_subs)
     total = sum(int(s["minMember"]) for s in kept) if kept else int(pg.get("spec", {}).get("minMember", 1))
     world = params.get("world_size")
     out = Decision(done=True)
@@ -673,7 +670,7 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
             "metadata": {"annotations": {ANN_SUBGROUPS: json.dumps(new_subs, sort_keys=True),
                                          ANN_COMMANDS: _with_id(ann, command.id, "applied"), **scaled,
                                          **({ANN_WORLD_SIZE: str(world)} if world is not None else {})}},
-            "spec": {"minMember": max(1, total), **({"subGroups": kept} if spec_subs else {})},
+            "spec": {"minMember": max(1, total), **({"subGroups": kept} if has_subs else {})},
         }
         out.actions.append(Action("patch", "PodGroup", pg["name"], body,
                                   f"{command.job} resized to {world} ranks: gang {max(1, total)} pod(s)",
@@ -808,9 +805,23 @@ def _gang_for(pg: Mapping[str, Any], command: Command, subs: Mapping[str, Mappin
     ann[ANN_COMMANDS] = _with_id(pg.get("annotations", {}), command.id, "applied")
     return Action("patch", "PodGroup", pg["name"], {
         "metadata": {"annotations": ann},
-        "spec": {"minMember": max(1, total), "subGroups": [
-            {"name": k, "minMember": v["pods"]} for k, v in subs.items() if v["pods"]]}},
+        "spec": {"minMember": max(1, total), "subGroups": _spec_subgroups(pg, subs, keep_others=False)}},
         f"{why}: gang {total} pod(s)", namespace=pg.get("namespace"), patch="merge")
+
+
+def _spec_subgroups(pg: Mapping[str, Any], subs: Mapping[str, Mapping[str, Any]], *,
+                    keep_others: bool) -> list[dict[str, Any]]:
+    """The PodGroup's `spec.subGroups` for the pods in `subs`: its subgroups in their order with
+    their other fields (a topology constraint) and the new counts, then the new ones; those left
+    with no pod dropped (KAI's minimum is 1). `keep_others`: subgroups `subs` does not name
+    stay as they are (a resize), else they go (the gang re-targeted)."""
+    spec = [dict(s) for s in pg.get("spec", {}).get("subGroups", []) if keep_others or s.get("name") in subs]
+    for s in spec:
+        if s.get("name") in subs:
+            s["minMember"] = int(subs[s["name"]]["pods"])
+    named = {s.get("name") for s in spec}
+    spec += [{"name": k, "minMember": int(v["pods"])} for k, v in subs.items() if k not in named]
+    return [s for s in spec if int(s.get("minMember", 1)) >= 1]
 
 
 def _pg_done(pg: Mapping[str, Any], command: Command) -> Action:

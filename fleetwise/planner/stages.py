@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["stage_spans"]
+__all__ = ["layout_json", "stage_spans"]
 
 
 def stage_spans(layout: Mapping[Any, Sequence[int]], *, first: int = 0,
@@ -35,3 +35,9 @@ def stage_spans(layout: Mapping[Any, Sequence[int]], *, first: int = 0,
     if last is not None and at != last + 1:
         raise ValueError(f"the stages end at layer {at - 1}, the model's last is {last}")
     return spans
+
+
+def layout_json(layout: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
+    """A layout as commands, acks and checkpoints carry it: {"stage": [first, last]}, in stage
+    order (`stage_spans` reads it back)."""
+    return {str(stage): [int(span[0]), int(span[1])] for stage, span in sorted(layout.items())}

@@ -40,7 +40,7 @@ from typing import Any
 
 from fleetwise.actuators.signing import Keyring, verify_command
 from fleetwise.planner.shares import proportional_shares
-from fleetwise.planner.stages import stage_spans
+from fleetwise.planner.stages import layout_json, stage_spans
 from fleetwise.schemas import Ack, Command
 from fleetwise.schemas import topics as T
 from fleetwise.streams.keys import keyring_from_env
@@ -413,25 +413,36 @@ class TrainingPlugin:
             raise ValueError("rebalance params need 'samples', 'speed_factors' or 'layers'")
         if new is not None and "global_samples" in p and int(p["global_samples"]) != sum(new):
             raise ValueError(f"samples sum to {sum(new)}, global_samples is {p['global_samples']}")
+        # The new plan's shares: later speed factors scale these.
+        changed, result = self._in_force(command, new, layout, base="samples" in p)
+        if new is not None:
+            result["global_samples"] = sum(new)
+        self._ack(command, "done", result=result,
+                  detail=None if changed else "no change: already in force")
+
+    def _in_force(self, command: Command, shares: list[int] | None, layout: dict[int, tuple[int, int]] | None,
+                  *, base: bool) -> tuple[list[str], dict[str, Any]]:
+        """New shares (from the next step; `base`: the plan's, which speed factors scale) and
+        stage boundaries (re-split now) where they differ from those in force: (what changed,
+        the ack's result)."""
         result: dict[str, Any] = {}
         changed = []
-        if new is not None:
-            result.update(samples={str(i): n for i, n in enumerate(new)}, global_samples=sum(new))
-            if new != self.shares:
+        if shares is not None:
+            result["samples"] = {str(i): n for i, n in enumerate(shares)}
+            if shares != self.shares:
                 changed.append("shares")
-                if "samples" in p:
-                    self.base_shares = list(new)  # the new plan's shares: later speed factors scale these
-                self.sampler.set_shares(new, from_step=self.sampler.step)
+                if base:
+                    self.base_shares = list(shares)
+                self.sampler.set_shares(shares, from_step=self.sampler.step)
                 if self.hook_state is not None:
-                    self.hook_state.set_samples(new[self.rank], sum(new))
+                    self.hook_state.set_samples(shares[self.rank], sum(shares))
         if layout is not None:
-            result["layers"] = {str(s): list(r) for s, r in sorted(layout.items())}
+            result["layers"] = layout_json(layout)
             if layout != self.layout:
                 changed.append("layers")
                 self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
                 result["checkpoint_uri"] = self._resplit(layout)
-        self._ack(command, "done", result=result,
-                  detail=None if changed else "no change: already in force")
+        return changed, result
 
     def _new_layout(self, spec: Any, stages: int | None = None) -> dict[int, tuple[int, int]]:
         """`layers` of a rebalance ({stage: [first, last]}, inclusive), checked against this
@@ -459,7 +470,7 @@ class TrainingPlugin:
         """New stage boundaries in this process: checkpoint every stage's layers, build this
         stage's new ones, load them from the checkpoint (DCP finds each parameter by name,
         whichever stage saved it), and train on. Returns the checkpoint's URI."""
-        saved = {str(s): list(r) for s, r in sorted(layout.items())}
+        saved = layout_json(layout)
         where = self.checkpoint(extra={"layers": saved})
         model, optimizer = self.rebuild(layout[self.stage], dict(layout))  # type: ignore[misc,index]
         elastic.load_checkpoint(elastic.path_of(where), model, optimizer, group=self.group)
@@ -493,22 +504,8 @@ class TrainingPlugin:
         if samples is not None:
             new = (self._pipeline_shares(sum(_shares_list(samples, 1, "samples"))) if self.layout is not None
                    else _shares_list(samples, self.world_size, "samples"))
-        result: dict[str, Any] = {"world_size": self.world_size}
-        changed = []
-        if new is not None:
-            result["samples"] = {str(i): n for i, n in enumerate(new)}
-            if new != self.shares:
-                changed.append("shares")
-                self.base_shares = list(new)
-                self.sampler.set_shares(new, from_step=self.sampler.step)
-                if self.hook_state is not None:
-                    self.hook_state.set_samples(new[self.rank], sum(new))
-        if layout is not None:
-            result["layers"] = {str(st): list(span) for st, span in sorted(layout.items())}
-            if layout != self.layout:
-                changed.append("layers")
-                self.gate.accepted[command.id] = "done"  # in the checkpoint: never applied twice
-                result["checkpoint_uri"] = self._resplit(layout)
+        changed, result = self._in_force(command, new, layout, base=True)
+        result["world_size"] = self.world_size
         detail = (f"same members: new {' and '.join(changed)} applied" if changed
                   else "no change: same members")
         self._ack(command, "done", detail=detail, result=result)
@@ -556,7 +553,7 @@ class TrainingPlugin:
                   "world_size": new_world, "samples": samples, "leaving": leaving,
                   "join": [list(j) for j in join]}
         if layout is not None:
-            resize["layers"] = {str(st): list(span) for st, span in sorted(layout.items())}
+            resize["layers"] = layout_json(layout)
         where = self.checkpoint(extra={"resize": resize})
         self._ack(command, "applied", detail=f"checkpointed; {len(leaving)} leaving, {len(join)} joining",
                   result={"checkpoint_uri": where, "step": self.step, "world_size": new_world})
@@ -598,7 +595,7 @@ class TrainingPlugin:
                                 "gate": self.gate.state(),
                                 "commands_position": self.transport.position(T.COMMANDS_TRAINING.name)}
         if self.layout is not None:
-            meta["layers"] = {str(s): list(r) for s, r in sorted(self.layout.items())}
+            meta["layers"] = layout_json(self.layout)
         meta.update(extra or {})
         return meta
 
@@ -628,7 +625,7 @@ class TrainingPlugin:
         wanted = (saved_meta.get("resize") or {}).get("layers") or saved
         layout = {int(k): (int(v[0]), int(v[1])) for k, v in wanted.items()} if wanted else None
         if layout is not None and self.layout is not None and layout != self.layout:
-            mine = {str(k): list(v) for k, v in sorted(self.layout.items())}
+            mine = layout_json(self.layout)
             if set(layout) == set(self.layout):
                 # Saved under other stage boundaries (a re-split): build this stage's layers as then.
                 if self.rebuild is None:
@@ -672,7 +669,7 @@ class TrainingPlugin:
             result = {"checkpoint_uri": path.resolve().as_uri(), "step": self.step,
                       "world_size": self.world_size}
             if self.layout is not None:
-                result["layers"] = {str(k): list(v) for k, v in sorted(self.layout.items())}
+                result["layers"] = layout_json(self.layout)
             self._publish_ack(self.gate.ack(resize["id"], "done", self.clock(), step=self.step, detail=detail,
                                             result=result))
         self._step_start = time.perf_counter()
