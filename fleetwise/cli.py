@@ -889,6 +889,9 @@ def replay(
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
                                              "as the model's policy says; the packaged model: both)."),
+    trends: Path | None = typer.Option(None, "--trends", help="Also write thermal headroom and "
+                                       "utilisation per rack and site, per event-time hour (JSON lines; "
+                                       "the report shows them whenever --report is given)."),
 ) -> None:
     """Run the whole control plane, embedded, over recorded telemetry; write its decisions."""
     from fleetwise.streams.embedded import replay as run_replay
@@ -897,7 +900,8 @@ def replay(
     _existing(traces, "trace")
     if inventory is not None:
         _existing([inventory], "inventory")
-    for path, what in ((out, "--out"), (features, "--features"), (report, "--report"), (audit, "--audit")):
+    for path, what in ((out, "--out"), (features, "--features"), (report, "--report"), (audit, "--audit"),
+                       (trends, "--trends")):
         _writable(path, what)
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
@@ -905,15 +909,17 @@ def replay(
         fail(f"--acks must be simulated or none, got {acks!r}")
     config = ControlPlaneConfig(publish_features=features is not None, stagger_hops=stagger_hops,
                                 policy=_load_policy(policy), keyring=_keyring(signs=True),
-                                operator_keys=_operator_keys(), model_alerts=model_alerts)
+                                operator_keys=_operator_keys(), model_alerts=model_alerts,
+                                fleet_trends=trends is not None or report is not None)
     control = ControlPlane(config)
     with replay_process():
         runtime = run_replay(traces, out, inventory=inventory, features=features, control=control,
-                             simulate_acks=acks == "simulated", audit=audit, in_time_order=in_time_order)
+                             simulate_acks=acks == "simulated", audit=audit, in_time_order=in_time_order,
+                             trends=trends)
     summary = runtime.summary
     decisions = runtime.decisions()
     if report is not None:
-        _write_report(report, decisions, labels)
+        _write_report(report, decisions, labels, control.trend_rows)
     data = {
         "lines": summary.lines, "samples": summary.samples, "steps": summary.steps,
         "bad_lines": len(summary.bad_lines),
@@ -1015,8 +1021,8 @@ def demo(
 
     # 4. The control plane, embedded, over the trace.
     console.rule("[bold]4. Replay through the control plane (embedded, event time)")
-    decisions_path = out_dir / "decisions.jsonl"
-    runtime = run_replay([trace], decisions_path, inventory=inventory_path)
+    decisions_path, trends_path = out_dir / "decisions.jsonl", out_dir / "trends.jsonl"
+    runtime = run_replay([trace], decisions_path, inventory=inventory_path, trends=trends_path)
     decisions = runtime.decisions()
     summary = runtime.summary
     console.print(
@@ -1071,15 +1077,47 @@ def demo(
     for row in metrics_rows(metrics):
         scorecard.add_row(*row)
     console.print(scorecard)
+    _demo_trends(runtime.control.trend_rows, decisions)
     report = out_dir / "report.html"
-    _write_report(report, decisions, labels_path)
+    _write_report(report, decisions, labels_path, runtime.control.trend_rows)
     _demo_actions(runtime, decisions, plan, inventories, trace, when)
     _demo_kube(plan, decisions, out_dir)
     if not no_training:
         _demo_training(out_dir)
     console.rule("[bold]Files")
-    for path in (plan_png, trace, labels_path, decisions_path, report):
+    for path in (plan_png, trace, labels_path, decisions_path, trends_path, report):
         console.print(f"  {path}")
+
+
+def _demo_trends(rows: list, decisions: list) -> None:
+    """Thermal headroom and utilisation per site and rack: the last hour, with its trends."""
+    from rich.table import Table
+
+    console.rule("[bold]Thermal headroom and utilisation per site and rack")
+    last = {(r.scope, r.name): r for r in rows}
+    table = Table("where", "GPUs", "now", "at full power", "hottest GPU", "drift/day", "util %",
+                  title="Last hour: headroom (C) to the thermal limit, least first (6 h trend per hour)",
+                  title_justify="left")
+    for col in (table.columns[0], table.columns[4]):
+        col.no_wrap = True
+
+    def with_trend(value: float | None, trend: float | None, fmt: str) -> str:
+        if value is None:
+            return "-"
+        return f"{value:{fmt}}" + ("" if trend is None else f" ({trend:+.2f})")
+
+    order = sorted(last.values(), key=lambda r: (r.scope != "site", r.headroom_at_tdp_min_c is None,
+                                                r.headroom_at_tdp_min_c or 0.0))
+    for r in order:
+        table.add_row(r.name, str(r.gpus), "-" if r.headroom_min_c is None else f"{r.headroom_min_c:.1f}",
+                      with_trend(r.headroom_at_tdp_min_c, r.headroom_trend_c_per_h, ".1f"), r.hottest or "-",
+                      "-" if r.drift_mean_c_per_day is None else f"{r.drift_mean_c_per_day:+.2f} C",
+                      with_trend(r.util_mean_pct, r.util_trend_pct_per_h, ".0f"))
+    console.print(table)
+    warned = sorted({f"{d.node}/{d.gpu}" for d in decisions
+                     if d.kind == "prediction" and d.type == "thermal"})
+    console.print(f"GPUs warned of running out of headroom at full power within a day (`thermal` "
+                  f"predictions): {', '.join(warned) if warned else 'none'}")
 
 
 def _demo_training(out_dir: Path) -> None:
@@ -1376,14 +1414,14 @@ def _demo_consolidation(trace: Path, inventories: list, when: Any, config: Any) 
                   "(commands need an operator's approval by default: policy consolidate.mode)")
 
 
-def _write_report(path: Path, decisions: list, labels: Path | None) -> None:
+def _write_report(path: Path, decisions: list, labels: Path | None, trends: list) -> None:
     from fleetwise.predictors.report import replay_report_html
 
     label_rows = []
     if labels is not None:
         _existing([labels], "labels")
         label_rows = [json.loads(line) for line in labels.read_text().splitlines() if line.strip()]
-    path.write_text(replay_report_html(decisions, label_rows), encoding="utf-8")
+    path.write_text(replay_report_html(decisions, label_rows, trends), encoding="utf-8")
 
 
 # ---- policy, approvals, GPU returns ----------------------------------------------------------

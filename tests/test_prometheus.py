@@ -238,3 +238,9 @@ def test_prometheus_scrapes_worker_and_agent(scraped_fleet: dict) -> None:
     loaded = {r["name"] for g in groups for r in g["rules"]}
     assert loaded == {r["alert"] for r in _rules()}
     assert all(r["health"] in ("ok", "unknown") for g in groups for r in g["rules"])
+    # Every query of the Grafana dashboard parses and runs in this server (Prometheus answers a
+    # bad expression with HTTP 400).
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "fleetwise.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            _api(prom, "query", query=target["expr"])

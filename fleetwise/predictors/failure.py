@@ -40,7 +40,7 @@ META_FILE = "failure_model.json"
 # same sparing mechanism on Ampere+ and on Volta/Turing.
 EXCLUDED = {"samples", "temp_mean", "temp_max", "mem_temp_mean", "inlet_est_c", "rth_fast", "rth_slow",
             "remap_pending", "retired_pending", "remap_corr_total", "remap_uncorr_total", "retired_total",
-            "sbe_agg_total", "dbe_agg_total"}
+            "sbe_agg_total", "dbe_agg_total", "temp_at_tdp_c", "temp_at_tdp_drift_c_per_h"}
 # Node-peer counts (`node_*`) are left out too: a model trained with them made 3 or more false
 # alarms on the tuning set at every policy swept (the packaged model 1; docs/benchmarks.md,
 # "node-peer context"), so the candidates, and `predictor train`'s defaults, stay as packaged.

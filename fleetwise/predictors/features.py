@@ -243,6 +243,10 @@ def _feature_names() -> list[str]:
     names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
     names += ["temp_residual_24h", "temp_residual_cool_24h"]
     names += [f"node_{g}_{kind}_1h" for g in PEER_GROUPS for kind in ("peers", "streak_peers")]
+    # How hot the GPU would run at full power now (its 6 h temperature-on-power fit at power =
+    # TDP, carried over the fit's lag) and how fast that rises (the 6 h fit against the 72 h
+    # fit): the thermal headroom's load-independent part and its drift (predictors.trends).
+    names += ["temp_at_tdp_c", "temp_at_tdp_drift_c_per_h"]
     return names
 
 
@@ -871,6 +875,11 @@ class GpuFeatureWindows:
             f[:, _FI["rth_fast"]] = rth_f
             f[:, _FI["rth_slow"]] = rth_s
             f[:, _FI["rth_ratio"]] = rth_f / rth_s
+            inlet_s_now, rth_s_now = _ridge_fit(ew[:, slow])  # the 72 h fit with this hop
+            drift, lag_fast = _drift_per_h(inlet_f + rth_f, inlet_s_now + rth_s_now, ew[:, E_REG_FAST],
+                                           ew[:, E_REG_SLOW])
+            f[:, _FI["temp_at_tdp_c"]] = inlet_f + rth_f + np.nan_to_num(drift) * lag_fast
+            f[:, _FI["temp_at_tdp_drift_c_per_h"]] = drift
             f[:, _FI["temp_residual"]] = resid
             have = ~np.isnan(resid)
             d6 = decay(TAU_6H)[:, 0]
@@ -1101,6 +1110,31 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     # PEER_GROUPS group (what its node's peers see of it)
     "peer_end": ((2 * len(PEER_GROUPS),), -np.inf),
 }
+
+
+def _ew_lag_h(age_s: np.ndarray, tau_s: float) -> np.ndarray:
+    """Mean age (h) of exponentially weighted samples (time constant tau) taken evenly over the
+    last `age_s`: tau once the window is full, half the age while it fills."""
+    x = np.maximum(age_s, 1e-9) / tau_s
+    return tau_s * (1.0 - x * np.exp(-x) / -np.expm1(-x)) / 3600.0
+
+
+def _drift_per_h(fast: np.ndarray, slow: np.ndarray, n_fast: np.ndarray, n_slow: np.ndarray,
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Rise per hour of a quantity from its fast (TAU_THERMAL_FAST) and slow (TAU_THERMAL_SLOW)
+    EW estimates, and the fast one's lag (h). Each lags a linear drift by its weights' mean age,
+    which depends on how long the GPU has been seen: the weights' sums say that (their ratio
+    is the slow window's filled share, whatever the sampling interval). NaN under 12 h seen."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = (n_slow / TAU_THERMAL_SLOW) / (n_fast / TAU_THERMAL_FAST)  # slow filled / fast filled
+        filled = np.clip(ratio, 0.0, 1.0 - 1e-12)
+        for _ in range(2):  # the fast window's own filled share, from the age found so far
+            age = -TAU_THERMAL_SLOW * np.log1p(-filled)
+            filled = np.clip(ratio * -np.expm1(-age / TAU_THERMAL_FAST), 0.0, 1.0 - 1e-12)
+        age = -TAU_THERMAL_SLOW * np.log1p(-filled)
+        lag_fast, lag_slow = _ew_lag_h(age, TAU_THERMAL_FAST), _ew_lag_h(age, TAU_THERMAL_SLOW)
+        drift = (fast - slow) / (lag_slow - lag_fast)
+    return np.where(age >= 2 * TAU_THERMAL_FAST, drift, np.nan), lag_fast
 
 
 def _ridge_fit(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

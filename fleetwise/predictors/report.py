@@ -148,9 +148,59 @@ def backtest_report_html(
     return "\n".join(body)
 
 
-def replay_report_html(decisions: Sequence[Any], labels: Sequence[Mapping[str, Any]]) -> str:
+def trends_html(rows: Sequence[Any]) -> str:
+    """Report section: thermal headroom and utilisation per site over time (plots) and each
+    rack's latest hour (table), from `FleetTrends` rows (objects or dicts)."""
+    if not rows:
+        return ""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(float(_get(r, "hour_ts")) for r in rows)
+    fig, (ax_h, ax_u) = plt.subplots(1, 2, figsize=(11, 3))
+    for site in sorted({_get(r, "name") for r in rows if _get(r, "scope") == "site"}):
+        mine = sorted((r for r in rows if _get(r, "scope") == "site" and _get(r, "name") == site),
+                      key=lambda r: _get(r, "hour_ts"))
+        hours = [(float(_get(r, "hour_ts")) - t0) / 3600 for r in mine]
+        line, = ax_h.plot(hours, [_get(r, "headroom_at_tdp_mean_c") for r in mine], label=f"{site} mean")
+        ax_h.plot(hours, [_get(r, "headroom_at_tdp_min_c") for r in mine], "--", color=line.get_color(),
+                  label=f"{site} least")
+        ax_u.plot(hours, [_get(r, "util_mean_pct") for r in mine], label=site)
+    ax_h.set_title("thermal headroom at full power (C)", fontsize=9)
+    ax_u.set_title("GPU utilisation, mean (%)", fontsize=9)
+    for ax in (ax_h, ax_u):
+        ax.set_xlabel("hours")
+        ax.legend(fontsize=7)
+    plot = _png(fig)
+    last: dict[str, Any] = {}
+    for r in rows:
+        if _get(r, "scope") == "rack":
+            last[_get(r, "name")] = r  # rows come in event-time order
+    cols = ("name", "site", "gpus", "headroom_min_c", "headroom_at_tdp_min_c", "hottest",
+            "drift_mean_c_per_day", "headroom_trend_c_per_h", "util_mean_pct", "util_trend_pct_per_h")
+    head = ("rack", "site", "GPUs", "headroom now, least (C)", "at full power, least (C)", "hottest",
+            "drift (C/day)", "headroom trend (C/h)", "utilisation (%)", "utilisation trend (%/h)")
+    table = ["<table border='1' cellpadding='3' style='border-collapse:collapse;font-size:12px'><tr>"
+             + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    order = sorted(last.values(), key=lambda r: (_get(r, "headroom_at_tdp_min_c") is None,
+                                                 _get(r, "headroom_at_tdp_min_c") or 0.0))
+    for r in order:
+        table.append("<tr>" + "".join(f"<td>{'-' if _get(r, c) is None else _get(r, c)}</td>" for c in cols)
+                     + "</tr>")
+    table.append("</table>")
+    return ("<h2>Thermal headroom and utilisation per site and rack</h2>"
+            "<p>Headroom: the thermal limit (87 C) minus the hottest sample of each hour (now) or minus "
+            "the temperature each GPU's own fit gives at full power (at full power). Racks by least "
+            "headroom at full power, their last hour.</p>"
+            f"<img src='data:image/png;base64,{plot}'>" + "\n".join(table))
+
+
+def replay_report_html(decisions: Sequence[Any], labels: Sequence[Mapping[str, Any]],
+                       trends: Sequence[Any] = ()) -> str:
     """Replay report (HTML, plots embedded): failure probability over time per GPU with an alert
-    or a labelled failure."""
+    or a labelled failure; thermal headroom and utilisation per site and rack (`trends`)."""
     by_gpu: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
     for d in decisions:
         if _get(d, "kind") == "prediction" and _get(d, "type") == "failure" and _get(d, "gpu") is not None:
@@ -188,5 +238,6 @@ def replay_report_html(decisions: Sequence[Any], labels: Sequence[Mapping[str, A
             f"{n_alerts} alert predictions, {len(fails)} labelled failures. Only predictions with p at or "
             "above the watch floor, and alerts, are emitted.</p>"]
     body += [f"<img src='data:image/png;base64,{p}'>" for p in panels]
+    body.append(trends_html(trends))
     body.append("</body></html>")
     return "\n".join(body)

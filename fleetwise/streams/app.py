@@ -1003,6 +1003,7 @@ def make_app(
     transport = BatchTransport(app.conf.broker_consumer, app)
     app.transport = transport
     control = control or ControlPlane()
+    control.hop_observers.append(M.observe_gpu_headroom)
 
     def source(t: T.Topic) -> faust.TopicT:
         return app.topic(topic_name(t, topic_prefix), partitions=t.partitions,

@@ -432,6 +432,7 @@ def replay(
     simulate_acks: bool = True,
     audit: Path | None = None,
     in_time_order: bool = False,
+    trends: Path | None = None,
 ) -> EmbeddedRuntime:
     """Run the whole control plane over recorded telemetry; write decisions as JSON lines.
 
@@ -443,9 +444,14 @@ def replay(
     their checkpoints and resizes their drains; off, commands go unanswered and expire (acks
     recorded in the trace itself are read either way). `audit`: write the audit events.
     `in_time_order`: merge the traces' lines into event-time order first (`trace_sort`), for
-    recordings written per node or per rank; bad lines are still named by their file and line."""
+    recordings written per node or per rank; bad lines are still named by their file and line.
+    `trends`: write the hourly roll-ups per rack and site (`control.trend_rows`, JSON lines; a
+    control plane given here must have `fleet_trends` on)."""
     if control is None:
-        control = ControlPlane(ControlPlaneConfig(publish_features=features is not None))
+        control = ControlPlane(ControlPlaneConfig(publish_features=features is not None,
+                                                  fleet_trends=trends is not None))
+    if trends is not None and control.fleet_trends is None:
+        raise ValueError("trends asked for, but the control plane was built without fleet_trends")
     consumers = SimulatedConsumers(control.config.keyring) if simulate_acks else None
     runtime = EmbeddedRuntime(control, consumers=consumers)
     if inventory is not None:
@@ -473,4 +479,8 @@ def replay(
         with open(audit, "w") as fh:
             for event in runtime.audit_events():
                 fh.write(event.to_json() + "\n")
+    if trends is not None:
+        with open(trends, "w") as fh:
+            for row in control.trend_rows:
+                fh.write(json.dumps(row.to_dict()) + "\n")
     return runtime

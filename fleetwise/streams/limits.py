@@ -460,9 +460,11 @@ def evict_idle(control: Any, keep: int) -> list[str]:
     taught = getattr(control, "_models_taught", None)
     if taught is not None:
         control._models_taught = int((kept < taught).sum())
-    if getattr(control, "failure", None) is not None:
-        for key in evicted:
-            control.failure.forget(key)
+    for name in ("failure", "thermal"):  # per-GPU state beside the windows
+        processor = getattr(control, name, None)
+        if processor is not None:
+            for key in evicted:
+                processor.forget(key)
     gate = getattr(control, "gate", None)
     if gate is not None:
         gate._slot_part = np.empty(0, np.int64)  # slots renumbered

@@ -7,7 +7,10 @@ The Grafana dashboard in deploy/grafana/fleetwise.json is built over exactly the
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -123,6 +126,43 @@ AGENT_BUFFERED = Gauge(
     "node batches waiting in the agent's buffer for the broker",
     ["node"],
 )
+
+# Per GPU, as of its last closed feature hop (fleetwise.predictors.trends): a worker holds only
+# its partitions' GPUs, so roll-ups per rack and site are Prometheus's (sum/min/avg by the
+# labels; the Grafana dashboard's "Thermal headroom" panels), which see every worker.
+_GPU_LABELS = ["node", "gpu", "rack", "site"]
+GPU_HEADROOM = Gauge(
+    "fleetwise_gpu_thermal_headroom_celsius",
+    "thermal limit minus the GPU's temperature: at='now' the hop's hottest sample, at='full_power' "
+    "its own temperature-on-power fit at TDP",
+    [*_GPU_LABELS, "at"],
+)
+GPU_DRIFT = Gauge(
+    "fleetwise_gpu_temp_drift_celsius_per_day",
+    "how fast the GPU's temperature at full power rises (its 6 h against its 72 h fit)",
+    _GPU_LABELS,
+)
+GPU_UTILISATION = Gauge(
+    "fleetwise_gpu_utilisation_percent",
+    "the GPU's mean utilisation over its last closed feature hop",
+    _GPU_LABELS,
+)
+
+
+def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple[str | None, str | None]],
+                         hops: Any) -> None:
+    """Set the per-GPU gauges from closed hops (`ControlPlane.hop_observers`; a GPU's later hop
+    in the same call overwrites its earlier one). Unknown values are left as they were."""
+    for i, (node, gpu) in enumerate(keys):
+        rack, site = places[i]
+        labels = (node, str(gpu), rack or "", site or "")
+        for gauge, value, extra in ((GPU_HEADROOM, hops.headroom_c[i], ("now",)),
+                                    (GPU_HEADROOM, hops.headroom_at_tdp_c[i], ("full_power",)),
+                                    (GPU_DRIFT, hops.drift_c_per_day[i], ()),
+                                    (GPU_UTILISATION, hops.util_pct[i], ())):
+            if not math.isnan(value):
+                gauge.labels(*labels, *extra).set(float(value))
+
 
 # Reason text is free-form (it names fields and values); metrics need a small, fixed label
 # set, so a reason is mapped to the first category whose pattern it matches.

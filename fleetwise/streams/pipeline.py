@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any, NamedTuple
@@ -23,6 +23,7 @@ from fleetwise.planner.exports import rank_layer_counts
 from fleetwise.predictors.failure import FailurePredictor
 from fleetwise.predictors.features import FEATURE_NAMES, SAMPLE_DECODER, GpuFeatureWindows, sample_columns
 from fleetwise.predictors.stragglers import StragglerDetector
+from fleetwise.predictors.trends import FleetTrends, GroupTrend, HopHeadroom, ThermalHeadroom
 from fleetwise.schemas import (
     Ack,
     AuditEvent,
@@ -82,6 +83,11 @@ class ControlPlaneConfig:
     # 25,000 samples/s). The shipped model scores the same on held-out traces either way
     # (bench/failure_eval.py --stagger-hops, docs/benchmarks.md).
     stagger_hops: bool = True
+    # `thermal` predictions per GPU (headroom at full power running out: information, no command).
+    thermal_headroom: bool = True
+    # Hourly roll-ups per rack and site (`ControlPlane.trend_rows`): they need every GPU of a
+    # group, so only where all telemetry passes (replay, demo), not in a stream worker.
+    fleet_trends: bool = False
 
 
 def _original(raw: bytes) -> tuple[str, str]:
@@ -125,6 +131,13 @@ class ControlPlane:
         self.stragglers = (StragglerDetector(features=self.config.publish_features)
                            if self.config.straggler_detector else None)
         self.policy = ActionPolicy(self.config.policy, self.config.keyring, self.config.operator_keys)
+        self.thermal = ThermalHeadroom() if self.config.thermal_headroom else None
+        self.fleet_trends = FleetTrends() if self.config.fleet_trends else None
+        self.trend_rows: list[GroupTrend] = []
+        # Called with each call's closed hops: (keys, (rack, site) per row, HopHeadroom). The
+        # stream worker sets its per-GPU Prometheus gauges here.
+        self.hop_observers: list[Callable[[list[tuple[str, int]], list[tuple[str | None, str | None]],
+                                           HopHeadroom], None]] = []
         # Plausibility, clock-skew and rate limits before the windows (fleetwise/streams/limits.py)
         self.gate = SampleGate(self.features, self.dead_letter)
         self.inventory: dict[str, NodeInventory] = {}
@@ -404,6 +417,8 @@ class ControlPlane:
     def flush(self) -> list[Routed]:
         """End of input (replay): close open windows and route what they produce."""
         out = self._gpu_outputs(*self.features.flush_arrays())
+        if self.fleet_trends is not None:
+            self.trend_rows.extend(self.fleet_trends.flush())
         if self.stragglers is not None:
             out.extend(self._route_outputs(self.stragglers.flush()))
         return out
@@ -418,7 +433,7 @@ class ControlPlane:
         if self.config.publish_features:
             routed.extend(self._route_outputs(self.features.to_records(slots, ts, feats)))
         keys = None
-        if self.failure is not None or self.policy.wants_utilisation:
+        if self.failure is not None or self.policy.wants_utilisation or self.thermal is not None:
             meta = self.features.slot_meta
             keys = [(m["node"], m["gpu"]) for m in map(meta, slots)]
         if self.failure is not None:
@@ -426,12 +441,33 @@ class ControlPlane:
                 keys, ts, feats, job_ranks=self.features.closed_job_ranks
             )
             routed.extend(self._route_outputs(predictions))
+        if self.thermal is not None:
+            predictions, hops = self.thermal.process_arrays(keys, ts, feats, self.features.closed_job_ranks)
+            routed.extend(self._route_outputs(predictions))
+            if self.fleet_trends is not None or self.hop_observers:
+                places = self._places(slots)
+                if self.fleet_trends is not None:
+                    self.trend_rows.extend(self.fleet_trends.observe(keys, places, ts, hops))
+                for observe in self.hop_observers:
+                    observe(keys, places, hops)
         if self.policy.wants_utilisation:
             # Consolidation watches each GPU's mean utilisation per hop and who runs there.
             job_ranks = self.features.closed_job_ranks
             routed.extend(self._route_outputs(self.policy.observe_utilisation(
                 keys, ts, feats[:, _UTIL_MEAN], job_ranks.jobs, job_ranks.ranks)))
         return routed
+
+    def _places(self, slots: Any) -> list[tuple[str | None, str | None]]:
+        """(rack, site) per slot: as its samples name them, else as its node's inventory does."""
+        out = []
+        for m in map(self.features.slot_meta, slots):
+            rack, site = m["rack"], m["site"]
+            if rack is None or site is None:
+                inv = self.inventory.get(m["node"])
+                if inv is not None:
+                    rack, site = rack or inv.rack, site or inv.site
+            out.append((rack, site))
+        return out
 
     def _route_outputs(self, outputs: Sequence[Record]) -> list[Routed]:
         routed: list[Routed] = []
@@ -460,6 +496,8 @@ class ControlPlane:
             procs["failure"] = self.failure
         if self.stragglers is not None:
             procs["stragglers"] = self.stragglers
+        if self.thermal is not None:
+            procs["thermal"] = self.thermal
         return procs
 
     def keys(self) -> list[str]:

@@ -1,0 +1,274 @@
+"""Thermal headroom and utilisation trends per GPU, rack and site.
+
+Per closed feature hop of a GPU (fleetwise.predictors.features):
+
+- `headroom_c`: the thermal limit minus the hop's hottest sample (how close it runs now);
+- `headroom_at_tdp_c`: the limit minus the temperature the GPU's 6 h temperature-on-power fit
+  gives at full power (`temp_at_tdp_c`): the part of the headroom that does not depend on the
+  load it happens to carry, so an idle GPU in a hot aisle shows it too;
+- `drift_c_per_day`: how fast the full-power temperature rises (`temp_at_tdp_drift_c_per_h`: the
+  6 h fit against the 72 h fit over their lag difference): a cooling fault, a clogged filter or
+  a drying thermal interface.
+
+`ThermalHeadroom` turns these into `thermal` predictions per GPU: the chance that the GPU runs
+out of headroom at full power within `horizon_h` (the drift carried forward, a normal forecast
+error of `sigma_c`). They inform (report, dashboards, placement by an operator); no command acts
+on them, so their `alert` is always false.
+
+`FleetTrends` rolls the hops up per rack and per site by event-time hour: GPUs seen, headroom
+(minimum, mean; now and at full power), drift, utilisation, and the least-squares trends of the
+hourly means over the last `trend_hours`. A roll-up needs every GPU of its group, so it runs where
+all telemetry passes (`fleetwise replay`, `demo`); a stream worker sees its partitions only and
+leaves the roll-up to Prometheus (per-GPU gauges, summed by rack and site: docs/predictors.md).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.special import ndtr
+
+from fleetwise.predictors.features import FEATURE_NAMES
+from fleetwise.schemas import Prediction, Signal
+
+# "GPU Max Operating Temp" of `nvidia-smi -q` on A100 / H100 SXM (87 C): where the software
+# thermal slowdown starts (SwThermal), the same limit the simulator uses (fleetwise/sim/fleet.py).
+THERMAL_LIMIT_C = 87.0
+_COL = {n: FEATURE_NAMES.index(n) for n in ("temp_max", "temp_at_tdp_c", "temp_at_tdp_drift_c_per_h",
+                                           "util_mean", "thermal_duty_6h")}
+
+
+@dataclass(frozen=True)
+class TrendConfig:
+    limit_c: float = THERMAL_LIMIT_C
+    horizon_h: float = 24.0  # the forecast's reach
+    sigma_c: float = 2.0  # forecast error of the full-power temperature (fit and sensor noise)
+    emit_floor: float = 0.2  # a GPU's thermal prediction is emitted at this chance or above ...
+    emit_every_s: float = 3600.0  # ... at most once per this much event time
+    trend_hours: int = 6  # hourly means a group's trend is fitted over
+    close_after_s: float = 900.0  # an hour's roll-up closes this long after it ends (hop lateness)
+
+
+@dataclass
+class HopHeadroom:
+    """Per-row thermal headroom of closed hops (arrays, one value per row; NaN: not known)."""
+
+    headroom_c: np.ndarray
+    headroom_at_tdp_c: np.ndarray
+    drift_c_per_day: np.ndarray
+    util_pct: np.ndarray
+    thermal_duty: np.ndarray
+    probability: np.ndarray  # of no headroom at full power within horizon_h
+
+
+def hop_headroom(features: np.ndarray, config: TrendConfig = TrendConfig()) -> HopHeadroom:
+    """Headroom, its drift and the chance it is gone within the horizon, for rows of the full
+    FEATURE_NAMES matrix."""
+    with np.errstate(invalid="ignore"):
+        at_tdp = features[:, _COL["temp_at_tdp_c"]]
+        drift_per_h = features[:, _COL["temp_at_tdp_drift_c_per_h"]]
+        ahead = config.limit_c - (at_tdp + np.nan_to_num(drift_per_h) * config.horizon_h)
+        prob = ndtr(-ahead / config.sigma_c)
+    return HopHeadroom(
+        headroom_c=config.limit_c - features[:, _COL["temp_max"]],
+        headroom_at_tdp_c=config.limit_c - at_tdp,
+        drift_c_per_day=drift_per_h * 24.0,
+        util_pct=features[:, _COL["util_mean"]],
+        thermal_duty=features[:, _COL["thermal_duty_6h"]],
+        probability=prob,
+    )
+
+
+def _num(x: float) -> float | None:
+    return None if np.isnan(x) else round(float(x), 2)
+
+
+class ThermalHeadroom:
+    """`thermal` predictions per GPU: at most one per `emit_every_s` while the chance of running
+    out of headroom at full power within the horizon is at or above `emit_floor`."""
+
+    def __init__(self, config: TrendConfig | None = None) -> None:
+        self.config = config or TrendConfig()
+        self._last_emit: dict[str, float] = {}  # node/gpu -> event time of its last prediction
+
+    def process_arrays(
+        self, keys: Sequence[tuple[str, int]], ts: np.ndarray, features: np.ndarray,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
+    ) -> tuple[list[Prediction], HopHeadroom]:
+        """Predictions for closed hops (event-time order per GPU) and every row's headroom."""
+        hops = hop_headroom(features, self.config)
+        out: list[Prediction] = []
+        cfg = self.config
+        for i in np.flatnonzero(hops.probability >= cfg.emit_floor):
+            node, gpu = keys[i]
+            key = f"{node}/{gpu}"
+            t = float(ts[i])
+            last = self._last_emit.get(key)
+            if last is not None and t - last < cfg.emit_every_s:
+                continue
+            self._last_emit[key] = t
+            job, rank = job_ranks[i] if job_ranks is not None else (None, None)
+            p = float(hops.probability[i])
+            drift = _num(hops.drift_c_per_day[i])
+            out.append(Prediction(
+                id=f"thermal:{key}:{t:.0f}", type="thermal", ts=t, node=node, gpu=int(gpu), job=job,
+                rank=rank, probability=round(p, 4), horizon_h=cfg.horizon_h, alert=False,
+                signals=[Signal(name="headroom_at_tdp_c", value=_num(hops.headroom_at_tdp_c[i])),
+                         Signal(name="drift_c_per_day", value=drift),
+                         Signal(name="headroom_c", value=_num(hops.headroom_c[i])),
+                         Signal(name="thermal_duty_6h", value=_num(hops.thermal_duty[i]))],
+                reason=(f"{key} would run at {cfg.limit_c - hops.headroom_at_tdp_c[i]:.1f} C at full power "
+                        f"(limit {cfg.limit_c:g} C), drifting {drift or 0.0:+.2f} C/day: "
+                        f"{p:.0%} chance of no headroom within {cfg.horizon_h:g} h"),
+            ))
+        return out, hops
+
+    # -- state (changelogged per GPU like the other processors) ------------------------------
+    def keys(self) -> list[str]:
+        return list(self._last_emit)
+
+    def state(self, key: str) -> dict:
+        return {"last_emit": self._last_emit[key]} if key in self._last_emit else {}
+
+    def restore(self, key: str, state: dict) -> None:
+        if "last_emit" in state:
+            self._last_emit[key] = float(state["last_emit"])
+
+    def forget(self, key: str) -> None:
+        self._last_emit.pop(key, None)
+
+
+@dataclass
+class GroupTrend:
+    """One event-time hour of a rack's or a site's GPUs."""
+
+    scope: str  # "rack" | "site"
+    name: str
+    site: str | None
+    hour_ts: float  # start of the hour (Unix seconds)
+    gpus: int
+    headroom_min_c: float | None
+    headroom_mean_c: float | None
+    headroom_at_tdp_min_c: float | None
+    headroom_at_tdp_mean_c: float | None
+    hottest: str | None  # node/gpu with the least headroom at full power
+    drift_mean_c_per_day: float | None
+    util_mean_pct: float | None
+    # Least-squares slopes of the hourly means over the last `trend_hours` (None: under 3 hours).
+    headroom_trend_c_per_h: float | None = None
+    util_trend_pct_per_h: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Bucket:
+    gpus: set[str] = field(default_factory=set)
+    n: int = 0
+    head_sum: float = 0.0
+    head_min: float = np.inf
+    tdp_n: int = 0
+    tdp_sum: float = 0.0
+    tdp_min: float = np.inf
+    hottest: str | None = None
+    drift_n: int = 0
+    drift_sum: float = 0.0
+    util_n: int = 0
+    util_sum: float = 0.0
+
+
+def _slope(values: Sequence[tuple[float, float | None]]) -> float | None:
+    """Least-squares slope per hour of (hour_ts, value) pairs; None under 3 known values."""
+    pts = [(t / 3600.0, v) for t, v in values if v is not None]
+    if len(pts) < 3:
+        return None
+    t = np.array([p[0] for p in pts])
+    v = np.array([p[1] for p in pts])
+    t = t - t.mean()
+    return round(float((t * (v - v.mean())).sum() / (t * t).sum()), 3)
+
+
+def _mean(total: float, n: int) -> float | None:
+    return round(float(total) / n, 2) if n else None
+
+
+class FleetTrends:
+    """Hourly roll-ups of closed hops per rack and per site, in event time."""
+
+    def __init__(self, config: TrendConfig | None = None) -> None:
+        self.config = config or TrendConfig()
+        self._open: dict[tuple[str, str, str | None, float], _Bucket] = {}
+        self._history: dict[tuple[str, str], deque[GroupTrend]] = {}
+        self._watermark = -np.inf
+
+    def observe(
+        self, keys: Sequence[tuple[str, int]], places: Sequence[tuple[str | None, str | None]],
+        ts: np.ndarray, hops: HopHeadroom,
+    ) -> list[GroupTrend]:
+        """Add closed hops (`places`: each row's (rack, site)); returns the hours that closed."""
+        for i, (node, gpu) in enumerate(keys):
+            rack, site = places[i]
+            hour = float(ts[i]) // 3600.0 * 3600.0
+            for scope, name in (("rack", rack), ("site", site)):
+                if name is None:
+                    continue
+                b = self._open.get((scope, name, site, hour))
+                if b is None:
+                    b = self._open[(scope, name, site, hour)] = _Bucket()
+                self._add(b, f"{node}/{gpu}", hops, i)
+        if len(ts):
+            self._watermark = max(self._watermark, float(np.max(ts)))
+        return self._close(self._watermark - self.config.close_after_s)
+
+    @staticmethod
+    def _add(b: _Bucket, key: str, hops: HopHeadroom, i: int) -> None:
+        b.gpus.add(key)
+        head = hops.headroom_c[i]
+        if not np.isnan(head):
+            b.n += 1
+            b.head_sum += head
+            b.head_min = min(b.head_min, head)
+        tdp = hops.headroom_at_tdp_c[i]
+        if not np.isnan(tdp):
+            b.tdp_n += 1
+            b.tdp_sum += tdp
+            if tdp < b.tdp_min:
+                b.tdp_min, b.hottest = tdp, key
+        drift = hops.drift_c_per_day[i]
+        if not np.isnan(drift):
+            b.drift_n += 1
+            b.drift_sum += drift
+        util = hops.util_pct[i]
+        if not np.isnan(util):
+            b.util_n += 1
+            b.util_sum += util
+
+    def flush(self) -> list[GroupTrend]:
+        """End of input: close every open hour."""
+        return self._close(np.inf)
+
+    def _close(self, before: float) -> list[GroupTrend]:
+        done = sorted((k for k in self._open if k[3] + 3600.0 <= before), key=lambda k: (k[3], k[0], k[1]))
+        out = []
+        for key in done:
+            scope, name, site, hour = key
+            b = self._open.pop(key)
+            row = GroupTrend(
+                scope=scope, name=name, site=site, hour_ts=hour, gpus=len(b.gpus),
+                headroom_min_c=None if b.n == 0 else round(float(b.head_min), 2),
+                headroom_mean_c=_mean(b.head_sum, b.n),
+                headroom_at_tdp_min_c=None if b.tdp_n == 0 else round(float(b.tdp_min), 2),
+                headroom_at_tdp_mean_c=_mean(b.tdp_sum, b.tdp_n), hottest=b.hottest,
+                drift_mean_c_per_day=_mean(b.drift_sum, b.drift_n), util_mean_pct=_mean(b.util_sum, b.util_n),
+            )
+            hist = self._history.setdefault((scope, name), deque(maxlen=self.config.trend_hours))
+            hist.append(row)
+            row.headroom_trend_c_per_h = _slope([(r.hour_ts, r.headroom_at_tdp_mean_c) for r in hist])
+            row.util_trend_pct_per_h = _slope([(r.hour_ts, r.util_mean_pct) for r in hist])
+            out.append(row)
+        return out

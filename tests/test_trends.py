@@ -1,0 +1,163 @@
+"""Thermal headroom and utilisation trends per GPU, rack and site (fleetwise.predictors.trends)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from fleetwise.predictors.features import F_POWER, F_SMCLK, F_TEMP, F_UTIL, FEATURE_NAMES
+from fleetwise.predictors.trends import (
+    FleetTrends,
+    ThermalHeadroom,
+    TrendConfig,
+    hop_headroom,
+)
+from fleetwise.streams import metrics as M
+from fleetwise.streams.embedded import replay
+from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
+
+T0 = 1764547200.0
+COL = {n: FEATURE_NAMES.index(n) for n in FEATURE_NAMES}
+
+
+def feats(rows: list[dict[str, float]]) -> np.ndarray:
+    f = np.full((len(rows), len(FEATURE_NAMES)), np.nan)
+    for i, row in enumerate(rows):
+        for name, value in row.items():
+            f[i, COL[name]] = value
+    return f
+
+
+def test_headroom_drift_and_chance_of_running_out() -> None:
+    f = feats([
+        {"temp_max": 80.0, "temp_at_tdp_c": 85.0, "temp_at_tdp_drift_c_per_h": 0.075, "util_mean": 90.0},
+        {"temp_max": 60.0, "temp_at_tdp_c": 70.0, "temp_at_tdp_drift_c_per_h": 0.0, "util_mean": 10.0},
+        {"temp_max": 60.0, "temp_at_tdp_c": 70.0, "temp_at_tdp_drift_c_per_h": -0.1, "util_mean": 10.0},
+        {"temp_max": 60.0},  # no fit yet
+    ])
+    h = hop_headroom(f, TrendConfig(limit_c=87.0, horizon_h=24.0, sigma_c=2.0))
+    assert h.headroom_c[:3].tolist() == [7.0, 27.0, 27.0]
+    assert h.headroom_at_tdp_c[:3].tolist() == [2.0, 17.0, 17.0]
+    assert h.drift_c_per_day[0] == pytest.approx(1.8)
+    assert h.drift_c_per_day[1] == 0.0 and h.drift_c_per_day[2] < 0  # cooling down
+    # Row 0: 85 C + 1.8 C over the next day = 86.8 C against 87: about even odds.
+    ahead = 87.0 - (85.0 + 1.8)
+    assert h.probability[0] == pytest.approx(0.5 * math.erfc(ahead / 2.0 / math.sqrt(2)), rel=1e-9)
+    assert 0.4 < h.probability[0] < 0.5
+    assert h.probability[1] < 1e-12 and h.probability[2] < h.probability[1]
+    assert np.isnan(h.headroom_at_tdp_c[3]) and not h.probability[3] > 0
+
+
+def test_thermal_predictions_rate_limited_and_informational() -> None:
+    hot = {"temp_max": 84.0, "temp_at_tdp_c": 86.0, "temp_at_tdp_drift_c_per_h": 0.0}
+    cool = {"temp_max": 60.0, "temp_at_tdp_c": 70.0, "temp_at_tdp_drift_c_per_h": 0.0}
+    th = ThermalHeadroom(TrendConfig(emit_every_s=3600.0))
+    keys = [("n1", 0), ("n1", 1)] * 7
+    ts = np.repeat(T0 + 600.0 * np.arange(7), 2)
+    preds, _ = th.process_arrays(keys, ts, feats([hot, cool] * 7), [("job-a", 3), (None, None)] * 7)
+    # One per hour for the hot GPU (hops at 0 and 60 min), none for the cool one.
+    assert [(p.node, p.gpu, p.ts) for p in preds] == [("n1", 0, T0), ("n1", 0, T0 + 3600.0)]
+    p = preds[0]
+    assert p.type == "thermal" and p.alert is False and p.job == "job-a" and p.rank == 3
+    assert p.probability == pytest.approx(0.5 * math.erfc(1.0 / 2.0 / math.sqrt(2)), abs=1e-4)
+    assert {s.name: s.value for s in p.signals}["headroom_at_tdp_c"] == 1.0
+    assert "86.0 C at full power" in p.reason
+    # The rate limit survives a restore (a restarted worker does not repeat the hour's record).
+    again = ThermalHeadroom(TrendConfig(emit_every_s=3600.0))
+    for key in th.keys():
+        again.restore(key, th.state(key))
+    assert again.process_arrays([("n1", 0)], np.array([T0 + 3900.0]), feats([hot]))[0] == []
+    assert len(th.process_arrays([("n1", 0)], np.array([T0 + 3900.0]), feats([hot]))[0]) == 0
+
+
+def test_rollups_per_rack_and_site_close_by_event_time() -> None:
+    trends = FleetTrends(TrendConfig(trend_hours=6, close_after_s=900.0))
+    keys = [("n1", 0), ("n1", 1), ("n2", 0)]
+    places = [("r1", "s1"), ("r1", "s1"), ("r2", "s1")]
+    closed = []
+    for hour in range(5):
+        for hop in range(6):
+            ts = np.full(3, T0 + hour * 3600.0 + hop * 600.0 + 300.0)
+            # n1/0 warms 1 C per hour at full power; utilisation falls 10 points per hour.
+            rows = [{"temp_max": 70.0 + hour, "temp_at_tdp_c": 75.0 + hour, "util_mean": 90.0 - 10 * hour},
+                    {"temp_max": 60.0, "temp_at_tdp_c": 65.0, "util_mean": 90.0 - 10 * hour},
+                    {"temp_max": 50.0, "temp_at_tdp_c": 55.0, "util_mean": 40.0}]
+            closed += trends.observe(keys, places, ts, hop_headroom(feats(rows)))
+    # Hops end at hh:05 .. hh:55; an hour closes 15 min after it ends (watermark 04:55 now).
+    assert sorted({r.hour_ts for r in closed}) == [T0 + h * 3600.0 for h in range(4)]
+    closed += trends.flush()
+    r1 = [r for r in closed if r.scope == "rack" and r.name == "r1"]
+    s1 = [r for r in closed if r.scope == "site"]
+    assert len(r1) == 5 and len(s1) == 5  # hour 4 closed by the flush
+    first = r1[0]
+    assert first.gpus == 2 and first.site == "s1" and first.hottest == "n1/0"
+    assert first.headroom_min_c == 87.0 - 70.0 and first.headroom_mean_c == (17.0 + 27.0) / 2
+    assert first.headroom_at_tdp_min_c == 12.0 and first.headroom_at_tdp_mean_c == 17.0
+    assert first.headroom_trend_c_per_h is None  # under 3 hours
+    hour3 = r1[3]
+    assert hour3.headroom_at_tdp_min_c == pytest.approx(87.0 - 78.0)
+    assert hour3.headroom_trend_c_per_h == pytest.approx(-0.5, abs=1e-9)  # the mean of 2 GPUs
+    assert hour3.util_trend_pct_per_h == pytest.approx(-10.0, abs=1e-9)
+    assert s1[3].gpus == 3 and s1[3].util_mean_pct == pytest.approx((60 + 60 + 40) / 3, abs=0.01)
+
+
+def _trace(path: Path) -> None:
+    """72 h at 5-minute samples: n1/0's cooling degrades (temperature per watt 40 -> 62 C at
+    TDP, 25 C inlet), n1/1 and n2/0 stay as they were; load alternates every 2 h. n2's samples
+    name no rack or site: its inventory (first line) does."""
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"ts": T0, "node": "n2", "rack": "r2", "site": "s1", "gpus": [
+            {"index": 0, "uuid": "GPU-n2-0", "model": "NVIDIA H100 80GB HBM3", "memory_gb": 80.0}]}) + "\n")
+        for i in range(72 * 12):
+            t = T0 + 300.0 * i
+            load = 0.9 if (i // 24) % 2 == 0 else 0.3
+            for node, gpu, rack in (("n1", 0, "r1"), ("n1", 1, "r1"), ("n2", 0, "r2")):
+                rise = 40.0 + (22.0 * i / (72 * 12) if (node, gpu) == ("n1", 0) else 0.0)
+                metrics = {F_TEMP: round(25.0 + rise * load, 1), F_POWER: 700.0 * load, F_UTIL: 95.0 * load,
+                           F_SMCLK: 1980.0}
+                where = {"rack": rack, "site": "s1"} if node == "n1" else {}
+                fh.write(json.dumps({"ts": t, "node": node, "gpu": gpu, "model": "NVIDIA H100 80GB HBM3",
+                                     **where, "metrics": metrics}) + "\n")
+
+
+def test_control_plane_warns_of_a_gpu_losing_its_headroom(tmp_path: Path) -> None:
+    _trace(tmp_path / "t.jsonl")
+    control = ControlPlane(ControlPlaneConfig(publish_features=False, fleet_trends=True))
+    control.hop_observers.append(M.observe_gpu_headroom)  # as the stream worker does
+    runtime = replay([tmp_path / "t.jsonl"], None, control=control)
+    thermal = [d for d in runtime.decisions() if d.kind == "prediction" and d.type == "thermal"]
+    assert {(p.node, p.gpu) for p in thermal} == {("n1", 0)}
+    # Its full-power temperature reaches 87 C at 72 h (25 + 62 x 1.0); the first warning comes
+    # about a day ahead of that (the 0.31 C/h drift carried forward), not in the first day.
+    first_h = (thermal[0].ts - T0) / 3600
+    assert 36 < first_h < 72 - 18, first_h
+    drifts = [next(s.value for s in p.signals if s.name == "drift_c_per_day") for p in thermal]
+    assert all(22.0 * 24 / 72 * 0.9 < d < 22.0 * 24 / 72 * 1.1 for d in drifts), drifts
+    probs = [p.probability for p in thermal]
+    assert probs[-1] > 0.95 and probs[-1] > probs[0]
+    assert all(not p.alert for p in thermal)
+    rows = control.trend_rows
+    assert {(r.scope, r.name) for r in rows} == {("rack", "r1"), ("rack", "r2"), ("site", "s1")}
+    late = [r for r in rows if r.scope == "rack" and r.name == "r1" and r.hour_ts >= T0 + 48 * 3600]
+    assert late and all(r.hottest == "n1/0" for r in late)
+    assert all(r.drift_mean_c_per_day is not None and r.drift_mean_c_per_day > 2.0 for r in late)
+    steady = [r for r in rows if r.scope == "rack" and r.name == "r2" and r.hour_ts >= T0 + 48 * 3600]
+    assert all(abs(r.drift_mean_c_per_day) < 0.5 for r in steady)
+
+    # The worker's per-GPU gauges, as of each GPU's last hop (the roll-ups are Prometheus's there).
+    def gauge(name: str, node: str, rack: str, **extra: str) -> float | None:
+        labels = {"node": node, "gpu": "0", "rack": rack, "site": "s1", **extra}
+        return REGISTRY.get_sample_value(name, labels)
+
+    hot = gauge("fleetwise_gpu_thermal_headroom_celsius", "n1", "r1", at="full_power")
+    cool = gauge("fleetwise_gpu_thermal_headroom_celsius", "n2", "r2", at="full_power")
+    assert hot is not None and 0.0 < hot < 2.0 and cool == pytest.approx(87.0 - 65.0, abs=1.0)
+    # Now: the last hop ran at 30% of TDP (25 + 40 x 0.3 = 37 C).
+    assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n2", "r2", at="now") == 87.0 - 37.0
+    assert gauge("fleetwise_gpu_temp_drift_celsius_per_day", "n1", "r1") == pytest.approx(22.0 / 3, rel=0.1)
+    assert gauge("fleetwise_gpu_utilisation_percent", "n2", "r2") == pytest.approx(95.0 * 0.3)
