@@ -39,6 +39,7 @@ def test_headroom_drift_and_chance_of_running_out() -> None:
         {"temp_max": 60.0, "temp_at_tdp_c": 70.0, "temp_at_tdp_drift_c_per_h": 0.0, "util_mean": 10.0},
         {"temp_max": 60.0, "temp_at_tdp_c": 70.0, "temp_at_tdp_drift_c_per_h": -0.1, "util_mean": 10.0},
         {"temp_max": 60.0},  # no fit yet
+        {"temp_max": 88.0, "temp_at_tdp_c": 80.0},  # throttled at its limit: the fit reads low
     ])
     h = hop_headroom(f, TrendConfig(limit_c=87.0, horizon_h=24.0, sigma_c=2.0))
     assert h.headroom_c[:3].tolist() == [7.0, 27.0, 27.0]
@@ -50,7 +51,10 @@ def test_headroom_drift_and_chance_of_running_out() -> None:
     assert h.probability[0] == pytest.approx(0.5 * math.erfc(ahead / 2.0 / math.sqrt(2)), rel=1e-9)
     assert 0.4 < h.probability[0] < 0.5
     assert h.probability[1] < 1e-12 and h.probability[2] < h.probability[1]
-    assert np.isnan(h.headroom_at_tdp_c[3]) and not h.probability[3] > 0
+    assert np.isnan(h.headroom_at_tdp_c[3]) and h.probability[3] < 1e-12
+    # Already past its limit: no headroom within the horizon either, whatever the fit says.
+    assert h.headroom_c[4] == -1.0
+    assert h.probability[4] == pytest.approx(0.5 * math.erfc(-0.5 / math.sqrt(2)))
 
 
 def test_thermal_predictions_rate_limited_and_informational() -> None:

@@ -140,6 +140,7 @@ REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
 TAU_TEMP_FAST, TAU_TEMP_SLOW = 1800.0, 7200.0  # difference of EMAs -> temperature slope
 TAU_1H, TAU_6H, TAU_24H, TAU_7D = 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 24 * 3600.0
 TAU_THERMAL_FAST, TAU_THERMAL_SLOW = 6 * 3600.0, 72 * 3600.0  # thermal-resistance fits
+DRIFT_MIN_LAG_GAP_H = 12.0  # the fits' lags apart before their difference gives a drift
 COUNT_TAUS = {"1h": TAU_1H, "6h": TAU_6H, "24h": TAU_24H, "7d": TAU_7D}
 LOAD_UTIL_PCT = 50.0  # clock under load: samples with utilisation >= this
 # Prior for the temperature-on-power fit: ~0.06 C/W is what datacenter GPUs show
@@ -1124,7 +1125,9 @@ def _drift_per_h(fast: np.ndarray, slow: np.ndarray, n_fast: np.ndarray, n_slow:
     """Rise per hour of a quantity from its fast (TAU_THERMAL_FAST) and slow (TAU_THERMAL_SLOW)
     EW estimates, and the fast one's lag (h). Each lags a linear drift by its weights' mean age,
     which depends on how long the GPU has been seen: the weights' sums say that (their ratio
-    is the slow window's filled share, whatever the sampling interval). NaN under 12 h seen."""
+    is the slow window's filled share, whatever the sampling interval). NaN until the two lags
+    differ by DRIFT_MIN_LAG_GAP_H (~36 h seen): over a shorter gap the fits' noise (a degree or
+    two as the load changes) reads as a steep drift."""
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = (n_slow / TAU_THERMAL_SLOW) / (n_fast / TAU_THERMAL_FAST)  # slow filled / fast filled
         filled = np.clip(ratio, 0.0, 1.0 - 1e-12)
@@ -1134,7 +1137,7 @@ def _drift_per_h(fast: np.ndarray, slow: np.ndarray, n_fast: np.ndarray, n_slow:
         age = -TAU_THERMAL_SLOW * np.log1p(-filled)
         lag_fast, lag_slow = _ew_lag_h(age, TAU_THERMAL_FAST), _ew_lag_h(age, TAU_THERMAL_SLOW)
         drift = (fast - slow) / (lag_slow - lag_fast)
-    return np.where(age >= 2 * TAU_THERMAL_FAST, drift, np.nan), lag_fast
+    return np.where(lag_slow - lag_fast >= DRIFT_MIN_LAG_GAP_H, drift, np.nan), lag_fast
 
 
 def _ridge_fit(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

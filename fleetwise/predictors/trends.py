@@ -12,8 +12,8 @@ Per closed feature hop of a GPU (fleetwise.predictors.features):
 
 `ThermalHeadroom` turns these into `thermal` predictions per GPU: the chance that the GPU runs
 out of headroom at full power within `horizon_h` (the drift carried forward, a normal forecast
-error of `sigma_c`). They inform (report, dashboards, placement by an operator); no command acts
-on them, so their `alert` is always false.
+error of `sigma_c`), and at least the chance that it has none now. They inform (report,
+dashboards, placement by an operator); no command acts on them, so their `alert` is always false.
 
 `FleetTrends` rolls the hops up per rack and per site by event-time hour: GPUs seen, headroom
 (minimum, mean; now and at full power), drift, utilisation, and the least-squares trends of the
@@ -72,9 +72,12 @@ def hop_headroom(features: np.ndarray, config: TrendConfig = TrendConfig()) -> H
         at_tdp = features[:, _COL["temp_at_tdp_c"]]
         drift_per_h = features[:, _COL["temp_at_tdp_drift_c_per_h"]]
         ahead = config.limit_c - (at_tdp + np.nan_to_num(drift_per_h) * config.horizon_h)
-        prob = ndtr(-ahead / config.sigma_c)
+        headroom_now = config.limit_c - features[:, _COL["temp_max"]]
+        # A GPU at its limit now has none within the horizon either (a throttled GPU is pinned
+        # at its target, so its fit at full power reads low).
+        prob = np.fmax(ndtr(-ahead / config.sigma_c), ndtr(-headroom_now / config.sigma_c))
     return HopHeadroom(
-        headroom_c=config.limit_c - features[:, _COL["temp_max"]],
+        headroom_c=headroom_now,
         headroom_at_tdp_c=config.limit_c - at_tdp,
         drift_c_per_day=drift_per_h * 24.0,
         util_pct=features[:, _COL["util_mean"]],
@@ -121,9 +124,10 @@ class ThermalHeadroom:
                          Signal(name="drift_c_per_day", value=drift),
                          Signal(name="headroom_c", value=_num(hops.headroom_c[i])),
                          Signal(name="thermal_duty_6h", value=_num(hops.thermal_duty[i]))],
-                reason=(f"{key} would run at {cfg.limit_c - hops.headroom_at_tdp_c[i]:.1f} C at full power "
-                        f"(limit {cfg.limit_c:g} C), drifting {drift or 0.0:+.2f} C/day: "
-                        f"{p:.0%} chance of no headroom within {cfg.horizon_h:g} h"),
+                reason=(f"{key} peaked at {cfg.limit_c - hops.headroom_c[i]:.0f} C this hop and would run "
+                        f"at {cfg.limit_c - hops.headroom_at_tdp_c[i]:.1f} C at full power (limit "
+                        f"{cfg.limit_c:g} C), drifting {drift or 0.0:+.2f} C/day: {p:.0%} chance of no "
+                        f"headroom within {cfg.horizon_h:g} h"),
             ))
         return out, hops
 
