@@ -214,43 +214,77 @@ class FleetTrends:
         self, keys: Sequence[tuple[str, int]], places: Sequence[tuple[str | None, str | None]],
         ts: np.ndarray, hops: HopHeadroom,
     ) -> list[GroupTrend]:
-        """Add closed hops (`places`: each row's (rack, site)); returns the hours that closed."""
-        for i, (node, gpu) in enumerate(keys):
-            rack, site = places[i]
-            hour = float(ts[i]) // 3600.0 * 3600.0
-            for scope, name in (("rack", rack), ("site", site)):
-                if name is None:
+        """Add closed hops (`places`: each row's (rack, site)); returns the hours that closed.
+
+        Summed per (group, hour) in numpy, then added to the open hours (a call holds a few
+        hours of a few groups, and thousands of hops)."""
+        n = len(keys)
+        if n:
+            hour = np.floor(np.asarray(ts, dtype=np.float64) / 3600.0) * 3600.0
+            names = [f"{node}/{gpu}" for node, gpu in keys]
+            for scope, col in (("rack", 0), ("site", 1)):
+                group_of: dict[tuple[str, str | None], int] = {}  # (name, site) -> group index
+                ids = (-1 if p[col] is None else group_of.setdefault((p[col], p[1]), len(group_of))
+                       for p in places)
+                gid = np.fromiter(ids, np.int64, n)
+                rows = np.flatnonzero(gid >= 0)
+                if len(rows) == 0:
                     continue
-                b = self._open.get((scope, name, site, hour))
-                if b is None:
-                    b = self._open[(scope, name, site, hour)] = _Bucket()
-                self._add(b, f"{node}/{gpu}", hops, i)
-        if len(ts):
+                buckets, inv = np.unique(np.stack([gid[rows], hour[rows].astype(np.int64)], axis=1), axis=0,
+                                         return_inverse=True)
+                inv = inv.reshape(-1)
+                groups = list(group_of)
+                for g, h in buckets.tolist():
+                    name, site = groups[g]
+                    self._open.setdefault((scope, name, site, float(h)), _Bucket())
+                self._add(scope, groups, buckets, inv, rows, names, hops)
             self._watermark = max(self._watermark, float(np.max(ts)))
         return self._close(self._watermark - self.config.close_after_s)
 
-    @staticmethod
-    def _add(b: _Bucket, key: str, hops: HopHeadroom, i: int) -> None:
-        b.gpus.add(key)
-        head = hops.headroom_c[i]
-        if not np.isnan(head):
-            b.n += 1
-            b.head_sum += head
-            b.head_min = min(b.head_min, head)
-        tdp = hops.headroom_at_tdp_c[i]
-        if not np.isnan(tdp):
-            b.tdp_n += 1
-            b.tdp_sum += tdp
-            if tdp < b.tdp_min:
-                b.tdp_min, b.hottest = tdp, key
-        drift = hops.drift_c_per_day[i]
-        if not np.isnan(drift):
-            b.drift_n += 1
-            b.drift_sum += drift
-        util = hops.util_pct[i]
-        if not np.isnan(util):
-            b.util_n += 1
-            b.util_sum += util
+    def _add(self, scope: str, groups: list[tuple[str, str | None]], buckets: np.ndarray, inv: np.ndarray,
+             rows: np.ndarray, names: list[str], hops: HopHeadroom) -> None:
+        """Fold rows (`inv`: each row's index into `buckets`, (group, hour) pairs) into the open hours."""
+        k = len(buckets)
+
+        def count_sum(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            v = values[rows]
+            have = ~np.isnan(v)
+            return (np.bincount(inv, weights=have, minlength=k),
+                    np.bincount(inv, weights=np.where(have, v, 0.0), minlength=k))
+
+        def least(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Per bucket the least known value and its row (-1: none known)."""
+            v = values[rows]
+            order = np.lexsort((np.where(np.isnan(v), np.inf, v), inv))
+            first = np.flatnonzero(np.r_[True, np.diff(inv[order]) != 0])
+            best = order[first]
+            return np.where(np.isnan(v[best]), np.inf, v[best]), np.where(np.isnan(v[best]), -1, rows[best])
+
+        head_n, head_sum = count_sum(hops.headroom_c)
+        head_min, _ = least(hops.headroom_c)
+        tdp_n, tdp_sum = count_sum(hops.headroom_at_tdp_c)
+        tdp_min, tdp_row = least(hops.headroom_at_tdp_c)
+        drift_n, drift_sum = count_sum(hops.drift_c_per_day)
+        util_n, util_sum = count_sum(hops.util_pct)
+        pairs = np.unique(np.stack([inv, rows], axis=1), axis=0)
+        members: list[set[str]] = [set() for _ in range(k)]
+        for b, row in pairs.tolist():
+            members[b].add(names[row])
+        for b, (g, h) in enumerate(buckets.tolist()):
+            name, site = groups[g]
+            bucket = self._open[(scope, name, site, float(h))]
+            bucket.gpus |= members[b]
+            bucket.n += int(head_n[b])
+            bucket.head_sum += float(head_sum[b])
+            bucket.head_min = min(bucket.head_min, float(head_min[b]))
+            bucket.tdp_n += int(tdp_n[b])
+            bucket.tdp_sum += float(tdp_sum[b])
+            if tdp_row[b] >= 0 and tdp_min[b] < bucket.tdp_min:
+                bucket.tdp_min, bucket.hottest = float(tdp_min[b]), names[tdp_row[b]]
+            bucket.drift_n += int(drift_n[b])
+            bucket.drift_sum += float(drift_sum[b])
+            bucket.util_n += int(util_n[b])
+            bucket.util_sum += float(util_sum[b])
 
     def flush(self) -> list[GroupTrend]:
         """End of input: close every open hour."""
