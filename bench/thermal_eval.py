@@ -65,7 +65,8 @@ def score_trace(spec: Any, cache: Path, config: TrendConfig) -> dict[str, Any]:
     at_limit_when_raised: set[tuple[tuple[str, int], float]] = set()
     for p in preds:
         warned_at[(p.node, int(p.gpu))].append(float(p.ts))
-        if next(s.value for s in p.signals if s.name == "headroom_c") <= 0:
+        headroom_now = next(s.value for s in p.signals if s.name == "headroom_c")
+        if headroom_now is not None and headroom_now <= 0:  # None: the hop had no temperature
             at_limit_when_raised.add(((p.node, int(p.gpu)), float(p.ts)))
     # Warning episodes and whether they came true.
     episodes = true_eps = on_hot = raised_at_limit = 0

@@ -441,3 +441,21 @@ def test_cli_bad_options(files):
 def test_cli_help():
     out = run("--help")
     assert out.exit_code == 0 and "--fleet" in out.stdout and "--weights" in out.stdout
+
+
+def test_thermal_term_weighs_how_hot_a_gpu_runs_at_full_power():
+    """An idle GPU in a hot aisle reads cool now; where a job lands it runs at full power, so
+    the GPUs' temperature at full power (their own fit), when known, decides the thermal term."""
+    invs = [inv for inv in two_site_fleet() if inv.site == "east"]
+    job = intent(8, gpu_types=["a100-sxm-80gb"])
+    # r0's GPUs idle and cool now but 84 C at full power; r1's warmer now (busy a moment ago)
+    # but 62 C at full power.
+    tel = {(f"east-r{r}-n{k}", i): GpuState(temp_c=now, full_power_c=full)
+           for r, now, full in ((0, 32.0, 84.0), (1, 55.0, 62.0)) for k in range(2) for i in range(8)}
+    weights = {**PRESETS["compute-dense"], "thermal": 5.0}
+    best = place_job(job, invs, tel, PlacementSettings(weights=weights, max_rack_share=1.0)).options[0]
+    assert {k[0] for k in best.gpus} <= {"east-r1-n0", "east-r1-n1"}
+    # Without the full-power figures the temperature now decides: the other rack.
+    now_only = {k: GpuState(temp_c=s.temp_c) for k, s in tel.items()}
+    best = place_job(job, invs, now_only, PlacementSettings(weights=weights, max_rack_share=1.0)).options[0]
+    assert {k[0] for k in best.gpus} <= {"east-r0-n0", "east-r0-n1"}

@@ -148,3 +148,35 @@ def test_a_done_move_carries_the_job_s_plan_to_the_new_gpus():
     assert job.ranks == {0: ("n0", 0), 1: ("n1", 5)}
     assert [(r["node"], r["gpu"]) for r in job.plan["ranks"]] == [("n0", 0), ("n1", 5)]
     assert plan["ranks"][1]["node"] == "n2"  # a new plan object: the old one is not edited in place
+
+
+def test_a_migration_goes_where_the_gpus_run_cooler_at_full_power():
+    """Two alike destinations, idle: the one whose GPUs run hotter at full power (their own fits,
+    read from the feature hops) loses placement's thermal term, though both read cool now."""
+    from fleetwise.planner import PlanRequest, cluster_from_inventory, plan_job, resolve_model
+
+    old = inventory(1, model="NVIDIA A100-SXM4-80GB", site="old")
+    new = [n.model_copy(update={"node": f"m{i}"}) for i, n in enumerate(inventory(2, model="NVIDIA B200",
+                                                                                  site="old"))]
+    request = PlanRequest(model=resolve_model("llama-7b"), global_batch=64, job="llm", strategy=(1, 1, 8))
+    plan = plan_job(request, cluster_from_inventory(old))
+
+    def destination(full_power: dict[str, float] | None) -> set[str]:
+        policy = ActionPolicy(PolicyConfig.model_validate({
+            "consolidate": {"mode": "auto", "check_every_s": 10 ** 6},
+            "migrate": {"mode": "auto", "check_every_s": 600, "min_saving": 0.2}}))
+        policy.process([*old, *new, plan])
+        keys = [("n0", g) for g in range(8)] + [(m, g) for m in ("m0", "m1") for g in range(8)]
+        jobs = ["llm"] * 8 + [None] * 16
+        ranks = list(range(8)) + [None] * 16
+        util = np.array([95.0] * 8 + [0.0] * 16)
+        temps = None if full_power is None else np.array([70.0] * 8 + [full_power[k[0]] for k in keys[8:]])
+        out = []
+        for h in range(6):
+            out += policy.observe_utilisation(keys, np.full(24, T0 + 300 * h), util, jobs, ranks, temps)
+        snap = [c for c in out if isinstance(c, Command) and c.type == "migrate"]
+        assert len(snap) == 1
+        return {d[0] for d in snap[0].params["destination"]["gpus"]}
+
+    assert destination({"m0": 62.0, "m1": 84.0}) == {"m0"}
+    assert destination({"m0": 84.0, "m1": 62.0}) == {"m1"}

@@ -26,7 +26,8 @@ GpuKey = tuple[str, int]
 
 
 class UtilisationWindow:
-    """Per-GPU utilisation (0..100 %) with event times, and the job/rank on each GPU."""
+    """Per-GPU utilisation (0..100 %) with event times, the job/rank on each GPU, and each GPU's
+    latest temperature at full power (for placement's thermal term)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = float(window_s)
@@ -34,12 +35,22 @@ class UtilisationWindow:
         self._key_list: list[GpuKey] = []
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ts, gpu index, util)
         self._jobs: list[tuple[float, np.ndarray, list[str | None], list[int | None]]] = []
+        self._full_power_c = np.full(0, np.nan)  # per GPU index, the latest known
 
     def observe(self, keys: Sequence[GpuKey], ts: np.ndarray, util: np.ndarray,
-                jobs: Sequence[str | None] | None = None, ranks: Sequence[int | None] | None = None) -> None:
+                jobs: Sequence[str | None] | None = None, ranks: Sequence[int | None] | None = None,
+                full_power_c: np.ndarray | None = None) -> None:
         index = self._keys
         idx = np.fromiter((index[k] if k in index else self._add(k) for k in keys), dtype=np.int64,
                           count=len(keys))
+        if full_power_c is not None and len(idx):
+            if len(self._full_power_c) < len(self._key_list):
+                grown = np.full(len(self._key_list), np.nan)
+                grown[:len(self._full_power_c)] = self._full_power_c
+                self._full_power_c = grown
+            known = np.flatnonzero(~np.isnan(full_power_c))[::-1]  # the latest row of a GPU first
+            gpus, first = np.unique(idx[known], return_index=True)
+            self._full_power_c[gpus] = np.asarray(full_power_c)[known[first]]
         # Copies: `util` is usually a column of the closed hops' feature matrix, and a view
         # would keep that whole matrix alive as long as the window holds the chunk (~100 MiB
         # for a replayed day of 512 GPUs).
@@ -84,6 +95,11 @@ class UtilisationWindow:
                 if node in nodes and t >= now - self.window_s and u == u:  # u == u: not NaN
                     out.append(UtilSample(ts=t, node=node, gpu=gpu, util=min(max(u / 100.0, 0.0), 1.0)))
         return out
+
+    def full_power_c(self) -> dict[GpuKey, float]:
+        """Each GPU's latest known temperature at full power (`temp_at_tdp_c`)."""
+        return {self._key_list[i]: float(self._full_power_c[i])
+                for i in np.flatnonzero(~np.isnan(self._full_power_c))}
 
     def placements(self) -> dict[str, dict[int, GpuKey]]:
         """The latest job -> {rank: GPU} seen in the window."""
@@ -154,13 +170,15 @@ class Migration:
 
 
 def migration_for(plan: Plan, inventory: Sequence[NodeInventory], out_of_service: Iterable[GpuKey],
-                  min_saving: float, remaining_s: float = 24 * 3600.0) -> Migration | None:
+                  min_saving: float, remaining_s: float = 24 * 3600.0,
+                  full_power_c: Mapping[GpuKey, float] | None = None) -> Migration | None:
     """Ask placement where the job would go now (its current GPUs as the starting point, so the
     move's cost counts); a migration when the best option is another set of GPUs whose total
     cost is at least `min_saving` below staying (placement itself refuses cross-site moves
-    that do not pay back over the remaining time)."""
+    that do not pay back over the remaining time). `full_power_c`: GPUs' temperatures at full
+    power (`UtilisationWindow.full_power_c`), for placement's thermal term."""
     from fleetwise.planner import resolve_model
-    from fleetwise.planner.placement import PlacementError, PlacementSettings, place_job
+    from fleetwise.planner.placement import GpuState, PlacementError, PlacementSettings, place_job
 
     out = set(out_of_service)
     current = [(r.node, r.gpu) for r in plan.ranks]
@@ -176,7 +194,8 @@ def migration_for(plan: Plan, inventory: Sequence[NodeInventory], out_of_service
         for node, _gpu in current:
             per_rack[rack_of.get(node, node)] = per_rack.get(rack_of.get(node, node), 0) + 1
         share = max(PlacementSettings.max_rack_share, max(per_rack.values()) / len(current))
-        result = place_job(intent, usable, settings=PlacementSettings(
+        telemetry = {k: GpuState(full_power_c=t) for k, t in (full_power_c or {}).items()}
+        result = place_job(intent, usable, telemetry, settings=PlacementSettings(
             current=current, current_step_s=plan.predicted_step_s, remaining_s=remaining_s,
             max_rack_share=share))
     except (PlacementError, ValueError, KeyError):

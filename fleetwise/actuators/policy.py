@@ -679,12 +679,14 @@ class ActionPolicy:
 
     def observe_utilisation(self, keys: Sequence[GpuKey], ts: Any, util: Any,
                             jobs: Sequence[str | None] | None = None,
-                            ranks: Sequence[int | None] | None = None) -> list[Record]:
-        """Per-GPU utilisation of closed feature hops (arrays); returns the commands and audit
-        events of a consolidation or migration check that falls due."""
+                            ranks: Sequence[int | None] | None = None,
+                            full_power_c: Any = None) -> list[Record]:
+        """Per-GPU utilisation of closed feature hops (arrays; `full_power_c`: each hop's
+        temperature at full power, for placement); returns the commands and audit events of a
+        consolidation or migration check that falls due."""
         if self.utilisation is None or not len(keys):
             return []
-        self.utilisation.observe(keys, ts, util, jobs, ranks)
+        self.utilisation.observe(keys, ts, util, jobs, ranks, full_power_c)
         now = float(max(ts))
         out: list[Record] = []
         if self._due("consolidate", now, self.config.consolidate.check_every_s):
@@ -758,7 +760,8 @@ class ActionPolicy:
             plan = Plan.model_validate(job.plan)
             if not {r.node for r in plan.ranks} <= set(self.inventory):
                 continue
-            move = migration_for(plan, list(self.inventory.values()), gone, pol.min_saving, pol.remaining_s)
+            move = migration_for(plan, list(self.inventory.values()), gone, pol.min_saving, pol.remaining_s,
+                                 self.utilisation.full_power_c())
             if move is None:
                 continue
             gpus = [list(k) for k in move.destination]

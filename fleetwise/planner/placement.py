@@ -10,7 +10,8 @@ Its total cost is a weighted sum of explicit terms, each dimensionless:
   load      mean live utilisation of the chosen GPUs
   comm      gradient all-reduce time with the mean link between chosen GPUs / reference step
   latency   mean link latency between chosen GPUs / the spine's latency
-  thermal   mean heat of the chosen GPUs, 0 at ``cool_c`` .. 1 at the slowdown point
+  thermal   mean heat of the chosen GPUs, 0 at ``cool_c`` .. 1 at the slowdown point (their
+            temperature at full power where known, else their temperature now)
   carbon    gCO2 per step / (the best energy per step x the dirtiest site's intensity)
   move      seconds to move the job's state here / the job's remaining seconds
 
@@ -109,6 +110,10 @@ class GpuState:
     job: str | None = None
     slowdown_c: float | None = None
     ts: float = 0.0
+    # How hot it would run at full power (its own temperature-on-power fit: `temp_at_tdp_c` of
+    # the feature records). The thermal term prefers it to `temp_c`: a job runs its GPUs at
+    # full power, and an idle GPU in a hot aisle reads cool now.
+    full_power_c: float | None = None
 
 
 def telemetry_from_samples(
@@ -429,11 +434,14 @@ def _est_step_s(intent: JobIntent, spec: GpuSpec, n: int) -> float:
 
 
 def _heat(state: GpuState | None, settings: PlacementSettings) -> float:
-    if state is None or state.temp_c is None:
+    if state is None:
+        return 0.0
+    temp = state.full_power_c if state.full_power_c is not None else state.temp_c
+    if temp is None:
         return 0.0
     top = state.slowdown_c if state.slowdown_c is not None else settings.default_slowdown_c
     span = max(top - settings.cool_c, 1e-9)
-    return min(1.0, max(0.0, (state.temp_c - settings.cool_c) / span))
+    return min(1.0, max(0.0, (temp - settings.cool_c) / span))
 
 
 def _cap(share: float, n: int) -> int:

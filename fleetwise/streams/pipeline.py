@@ -56,6 +56,7 @@ from fleetwise.streams.limits import SampleGate
 Item = Record | FastGpuSample | FastTrainingStep | SampleColumns
 _MODEL = attrgetter("model")
 _UTIL_MEAN = FEATURE_NAMES.index("util_mean")
+_FULL_POWER = FEATURE_NAMES.index("temp_at_tdp_c")
 
 
 class Routed(NamedTuple):
@@ -454,7 +455,7 @@ class ControlPlane:
             # Consolidation watches each GPU's mean utilisation per hop and who runs there.
             job_ranks = self.features.closed_job_ranks
             routed.extend(self._route_outputs(self.policy.observe_utilisation(
-                keys, ts, feats[:, _UTIL_MEAN], job_ranks.jobs, job_ranks.ranks)))
+                keys, ts, feats[:, _UTIL_MEAN], job_ranks.jobs, job_ranks.ranks, feats[:, _FULL_POWER])))
         return routed
 
     def _places(self, slots: Any) -> list[tuple[str | None, str | None]]:
