@@ -3,8 +3,8 @@
 A `thermal` prediction says a GPU has no headroom to its thermal limit at full power within
 24 h. What a trace can confirm:
 
-- a *warning episode* (a GPU's predictions, a new episode after 6 h without one) raised while the
-  GPU was below its limit is a forecast; it comes true when the GPU's hottest sample reaches the
+- a *warning episode* (from a GPU's first prediction to the one that clears it) raised while
+  the GPU was below its limit is a forecast; it comes true when the GPU's hottest sample reaches the
   limit within 24 h of the episode's start, or its thermal-interface failure starts throttling
   it then; precision = forecasts that come true (episodes raised at the limit are counted apart);
 - a *limit episode* (a hop at or over the limit after 24 h without one) was warned when a
@@ -39,7 +39,6 @@ from fleetwise.predictors.features import FEATURE_NAMES  # noqa: E402
 from fleetwise.predictors.training import compute_features_raw  # noqa: E402
 from fleetwise.predictors.trends import ThermalHeadroom, TrendConfig  # noqa: E402
 
-EPISODE_GAP_S = 6 * 3600.0
 HORIZON_S = 24 * 3600.0
 MIN_LEAD_S = 3600.0
 _TMAX = FEATURE_NAMES.index("temp_max")
@@ -61,20 +60,28 @@ def score_trace(spec: Any, cache: Path, config: TrendConfig) -> dict[str, Any]:
     for lab in labels:
         if lab.get("kind") == "straggler" and lab.get("cause") == "thermal":
             sudden[(lab["node"], int(lab["gpu"]))].append(float(lab["start_ts"]))
-    warned_at: dict[tuple[str, int], list[float]] = defaultdict(list)
-    at_limit_when_raised: set[tuple[tuple[str, int], float]] = set()
+    # Each GPU's warning episodes: from a prediction while none was open to the one that clears
+    # (a chance under half the lowest band); `watched` holds the times a GPU was under watch.
+    starts: dict[tuple[str, int], list[tuple[float, bool]]] = defaultdict(list)  # (start, at limit)
+    watched: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    open_since: dict[tuple[str, int], float] = {}
+    clear_below = config.bands[0] / 2.0
     for p in preds:
-        warned_at[(p.node, int(p.gpu))].append(float(p.ts))
-        headroom_now = next(s.value for s in p.signals if s.name == "headroom_c")
-        if headroom_now is not None and headroom_now <= 0:  # None: the hop had no temperature
-            at_limit_when_raised.add(((p.node, int(p.gpu)), float(p.ts)))
+        key, t = (p.node, int(p.gpu)), float(p.ts)
+        if key not in open_since:
+            headroom_now = next(s.value for s in p.signals if s.name == "headroom_c")
+            starts[key].append((t, headroom_now is not None and headroom_now <= 0))  # None: no temperature
+            open_since[key] = t
+        if p.probability < clear_below:
+            watched[key].append((open_since.pop(key), t))
+    for key, t in open_since.items():
+        watched[key].append((t, np.inf))
     # Warning episodes and whether they came true.
     episodes = true_eps = on_hot = raised_at_limit = 0
-    for key, times in warned_at.items():
-        starts = [t for k, t in enumerate(times) if k == 0 or t - times[k - 1] > EPISODE_GAP_S]
-        for t0 in starts:
+    for key, eps in starts.items():
+        for t0, at_limit_then in eps:
             on_hot += key in hot_healthy
-            if (key, t0) in at_limit_when_raised:
+            if at_limit_then:
                 raised_at_limit += 1
                 continue
             episodes += 1
@@ -94,10 +101,11 @@ def score_trace(spec: Any, cache: Path, config: TrendConfig) -> dict[str, Any]:
                 limit_sudden += 1
                 continue
             limit_eps += 1
-            ahead = [t for t in warned_at.get(key, []) if t0 - HORIZON_S <= t <= t0 - MIN_LEAD_S]
+            # Warned: under watch at some time 1-24 h before (its lead: from the latest such start).
+            ahead = [a for a, b in watched.get(key, []) if a <= t0 - MIN_LEAD_S and b >= t0 - HORIZON_S]
             if ahead:
                 limit_warned += 1
-                leads.append((t0 - min(ahead)) / 3600.0)
+                leads.append(min((t0 - max(ahead)) / 3600.0, HORIZON_S / 3600.0))
     # Thermal-interface failures warned before their throttling starts.
     tim_n = tim_warned = 0
     tim_leads: list[float] = []
@@ -106,12 +114,12 @@ def score_trace(spec: Any, cache: Path, config: TrendConfig) -> dict[str, Any]:
         if start - table.ts.min() < HORIZON_S:
             continue
         tim_n += 1
-        before = [t for t in warned_at.get(key, []) if lab["precursor_start_ts"] <= t < start]
+        before = [a for a, b in watched.get(key, []) if a < start and b >= lab["precursor_start_ts"]]
         if before:
             tim_warned += 1
-            tim_leads.append((start - min(before)) / 3600.0)
+            tim_leads.append((start - max(before[-1], lab["precursor_start_ts"])) / 3600.0)
     return {"name": spec.name, "gpu_days": table.gpu_days, "predictions": len(preds),
-            "gpus_warned": len(warned_at), "episodes": episodes, "true": true_eps,
+            "gpus_warned": len(starts), "episodes": episodes, "true": true_eps,
             "raised_at_limit": raised_at_limit, "on_hot_healthy": on_hot, "hot_healthy": len(hot_healthy),
             "limit_eps": limit_eps, "limit_sudden": limit_sudden, "limit_warned": limit_warned,
             "leads": leads, "tim": tim_n, "tim_warned": tim_warned, "tim_leads": tim_leads}

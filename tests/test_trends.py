@@ -57,26 +57,44 @@ def test_headroom_drift_and_chance_of_running_out() -> None:
     assert h.probability[4] == pytest.approx(0.5 * math.erfc(-0.5 / math.sqrt(2)))
 
 
-def test_thermal_predictions_rate_limited_and_informational() -> None:
-    hot = {"temp_max": 84.0, "temp_at_tdp_c": 86.0, "temp_at_tdp_drift_c_per_h": 0.0}
-    cool = {"temp_max": 60.0, "temp_at_tdp_c": 70.0, "temp_at_tdp_drift_c_per_h": 0.0}
-    th = ThermalHeadroom(TrendConfig(emit_every_s=3600.0))
-    keys = [("n1", 0), ("n1", 1)] * 7
-    ts = np.repeat(T0 + 600.0 * np.arange(7), 2)
-    preds, _ = th.process_arrays(keys, ts, feats([hot, cool] * 7), [("job-a", 3), (None, None)] * 7)
-    # One per hour for the hot GPU (hops at 0 and 60 min), none for the cool one.
-    assert [(p.node, p.gpu, p.ts) for p in preds] == [("n1", 0, T0), ("n1", 0, T0 + 3600.0)]
+def test_thermal_predictions_said_when_their_band_changes() -> None:
+    def row(at_tdp: float) -> dict[str, float]:
+        return {"temp_max": 80.0, "temp_at_tdp_c": at_tdp, "temp_at_tdp_drift_c_per_h": 0.0}
+
+    cool = row(70.0)  # p ~ 0
+    mid = row(85.0)  # p = 0.16: under the first band (0.2), over half of it (0.1)
+    watch = row(86.0)  # p = 0.31: the first band
+    likely = row(87.5)  # p = 0.60: the second
+    th = ThermalHeadroom(TrendConfig(bands=(0.2, 0.5, 0.9), lower_hops=3, heartbeat_s=86400.0))
+    seq = [watch] * 4 + [likely] * 2 + [mid] * 2 + [likely] + [mid] * 3 + [cool] * 3
+    keys = [("n1", 0), ("n1", 1)] * len(seq)
+    ts = np.repeat(T0 + 600.0 * np.arange(len(seq)), 2)
+    rows = [r for x in seq for r in (x, cool)]
+    preds, _ = th.process_arrays(keys, ts, feats(rows), [("job-a", 3), (None, None)] * len(seq))
+    said = [((p.ts - T0) / 600, round(p.probability, 2)) for p in preds]
+    # Raised at hop 0 (watch), up at hop 4 (likely), not down for a 2-hop dip; down after 3 hops
+    # under 0.25 at hop 11 (to the first band: 0.16 is over its half, 0.1); cleared (under 0.1)
+    # after 3 hops at hop 14. At 0.31 after 0.6 it would have stayed "likely" (over 0.25).
+    assert said == [(0, 0.31), (4, 0.6), (11, 0.16), (14, 0.0)], said
+    assert all(p.node == "n1" and p.gpu == 0 for p in preds)  # n1/1 stayed cool: nothing said
     p = preds[0]
     assert p.type == "thermal" and p.alert is False and p.job == "job-a" and p.rank == 3
     assert p.probability == pytest.approx(0.5 * math.erfc(1.0 / 2.0 / math.sqrt(2)), abs=1e-4)
     assert {s.name: s.value for s in p.signals}["headroom_at_tdp_c"] == 1.0
-    assert "86.0 C at full power" in p.reason
-    # The rate limit survives a restore (a restarted worker does not repeat the hour's record).
-    again = ThermalHeadroom(TrendConfig(emit_every_s=3600.0))
-    for key in th.keys():
-        again.restore(key, th.state(key))
-    assert again.process_arrays([("n1", 0)], np.array([T0 + 3900.0]), feats([hot]))[0] == []
-    assert len(th.process_arrays([("n1", 0)], np.array([T0 + 3900.0]), feats([hot]))[0]) == 0
+    assert "would run at 86.0 C at full power" in p.reason and "peaked at 80 C" in p.reason
+    # A day on the same band: one heartbeat.
+    th2 = ThermalHeadroom()
+    day = np.arange(0, 86400.0 + 600.0, 600.0)
+    beats, _ = th2.process_arrays([("n2", 0)] * len(day), T0 + day, feats([watch] * len(day)))
+    assert [p.ts - T0 for p in beats] == [0.0, 86400.0]
+    # What was said survives a restore: a restarted worker does not say it again.
+    again = ThermalHeadroom()
+    for key in th2.keys():
+        again.restore(key, th2.state(key))
+    assert again.keys() == ["n2/0"]
+    assert again.process_arrays([("n2", 0)], np.array([T0 + 87000.0]), feats([watch]))[0] == []
+    fresh = ThermalHeadroom().process_arrays([("n2", 0)], np.array([T0 + 87000.0]), feats([watch]))[0]
+    assert len(fresh) == 1
 
 
 def test_rollups_per_rack_and_site_close_by_event_time() -> None:
@@ -142,8 +160,9 @@ def test_control_plane_warns_of_a_gpu_losing_its_headroom(tmp_path: Path) -> Non
     assert 36 < first_h < 72 - 18, first_h
     drifts = [next(s.value for s in p.signals if s.name == "drift_c_per_day") for p in thermal]
     assert all(22.0 * 24 / 72 * 0.9 < d < 22.0 * 24 / 72 * 1.1 for d in drifts), drifts
+    # Said as the chance rose through the bands: 0.2, 0.5, 0.9.
     probs = [p.probability for p in thermal]
-    assert probs[-1] > 0.95 and probs[-1] > probs[0]
+    assert len(thermal) == 3 and 0.2 <= probs[0] < 0.5 <= probs[1] < 0.9 <= probs[2]
     assert all(not p.alert for p in thermal)
     rows = control.trend_rows
     assert {(r.scope, r.name) for r in rows} == {("rack", "r1"), ("rack", "r2"), ("site", "s1")}

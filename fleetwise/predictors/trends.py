@@ -12,8 +12,8 @@ Per closed feature hop of a GPU (fleetwise.predictors.features):
 
 `ThermalHeadroom` turns these into `thermal` predictions per GPU: the chance that the GPU runs
 out of headroom at full power within `horizon_h` (the drift carried forward, a normal forecast
-error of `sigma_c`), and at least the chance that it has none now. They inform (report,
-dashboards, placement by an operator); no command acts on them, so their `alert` is always false.
+error of `sigma_c`), and at least the chance that it has none now; said when it changes band.
+They inform (report, dashboards, placement); no command acts on them, so `alert` is false.
 
 `FleetTrends` rolls the hops up per rack and per site by event-time hour: GPUs seen, headroom
 (minimum, mean; now and at full power), drift, utilisation, and the least-squares trends of the
@@ -47,8 +47,11 @@ class TrendConfig:
     limit_c: float = THERMAL_LIMIT_C
     horizon_h: float = 24.0  # the forecast's reach
     sigma_c: float = 2.0  # forecast error of the full-power temperature (fit and sensor noise)
-    emit_floor: float = 0.2  # a GPU's thermal prediction is emitted at this chance or above ...
-    emit_every_s: float = 3600.0  # ... at most once per this much event time
+    # A GPU's thermal predictions: when its chance moves into another band (the first is the
+    # floor below which nothing is said), falls ones after `lower_hops` hops, and a heartbeat.
+    bands: tuple[float, ...] = (0.2, 0.5, 0.9)
+    lower_hops: int = 3
+    heartbeat_s: float = 86400.0
     trend_hours: int = 6  # hourly means a group's trend is fitted over
     close_after_s: float = 900.0  # an hour's roll-up closes this long after it ends (hop lateness)
 
@@ -90,60 +93,108 @@ def _num(x: float) -> float | None:
     return None if np.isnan(x) else round(float(x), 2)
 
 
+@dataclass
+class _Watch:
+    band: int  # the band last emitted (index into TrendConfig.bands, +1; 0: cleared)
+    last_ts: float  # event time of the last prediction
+    lower: int = 0  # consecutive hops in a lower band since
+
+
 class ThermalHeadroom:
-    """`thermal` predictions per GPU: at most one per `emit_every_s` while the chance of running
-    out of headroom at full power within the horizon is at or above `emit_floor`."""
+    """`thermal` predictions per GPU when its chance of running out of headroom changes band
+    (`bands`: 0.2, 0.5, 0.9): at once when it rises, after `lower_hops` hops below half the
+    band's threshold when it falls (a record under half the lowest clears the GPU), and once per
+    `heartbeat_s` while it stays watched. A hot fleet holds many GPUs near their limit for days:
+    one record per change says what one per hop would."""
 
     def __init__(self, config: TrendConfig | None = None) -> None:
         self.config = config or TrendConfig()
-        self._last_emit: dict[str, float] = {}  # node/gpu -> event time of its last prediction
+        self._watch: dict[tuple[str, int], _Watch] = {}  # (node, gpu) -> what was last said of it
 
     def process_arrays(
         self, keys: Sequence[tuple[str, int]], ts: np.ndarray, features: np.ndarray,
         job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
     ) -> tuple[list[Prediction], HopHeadroom]:
         """Predictions for closed hops (event-time order per GPU) and every row's headroom."""
-        hops = hop_headroom(features, self.config)
-        out: list[Prediction] = []
         cfg = self.config
-        for i in np.flatnonzero(hops.probability >= cfg.emit_floor):
-            node, gpu = keys[i]
-            key = f"{node}/{gpu}"
-            t = float(ts[i])
-            last = self._last_emit.get(key)
-            if last is not None and t - last < cfg.emit_every_s:
+        hops = hop_headroom(features, cfg)
+        prob = np.nan_to_num(hops.probability)
+        band = np.searchsorted(np.asarray(cfg.bands), prob, side="right")
+        # A band is left below half its threshold (a chance hovering at 0.2 is said once).
+        band_low = np.searchsorted(np.asarray(cfg.bands) / 2.0, prob, side="right")
+        out: list[Prediction] = []
+        watched = self._watch
+        # The rows of GPUs watched already or from this call on (their later rows may fall or clear).
+        rows = band > 0
+        gpus = set(watched).union(keys[i] for i in np.flatnonzero(rows))
+        if gpus:
+            rows |= np.fromiter((k in gpus for k in keys), dtype=bool, count=len(keys))
+        for i in np.flatnonzero(rows):
+            key = keys[i]
+            b, t = int(band[i]), float(ts[i])
+            w = watched.get(key)
+            if w is None:
+                if b == 0:
+                    continue
+                watched[key] = _Watch(b, t)
+            elif b > w.band or (b == w.band and t - w.last_ts >= cfg.heartbeat_s):
+                w.band, w.last_ts, w.lower = b, t, 0
+            elif band_low[i] < w.band:
+                w.lower += 1
+                if w.lower < cfg.lower_hops:
+                    continue
+                b = int(band_low[i])  # the band it is in now, by the falling thresholds
+                w.band, w.last_ts, w.lower = b, t, 0
+                if b == 0:
+                    del watched[key]
+            else:
+                w.lower = 0
                 continue
-            self._last_emit[key] = t
-            job, rank = job_ranks[i] if job_ranks is not None else (None, None)
-            p = float(hops.probability[i])
-            drift = _num(hops.drift_c_per_day[i])
-            out.append(Prediction(
-                id=f"thermal:{key}:{t:.0f}", type="thermal", ts=t, node=node, gpu=int(gpu), job=job,
-                rank=rank, probability=round(p, 4), horizon_h=cfg.horizon_h, alert=False,
-                signals=[Signal(name="headroom_at_tdp_c", value=_num(hops.headroom_at_tdp_c[i])),
-                         Signal(name="drift_c_per_day", value=drift),
-                         Signal(name="headroom_c", value=_num(hops.headroom_c[i])),
-                         Signal(name="thermal_duty_6h", value=_num(hops.thermal_duty[i]))],
-                reason=(f"{key} peaked at {cfg.limit_c - hops.headroom_c[i]:.0f} C this hop and would run "
-                        f"at {cfg.limit_c - hops.headroom_at_tdp_c[i]:.1f} C at full power (limit "
-                        f"{cfg.limit_c:g} C), drifting {drift or 0.0:+.2f} C/day: {p:.0%} chance of no "
-                        f"headroom within {cfg.horizon_h:g} h"),
-            ))
+            out.append(self._prediction(key, t, hops, i, job_ranks))
         return out, hops
+
+    def _prediction(self, where: tuple[str, int], t: float, hops: HopHeadroom, i: int,
+                    job_ranks: Sequence[tuple[str | None, int | None]] | None) -> Prediction:
+        cfg = self.config
+        key = f"{where[0]}/{where[1]}"
+        job, rank = job_ranks[i] if job_ranks is not None else (None, None)
+        p = float(np.nan_to_num(hops.probability[i]))
+        drift = _num(hops.drift_c_per_day[i])
+        peak = "" if np.isnan(hops.headroom_c[i]) else \
+            f" peaked at {cfg.limit_c - hops.headroom_c[i]:.0f} C and"
+        at_tdp = "" if np.isnan(hops.headroom_at_tdp_c[i]) else \
+            f" would run at {cfg.limit_c - hops.headroom_at_tdp_c[i]:.1f} C at full power,"
+        return Prediction(
+            id=f"thermal:{key}:{t:.0f}", type="thermal", ts=t, node=where[0], gpu=int(where[1]), job=job,
+            rank=rank, probability=round(p, 4), horizon_h=cfg.horizon_h, alert=False,
+            signals=[Signal(name="headroom_at_tdp_c", value=_num(hops.headroom_at_tdp_c[i])),
+                     Signal(name="drift_c_per_day", value=drift),
+                     Signal(name="headroom_c", value=_num(hops.headroom_c[i])),
+                     Signal(name="thermal_duty_6h", value=_num(hops.thermal_duty[i]))],
+            reason=(f"{key}{peak}{at_tdp} drifting {drift or 0.0:+.2f} C/day (limit {cfg.limit_c:g} C): "
+                    f"{p:.0%} chance of no headroom within {cfg.horizon_h:g} h"),
+        )
 
     # -- state (changelogged per GPU like the other processors) ------------------------------
     def keys(self) -> list[str]:
-        return list(self._last_emit)
+        return [f"{node}/{gpu}" for node, gpu in self._watch]
+
+    @staticmethod
+    def _gpu(key: str) -> tuple[str, int]:
+        node, _, gpu = key.rpartition("/")
+        return node, int(gpu)
 
     def state(self, key: str) -> dict:
-        return {"last_emit": self._last_emit[key]} if key in self._last_emit else {}
+        w = self._watch.get(self._gpu(key))
+        return {} if w is None else {"band": w.band, "last_ts": w.last_ts, "lower": w.lower}
 
     def restore(self, key: str, state: dict) -> None:
-        if "last_emit" in state:
-            self._last_emit[key] = float(state["last_emit"])
+        if state:
+            self._watch[self._gpu(key)] = _Watch(int(state["band"]), float(state["last_ts"]),
+                                                 int(state.get("lower", 0)))
 
     def forget(self, key: str) -> None:
-        self._last_emit.pop(key, None)
+        self._watch.pop(self._gpu(key), None)
 
 
 @dataclass
