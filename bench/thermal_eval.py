@@ -93,8 +93,8 @@ def score_trace(spec: Any, cache: Path, config: TrendConfig) -> dict[str, Any]:
     limit_eps = limit_warned = limit_sudden = 0
     leads: list[float] = []
     for key, times in at_limit.items():
-        starts = [t for k, t in enumerate(times) if k == 0 or t - times[k - 1] > HORIZON_S]
-        for t0 in starts:
+        firsts = [t for k, t in enumerate(times) if k == 0 or t - times[k - 1] > HORIZON_S]
+        for t0 in firsts:
             if t0 - table.ts.min() < HORIZON_S:
                 continue  # no day of history to be warned in
             if any(t0 - 3600.0 <= t <= t0 for t in sudden.get(key, [])):
