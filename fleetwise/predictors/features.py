@@ -879,7 +879,7 @@ class GpuFeatureWindows:
             inlet_s_now, rth_s_now = _ridge_fit(ew[:, slow])  # the 72 h fit with this hop
             drift, lag_fast = _drift_per_h(inlet_f + rth_f, inlet_s_now + rth_s_now, ew[:, E_REG_FAST],
                                            ew[:, E_REG_SLOW])
-            f[:, _FI["temp_at_tdp_c"]] = inlet_f + rth_f + np.nan_to_num(drift) * lag_fast
+            f[:, _FI["temp_at_tdp_c"]] = inlet_f + rth_f + np.where(np.isnan(drift), 0.0, drift * lag_fast)
             f[:, _FI["temp_at_tdp_drift_c_per_h"]] = drift
             f[:, _FI["temp_residual"]] = resid
             have = ~np.isnan(resid)
