@@ -184,3 +184,31 @@ def test_control_plane_warns_of_a_gpu_losing_its_headroom(tmp_path: Path) -> Non
     assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n2", "r2", at="now") == 87.0 - 37.0
     assert gauge("fleetwise_gpu_temp_drift_celsius_per_day", "n1", "r1") == pytest.approx(22.0 / 3, rel=0.1)
     assert gauge("fleetwise_gpu_utilisation_percent", "n2", "r2") == pytest.approx(95.0 * 0.3)
+
+
+def test_replay_cli_writes_trends_and_draws_them_in_the_report(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+    from fleetwise.sim import FleetSimulator, SimConfig, write_trace
+
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:16,a100-sxm-80gb:16", days=0.5, seed=5))
+    trace = tmp_path / "t.jsonl.gz"
+    write_trace(sim, trace)
+    inventory = tmp_path / "inv.jsonl"
+    inventory.write_text("".join(json.dumps(inv) + "\n" for inv in sim.inventory()))
+    racks = {inv["rack"] for inv in sim.inventory()}
+    sites = {inv["site"] for inv in sim.inventory()}
+    out = CliRunner().invoke(app, ["replay", str(trace), "--inventory", str(inventory), "--out",
+                                   str(tmp_path / "d.jsonl"), "--trends", str(tmp_path / "tr.jsonl"),
+                                   "--report", str(tmp_path / "r.html"), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in (tmp_path / "tr.jsonl").read_text().splitlines()]
+    assert {r["name"] for r in rows if r["scope"] == "rack"} == racks
+    assert {r["name"] for r in rows if r["scope"] == "site"} == sites
+    hours = sorted({r["hour_ts"] for r in rows})
+    assert len(hours) in (12, 13) and all(b - a == 3600.0 for a, b in zip(hours, hours[1:], strict=False))
+    assert sum(r["gpus"] for r in rows if r["scope"] == "site" and r["hour_ts"] == hours[3]) == 32
+    html = (tmp_path / "r.html").read_text()
+    assert "Thermal headroom and utilisation per site and rack" in html
+    assert all(f"<td>{rack}</td>" in html for rack in racks)
