@@ -633,6 +633,54 @@ def test_an_elastic_pytorchjob_grows_by_its_worker_replicas(cluster):
     assert cluster.pod_group("pt")["spec"]["minMember"] == 2
 
 
+def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
+    """Pods a PyTorchJob owns are its operator's: a migration's transfer re-targets its Worker
+    template (GPU product, node affinity to the destination, replicas) and evicts its pods, which
+    the operator makes again from the new template (no operator runs here: the test checks the
+    job and the evictions)."""
+    from pathlib import Path
+
+    from fleetwise.schemas import JobConstraints
+
+    cluster.kube.install_crds([Path(__file__).parent / "data" / "pytorchjob-crd.yaml"])
+    nodes = cluster.add_nodes(["h100-sxm", "b200"])
+    home, there = cluster.node_name(0), cluster.node_name(1)
+    plan = _plan({home: nodes[home]}).model_copy(update={"constraints": JobConstraints(max_gpus=16)})
+    cluster.kube.apply(render_plan(plan, "ptm", "team-a", namespace=cluster.ns, workload="pytorchjob"))
+    job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptm")
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    cluster.core.create_namespaced_pod(cluster.ns, {
+        "metadata": {**template["metadata"], "name": "ptm-worker-0", "ownerReferences": [{
+            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ptm",
+            "uid": job["metadata"]["uid"], "controller": True}]},
+        "spec": {**template["spec"], "nodeName": home}})
+    consumer = _consumer(cluster)
+    assert consumer.on_ack(Ack(command_id="snap-p", ts=NOW, by="training-plugin", status="done")) == []
+    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
+    move = sign(_cmd(type="migrate", job="ptm", requires=["snap-p"], params={
+        "phase": "transfer", "checkpoint_uri": "file:///ckpt/ptm", "destination": dest}), KEYS)
+    (ack,) = consumer.on_command(move)
+    assert ack.status == "done", ack.detail
+    assert f"PyTorchJob ptm: Worker template moved to {there} (1 replicas), 1 pod(s) evicted" in ack.detail
+    worker = cluster.custom.get_namespaced_custom_object(
+        "kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptm")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    spec = worker["template"]["spec"]
+    assert worker["replicas"] == 1 and spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-B200"
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert {"key": "kubernetes.io/hostname", "operator": "In", "values": [there]} in term["matchExpressions"]
+    assert {c["resources"]["limits"]["nvidia.com/gpu"] for c in spec["containers"]
+            if "nvidia.com/gpu" in c["resources"].get("limits", {})} == {"8"}
+    pods = cluster.pods("ptm")
+    assert "ptm-worker-0" not in pods or pods["ptm-worker-0"].metadata.deletion_timestamp is not None
+    assert len(pods) <= 1  # none made by the consumer: the operator's to make
+    pg = cluster.pod_group("ptm")
+    assert pg["spec"]["subGroups"] == [{"name": "b200", "minMember": 1}] and pg["spec"]["minMember"] == 1
+    # Done on the cluster: a restarted consumer changes nothing.
+    (ack,) = _consumer(cluster).on_command(move)
+    assert (ack.status, ack.detail) == ("done", "duplicate")
+
+
 def test_a_migration_transfer_moves_the_job_s_pods_to_the_destination(cluster):
     nodes = cluster.add_nodes(["h100-sxm", "b200"])
     home, there = cluster.node_name(0), cluster.node_name(1)

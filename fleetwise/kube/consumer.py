@@ -554,13 +554,11 @@ def _new_subgroup(product: str, gpus: int, subs: Mapping[str, Any]) -> tuple[str
     raise ValueError(f"no free subgroup name for {product}")
 
 
-def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subgroup: str, product: str,
-                 gpus: int, node: str, command_id: str) -> dict[str, Any]:
-    """A new pod of the job for GPUs joining on `node`: a copy of one of its running pods, in
-    `subgroup`, asking for `gpus` GPUs of `product`, and held to `node` (the GPUs the control
-    plane chose) by node affinity; KAI still schedules it with the gang."""
-    meta = template.get("metadata", {})
-    spec = copy.deepcopy(dict(template.get("spec", {})))
+def _pinned_spec(pod_spec: Mapping[str, Any], product: str, gpus: int,
+                 nodes: Sequence[str]) -> dict[str, Any]:
+    """A copy of a pod spec asking for `gpus` GPUs of `product` per pod and held to `nodes` (the
+    GPUs the control plane chose) by required node affinity; KAI still schedules it with the gang."""
+    spec = copy.deepcopy(dict(pod_spec))
     for key in ("nodeName", "priority"):  # set by the scheduler / the priority admission plugin
         spec.pop(key, None)
     # The service-account token volume is the admission plugin's: the new pod gets its own.
@@ -577,7 +575,7 @@ def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subg
                 res["nvidia.com/gpu"] = str(gpus)
     if GFD_PRODUCT_LABEL in spec.get("nodeSelector", {}):
         spec["nodeSelector"][GFD_PRODUCT_LABEL] = product
-    pin = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
+    pin = {"key": HOSTNAME_LABEL, "operator": "In", "values": list(nodes)}
     required = (spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
                 .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
     # Terms are ORed: the node pin (and the GPU terms) go into every one of them.
@@ -591,6 +589,15 @@ def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subg
         if gpus > 1:
             exprs.append({"key": GPU_COUNT_LABEL, "operator": "Gt", "values": [str(gpus - 1)]})
         term["matchExpressions"] = [*exprs, pin]
+    return spec
+
+
+def _joining_pod(template: Mapping[str, Any], *, name: str, namespace: str, subgroup: str, product: str,
+                 gpus: int, node: str, command_id: str) -> dict[str, Any]:
+    """A new pod of the job for GPUs joining on `node`: a copy of one of its running pods, in
+    `subgroup`, asking for `gpus` GPUs of `product`, held to `node` (`_pinned_spec`)."""
+    meta = template.get("metadata", {})
+    spec = _pinned_spec(template.get("spec", {}), product, gpus, [node])
     labels = {**(meta.get("labels") or {}), KAI_SUBGROUP_LABEL: subgroup, "fleetwise.io/subgroup": subgroup}
     annotations = {**(meta.get("annotations") or {}), ANN_JOINED_BY: command_id}
     return {"apiVersion": "v1", "kind": "Pod",
@@ -831,6 +838,45 @@ def _pg_done(pg: Mapping[str, Any], command: Command) -> Action:
         namespace=pg.get("namespace"), patch="merge")
 
 
+def _move_pytorchjob(command: Command, view: ClusterView,
+                     joins: Sequence[Join]) -> tuple[list[Action], str]:
+    """A migration of a job whose pods a PyTorchJob owns: its Worker template re-targeted to the
+    destination (GPU product and count per pod, required node affinity to the destination's
+    nodes) with as many replicas as the destination holds pods, then its pods evicted: the
+    training operator makes them again from the new template, and KAI places them with the
+    re-targeted gang. The patch is absolute, so a resumed consumer applies the same one.
+    (actions, detail; no actions: why not)."""
+    wl = view.workload
+    assert wl is not None
+    worker = (wl["spec"].get("pytorchReplicaSpecs") or {}).get("Worker")
+    if not worker or not (worker.get("template") or {}).get("spec"):
+        return [], f"no pod moved: PyTorchJob {wl['name']} has no Worker template to move"
+    shapes = {(j[2], j[4]) for j in joins if j[3]}
+    if len(shapes) != 1:
+        return [], (f"no pod moved: the destination holds pods of {len(shapes)} GPU products or sizes, "
+                    f"PyTorchJob {wl['name']}'s Worker template one")
+    ((product, per_pod),) = shapes
+    nodes = sorted({j[1] for j in joins if j[3]})
+    replicas = sum(j[3] for j in joins)
+    elastic = wl["spec"].get("elasticPolicy") or {}
+    low, high = elastic.get("minReplicas"), elastic.get("maxReplicas")
+    if (low is not None and replicas < int(low)) or (high is not None and replicas > int(high)):
+        return [], (f"no pod moved: {replicas} Worker replicas on the destination are outside PyTorchJob "
+                    f"{wl['name']}'s elasticPolicy ({low}-{high})")
+    spec = _pinned_spec(worker["template"]["spec"], product, per_pod, nodes)
+    parts = ("nodeSelector", "affinity", "containers", "initContainers")
+    moved = {key: spec[key] for key in parts if key in spec}
+    patch = {"replicas": replicas, "template": {"spec": moved}}
+    actions = [Action("patch", "PyTorchJob", wl["name"], {"spec": {"pytorchReplicaSpecs": {"Worker": patch}}},
+                      f"{command.job} moves to {', '.join(nodes)}: {replicas} Worker replicas of {per_pod} "
+                      f"{product} GPUs there", namespace=wl["namespace"], patch="merge")]
+    old = [p for p in view.pods if not p.get("deleting")]
+    actions += [_evict(p, f"{p['name']} of {command.job} leaves: the operator makes it again on the "
+                          "destination") for p in old]
+    return actions, (f"; PyTorchJob {wl['name']}: Worker template moved to {', '.join(nodes)} ({replicas} "
+                     f"replicas), {len(old)} pod(s) evicted for its operator to make there")
+
+
 def _decide_transfer(command: Command, view: ClusterView) -> Decision:
     """A migration's transfer (after its snapshot is done): the job's gang re-targeted to the
     destination's GPUs (`destination.gpus`: [node, gpu] pairs), its pods made there, the old ones
@@ -859,6 +905,14 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
                                      f"{command.job} moves to {', '.join(sorted({j[1] for j in joins}))}"))
         out.actions.append(_cm_patch(view, command, "migration.json", record,
                                      "the new pods read the checkpoint to restore from here"))
+    if view.workload is not None:  # a PyTorchJob's pods: its operator makes them from the moved template
+        moved, why = _move_pytorchjob(command, view, joins)
+        if not moved:
+            return Decision(error=f"migrate transfer: {why}")
+        out.actions += moved
+        out.finish.append(_pg_done(pg, command))
+        out.detail = f"PodGroup {pg['name']}: minMember {max(1, total)} on the destination{why}"
+        return out
     created, skipped = _joining_pods(command, view, joins, out, count_live=False)
     old = [p for p in view.pods if not p.get("deleting") and p["name"] not in created
            and _joined_by(p) != command.id]
