@@ -661,7 +661,7 @@ def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
         "phase": "transfer", "checkpoint_uri": "file:///ckpt/ptm", "destination": dest}), KEYS)
     (ack,) = consumer.on_command(move)
     assert ack.status == "done", ack.detail
-    assert f"PyTorchJob ptm: Worker template moved to {there} (1 replicas), 1 pod(s) evicted" in ack.detail
+    assert f"PyTorchJob ptm: Worker template on {there} (1 replicas), 1 pod(s) evicted" in ack.detail
     worker = cluster.custom.get_namespaced_custom_object(
         "kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptm")["spec"]["pytorchReplicaSpecs"]["Worker"]
     spec = worker["template"]["spec"]
@@ -677,6 +677,51 @@ def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
     pg = cluster.pod_group("ptm")
     assert pg["spec"]["subGroups"] == [{"name": "b200", "minMember": 1}] and pg["spec"]["minMember"] == 1
     # Done on the cluster: a restarted consumer changes nothing.
+    (ack,) = _consumer(cluster).on_command(move)
+    assert (ack.status, ack.detail) == ("done", "duplicate")
+
+
+def test_consolidation_moves_re_target_a_pytorchjob_s_worker_template(cluster):
+    """A consolidation move of a job whose pods a PyTorchJob owns: the Worker template follows the
+    job's new layout (the node it leaves out of its affinity, the one it moves to in), the pod on
+    the node it leaves is evicted for the operator to make again, the other pod stays."""
+    from pathlib import Path
+
+    from fleetwise.schemas import JobConstraints
+
+    cluster.kube.install_crds([Path(__file__).parent / "data" / "pytorchjob-crd.yaml"])
+    nodes = cluster.add_nodes(["h100-sxm", "h100-sxm", "h100-sxm"])
+    stay, leave, to = (cluster.node_name(i) for i in range(3))
+    plan = _plan({n: nodes[n] for n in (stay, leave)}).model_copy(
+        update={"constraints": JobConstraints(min_gpus=8, max_gpus=24)})
+    cluster.kube.apply(render_plan(plan, "ptc", "team-a", namespace=cluster.ns, workload="pytorchjob"))
+    job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptc")
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    for i, node in enumerate((stay, leave)):
+        cluster.core.create_namespaced_pod(cluster.ns, {
+            "metadata": {**template["metadata"], "name": f"ptc-worker-{i}", "ownerReferences": [{
+                "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ptc",
+                "uid": job["metadata"]["uid"], "controller": True}]},
+            "spec": {**template["spec"], "nodeName": node}})
+    consumer = _consumer(cluster)
+    assert consumer.on_ack(Ack(command_id="ptc-ckpt", ts=NOW, by="training-plugin", status="done")) == []
+    moves = [{"rank": 8 + g, "from": {"node": leave, "gpu": g}, "to": {"node": to, "gpu": g}}
+             for g in range(8)]
+    move = sign(_cmd(type="consolidate", job="ptc", node=leave, requires=["ptc-ckpt"],
+                     params={"action": "move", "moves": moves, "checkpoint_first": True}), KEYS)
+    (ack,) = consumer.on_command(move)
+    assert ack.status == "done", ack.detail
+    worker = cluster.custom.get_namespaced_custom_object(
+        "kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptc")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    (term,) = worker["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    pinned = [e["values"] for e in term["matchExpressions"] if e["key"] == "kubernetes.io/hostname"]
+    assert worker["replicas"] == 2 and pinned == [sorted([stay, to])]
+    pods = cluster.pods("ptc")
+    assert pods["ptc-worker-0"].metadata.deletion_timestamp is None  # its node is not touched
+    assert "ptc-worker-1" not in pods or pods["ptc-worker-1"].metadata.deletion_timestamp is not None
+    assert f"Worker template on {', '.join(sorted([stay, to]))} (2 replicas), 1 pod(s) evicted" in ack.detail
     (ack,) = _consumer(cluster).on_command(move)
     assert (ack.status, ack.detail) == ("done", "duplicate")
 

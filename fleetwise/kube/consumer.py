@@ -54,7 +54,7 @@ import hashlib
 import json
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -838,43 +838,41 @@ def _pg_done(pg: Mapping[str, Any], command: Command) -> Action:
         namespace=pg.get("namespace"), patch="merge")
 
 
-def _move_pytorchjob(command: Command, view: ClusterView,
-                     joins: Sequence[Join]) -> tuple[list[Action], str]:
-    """A migration of a job whose pods a PyTorchJob owns: its Worker template re-targeted to the
-    destination (GPU product and count per pod, required node affinity to the destination's
-    nodes) with as many replicas as the destination holds pods, then its pods evicted: the
-    training operator makes them again from the new template, and KAI places them with the
-    re-targeted gang. The patch is absolute, so a resumed consumer applies the same one.
-    (actions, detail; no actions: why not)."""
+def _retarget_pytorchjob(command: Command, view: ClusterView, layout: Sequence[Join],
+                         leaving: Sequence[Mapping[str, Any]]) -> tuple[list[Action], str]:
+    """The job's pods belong to a PyTorchJob, whose operator makes them from its Worker template:
+    a migration or a consolidation move re-targets that template to the job's pod `layout` after
+    it (GPU product and count per pod, required node affinity to its nodes, replicas = its pods),
+    then evicts the `leaving` pods; the operator makes them again from the new template and KAI
+    places them with the re-targeted gang. The patch is absolute, so a resumed consumer applies
+    the same one. (actions, detail; no actions: why not)."""
     wl = view.workload
     assert wl is not None
     worker = (wl["spec"].get("pytorchReplicaSpecs") or {}).get("Worker")
     if not worker or not (worker.get("template") or {}).get("spec"):
-        return [], f"no pod moved: PyTorchJob {wl['name']} has no Worker template to move"
-    shapes = {(j[2], j[4]) for j in joins if j[3]}
+        return [], f"no pod moved: PyTorchJob {wl['name']} has no Worker template to re-target"
+    shapes = {(j[2], j[4]) for j in layout if j[3]}
     if len(shapes) != 1:
-        return [], (f"no pod moved: the destination holds pods of {len(shapes)} GPU products or sizes, "
+        return [], (f"no pod moved: the job's new place holds pods of {len(shapes)} GPU products or sizes, "
                     f"PyTorchJob {wl['name']}'s Worker template one")
     ((product, per_pod),) = shapes
-    nodes = sorted({j[1] for j in joins if j[3]})
-    replicas = sum(j[3] for j in joins)
+    nodes = sorted({j[1] for j in layout if j[3]})
+    replicas = sum(j[3] for j in layout)
     elastic = wl["spec"].get("elasticPolicy") or {}
     low, high = elastic.get("minReplicas"), elastic.get("maxReplicas")
     if (low is not None and replicas < int(low)) or (high is not None and replicas > int(high)):
-        return [], (f"no pod moved: {replicas} Worker replicas on the destination are outside PyTorchJob "
-                    f"{wl['name']}'s elasticPolicy ({low}-{high})")
+        return [], (f"no pod moved: {replicas} Worker replicas are outside PyTorchJob {wl['name']}'s "
+                    f"elasticPolicy ({low}-{high})")
     spec = _pinned_spec(worker["template"]["spec"], product, per_pod, nodes)
     parts = ("nodeSelector", "affinity", "containers", "initContainers")
-    moved = {key: spec[key] for key in parts if key in spec}
-    patch = {"replicas": replicas, "template": {"spec": moved}}
+    patch = {"replicas": replicas, "template": {"spec": {key: spec[key] for key in parts if key in spec}}}
     actions = [Action("patch", "PyTorchJob", wl["name"], {"spec": {"pytorchReplicaSpecs": {"Worker": patch}}},
-                      f"{command.job} moves to {', '.join(nodes)}: {replicas} Worker replicas of {per_pod} "
-                      f"{product} GPUs there", namespace=wl["namespace"], patch="merge")]
-    old = [p for p in view.pods if not p.get("deleting")]
-    actions += [_evict(p, f"{p['name']} of {command.job} leaves: the operator makes it again on the "
-                          "destination") for p in old]
-    return actions, (f"; PyTorchJob {wl['name']}: Worker template moved to {', '.join(nodes)} ({replicas} "
-                     f"replicas), {len(old)} pod(s) evicted for its operator to make there")
+                      f"{command.job}: {replicas} Worker replicas of {per_pod} {product} GPUs on "
+                      f"{', '.join(nodes)}", namespace=wl["namespace"], patch="merge")]
+    actions += [_evict(p, f"{p['name']} of {command.job} leaves: the operator makes it again from the "
+                          "re-targeted template") for p in leaving]
+    return actions, (f"; PyTorchJob {wl['name']}: Worker template on {', '.join(nodes)} ({replicas} "
+                     f"replicas), {len(leaving)} pod(s) evicted for its operator to make again")
 
 
 def _decide_transfer(command: Command, view: ClusterView) -> Decision:
@@ -906,7 +904,8 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
         out.actions.append(_cm_patch(view, command, "migration.json", record,
                                      "the new pods read the checkpoint to restore from here"))
     if view.workload is not None:  # a PyTorchJob's pods: its operator makes them from the moved template
-        moved, why = _move_pytorchjob(command, view, joins)
+        live = [p for p in view.pods if not p.get("deleting")]
+        moved, why = _retarget_pytorchjob(command, view, joins, live)
         if not moved:
             return Decision(error=f"migrate transfer: {why}")
         out.actions += moved
@@ -981,12 +980,28 @@ def _decide_move(command: Command, view: ClusterView) -> Decision:
         subs[sub]["gpus"] += pods * per_pod
     total = sum(v["pods"] for v in subs.values())
     out = Decision(done=True)
+    leaving = [p for p in view.pods if p.get("node") in changed and not p.get("deleting")
+               and _joined_by(p) != command.id]
+    if view.workload is not None:  # a PyTorchJob's pods: its template follows the job's new layout
+        kept = Counter((p["subgroup"], p["node"]) for p in view.pods
+                       if p.get("node") not in changed and p.get("subgroup") in subs and _live(p))
+        layout = list(joins)
+        for (sub, node), n in sorted(kept.items()):
+            per_pod = int(subs[sub].get("gpus_per_pod", 1))
+            layout.append((sub, node, str(subs[sub].get("product")), n, per_pod))
+        moved, why = _retarget_pytorchjob(command, view, layout, leaving)
+        if not moved:
+            return Decision(error=f"consolidate move: {why}")
     if not resumed:
         out.actions.append(_gang_for(pg, command, subs, {ANN_MOVES: record},
                                      f"consolidation moves of {command.job}"))
+    if view.workload is not None:
+        out.actions += moved
+        out.finish.append(_pg_done(pg, command))
+        out.detail = (f"{command.job}: {len(moves)} rank(s) moved; PodGroup {pg['name']}: minMember "
+                      f"{max(1, total)}{why}")
+        return out
     created, skipped = _joining_pods(command, view, joins, out, count_live=False)
-    leaving = [p for p in view.pods if p.get("node") in changed and not p.get("deleting")
-               and _joined_by(p) != command.id]
     if not skipped:  # the old pods go once the new ones exist
         for p in leaving:
             out.actions.append(_evict(p, f"{p['name']} of {command.job}: its ranks move (checkpoint done)"))
