@@ -98,6 +98,29 @@ def _grow_view(owner: str | None = None, pods: bool = True) -> ClusterView:
                    "annotations": {"fleetwise.io/subgroups": json.dumps(subs)}})
 
 
+def test_decide_pytorchjob_transfer_resumed_leaves_the_operator_s_new_pods_alone():
+    """A consumer resuming a PyTorchJob's transfer (the gang re-targeted, `applied`) after the
+    operator made the job's pod again on the destination: the same template patch, and only the
+    pod still on the node the job left is evicted."""
+    view = _grow_view(owner="PyTorchJob/j")
+    worker = {"replicas": 1, "template": {"metadata": {}, "spec": view.pods[0]["manifest"]["spec"]}}
+    view.workload = {"name": "j", "namespace": "ns", "spec": {"pytorchReplicaSpecs": {"Worker": worker}}}
+    move = _cmd(type="migrate", job="j", params={"phase": "transfer", "checkpoint_uri": "file:///c",
+                                                 "destination": {"gpus": [["n2", g] for g in range(8)]}})
+    first = decide(move, view)
+    patch = [a for a in first.actions if a.kind == "PyTorchJob"]
+    evicted = [a.name for a in first.actions if a.verb == "evict"]
+    assert len(patch) == 1 and evicted == ["j-h100-sxm-0"]
+    # Resumed: the gang took it; the operator has made the pod on n2, the old one is still there.
+    ann = view.pod_group["annotations"]
+    ann["fleetwise.io/commands"] = json.dumps({move.id: "applied"})
+    remade = {**view.pods[0], "name": "j-worker-0", "node": "n2"}
+    view.pods.append(remade)
+    again = decide(move, view)
+    assert [a.body for a in again.actions if a.kind == "PyTorchJob"] == [patch[0].body]
+    assert [a.name for a in again.actions if a.verb == "evict"] == ["j-h100-sxm-0"]
+
+
 def test_decide_growth_pods_per_product_and_pod_shape():
     join = ([["n1", g] for g in range(8)] + [["n1b", 0]] + [["n2", g] for g in range(8)]
             + [["n3", g] for g in range(2)])

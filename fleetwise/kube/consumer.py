@@ -838,14 +838,16 @@ def _pg_done(pg: Mapping[str, Any], command: Command) -> Action:
         namespace=pg.get("namespace"), patch="merge")
 
 
-def _retarget_pytorchjob(command: Command, view: ClusterView, layout: Sequence[Join],
-                         leaving: Sequence[Mapping[str, Any]]) -> tuple[list[Action], str]:
+def _retarget_pytorchjob(command: Command, view: ClusterView,
+                         layout: Sequence[Join]) -> tuple[list[Action], str]:
     """The job's pods belong to a PyTorchJob, whose operator makes them from its Worker template:
     a migration or a consolidation move re-targets that template to the job's pod `layout` after
     it (GPU product and count per pod, required node affinity to its nodes, replicas = its pods),
-    then evicts the `leaving` pods; the operator makes them again from the new template and KAI
-    places them with the re-targeted gang. The patch is absolute, so a resumed consumer applies
-    the same one. (actions, detail; no actions: why not)."""
+    then evicts the pods on nodes holding more of them than the layout (all, on a node it leaves);
+    the operator makes them again from the new template and KAI places them with the re-targeted
+    gang. The patch is absolute and the evictions count what is on the cluster, so a resumed
+    consumer applies the same patch and leaves the pods the operator made since alone.
+    (actions, detail; no actions: why not)."""
     wl = view.workload
     assert wl is not None
     worker = (wl["spec"].get("pytorchReplicaSpecs") or {}).get("Worker")
@@ -869,6 +871,12 @@ def _retarget_pytorchjob(command: Command, view: ClusterView, layout: Sequence[J
     actions = [Action("patch", "PyTorchJob", wl["name"], {"spec": {"pytorchReplicaSpecs": {"Worker": patch}}},
                       f"{command.job}: {replicas} Worker replicas of {per_pod} {product} GPUs on "
                       f"{', '.join(nodes)}", namespace=wl["namespace"], patch="merge")]
+    allowed = Counter({j[1]: j[3] for j in layout})
+    leaving = []
+    for node in sorted({str(p["node"]) for p in view.pods if p.get("node")}):
+        here = sorted((p for p in view.pods if p.get("node") == node and not p.get("deleting")),
+                      key=lambda p: p["name"])
+        leaving += here[allowed[node]:]
     actions += [_evict(p, f"{p['name']} of {command.job} leaves: the operator makes it again from the "
                           "re-targeted template") for p in leaving]
     return actions, (f"; PyTorchJob {wl['name']}: Worker template on {', '.join(nodes)} ({replicas} "
@@ -904,8 +912,7 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
         out.actions.append(_cm_patch(view, command, "migration.json", record,
                                      "the new pods read the checkpoint to restore from here"))
     if view.workload is not None:  # a PyTorchJob's pods: its operator makes them from the moved template
-        live = [p for p in view.pods if not p.get("deleting")]
-        moved, why = _retarget_pytorchjob(command, view, joins, live)
+        moved, why = _retarget_pytorchjob(command, view, joins)
         if not moved:
             return Decision(error=f"migrate transfer: {why}")
         out.actions += moved
@@ -989,7 +996,7 @@ def _decide_move(command: Command, view: ClusterView) -> Decision:
         for (sub, node), n in sorted(kept.items()):
             per_pod = int(subs[sub].get("gpus_per_pod", 1))
             layout.append((sub, node, str(subs[sub].get("product")), n, per_pod))
-        moved, why = _retarget_pytorchjob(command, view, layout, leaving)
+        moved, why = _retarget_pytorchjob(command, view, layout)
         if not moved:
             return Decision(error=f"consolidate move: {why}")
     if not resumed:
