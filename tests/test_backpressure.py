@@ -168,6 +168,12 @@ async def test_a_worker_over_its_state_bound_evicts_the_idle_gpus_and_counts_the
     events = telemetry_events(batches)
     free, bounded = Recorder(StandInTable()), Recorder(StandInTable())
     bounded.processor.max_state_keys = 20
+    # The worker's per-GPU gauges (make_app adds this observer to the worker's control plane).
+    from prometheus_client import REGISTRY
+
+    from fleetwise.streams import metrics as M
+
+    bounded.processor.control.hop_observers.append(M.observe_gpu_headroom)
     before = _counter_value("fleetwise_state_evicted_keys_total")
     await free.feed(events, batch=50)
     await bounded.feed(events, batch=50)
@@ -175,6 +181,12 @@ async def test_a_worker_over_its_state_bound_evicts_the_idle_gpus_and_counts_the
     active_keys = {f"node-{n:03d}/{g}" for n in range(8, 12) for g in range(2)}
     assert len(keys) <= 20 and active_keys <= set(keys), keys
     assert _counter_value("fleetwise_state_evicted_keys_total") - before == 24 - len(keys)
+    # Evicted GPUs' gauges go with their state; the kept ones' stay.
+    shown = {(s.labels["node"], s.labels["gpu"]) for m in REGISTRY.collect()
+             if m.name == "fleetwise_gpu_last_hop_timestamp_seconds" for s in m.samples}
+    evicted = {f"node-{n:03d}/{g}" for n in range(12) for g in range(2)} - set(keys)
+    assert evicted and not evicted & {f"{n}/{g}" for n, g in shown}
+    assert active_keys <= {f"{n}/{g}" for n, g in shown}
 
     def active(features: set[str]) -> set[str]:
         return {

@@ -184,6 +184,13 @@ def test_control_plane_warns_of_a_gpu_losing_its_headroom(tmp_path: Path) -> Non
     assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n2", "r2", at="now") == 87.0 - 37.0
     assert gauge("fleetwise_gpu_temp_drift_celsius_per_day", "n1", "r1") == pytest.approx(22.0 / 3, rel=0.1)
     assert gauge("fleetwise_gpu_utilisation_percent", "n2", "r2") == pytest.approx(95.0 * 0.3)
+    last = gauge("fleetwise_gpu_last_hop_timestamp_seconds", "n2", "r2")
+    assert last is not None and T0 + 71 * 3600 < last <= T0 + 72 * 3600 + 600
+    # A GPU whose state the worker evicts loses its series (its last values would linger).
+    M.forget_gpus(["n2/0"])
+    assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n2", "r2", at="full_power") is None
+    assert gauge("fleetwise_gpu_last_hop_timestamp_seconds", "n2", "r2") is None
+    assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n1", "r1", at="full_power") == hot
 
 
 def test_replay_cli_writes_trends_and_draws_them_in_the_report(tmp_path: Path) -> None:

@@ -547,6 +547,7 @@ class StreamProcessor:
             self._dirty.add(self.place(inner)[0])
             self._full_place.pop(f"features:{inner}", None)
             self._full_place.pop(f"failure:{inner}", None)
+        M.forget_gpus(evicted)
         M.STATE_EVICTED.inc(len(evicted))
         M.WINDOW_STATE_KEYS.set(len(self.control.features.keys()))
         log.warning("state bound %d: evicted %d idle GPUs", self.max_state_keys, len(evicted))

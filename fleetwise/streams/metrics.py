@@ -7,6 +7,7 @@ The Grafana dashboard in deploy/grafana/fleetwise.json is built over exactly the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Sequence
@@ -147,21 +148,47 @@ GPU_UTILISATION = Gauge(
     "the GPU's mean utilisation over its last closed feature hop",
     _GPU_LABELS,
 )
+GPU_LAST_HOP = Gauge(
+    "fleetwise_gpu_last_hop_timestamp_seconds",
+    "event time (Unix s) of the GPU's last closed feature hop: the per-GPU gauges are as of then "
+    "(a GPU that stopped reporting keeps its last values until this worker evicts its state)",
+    _GPU_LABELS,
+)
+_gpu_labels: dict[tuple[str, int], tuple[str, str, str, str]] = {}  # the label values set per GPU
 
 
 def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple[str | None, str | None]],
-                         hops: Any) -> None:
+                         ts: Any, hops: Any) -> None:
     """Set the per-GPU gauges from closed hops (`ControlPlane.hop_observers`; a GPU's later hop
     in the same call overwrites its earlier one). Unknown values are left as they were."""
     for i, (node, gpu) in enumerate(keys):
         rack, site = places[i]
         labels = (node, str(gpu), rack or "", site or "")
+        old = _gpu_labels.get((node, int(gpu)))
+        if old is not None and old != labels:  # moved to another rack or site: one series per GPU
+            forget_gpus([f"{node}/{gpu}"])
+        _gpu_labels[(node, int(gpu))] = labels
+        GPU_LAST_HOP.labels(*labels).set(float(ts[i]))
         for gauge, value, extra in ((GPU_HEADROOM, hops.headroom_c[i], ("now",)),
                                     (GPU_HEADROOM, hops.headroom_at_tdp_c[i], ("full_power",)),
                                     (GPU_DRIFT, hops.drift_c_per_day[i], ()),
                                     (GPU_UTILISATION, hops.util_pct[i], ())):
             if not math.isnan(value):
                 gauge.labels(*labels, *extra).set(float(value))
+
+
+def forget_gpus(keys: Sequence[str]) -> None:
+    """Remove the per-GPU series of GPUs ("node/gpu") whose state the worker dropped (evicted as
+    idle): a GPU gone for good no longer shows its last values in the roll-ups."""
+    for key in keys:
+        node, _, gpu = key.rpartition("/")
+        labels = _gpu_labels.pop((node, int(gpu)), None)
+        if labels is None:
+            continue
+        for gauge, extra in ((GPU_HEADROOM, ("now",)), (GPU_HEADROOM, ("full_power",)), (GPU_DRIFT, ()),
+                             (GPU_UTILISATION, ()), (GPU_LAST_HOP, ())):
+            with contextlib.suppress(KeyError):  # never set (an unknown value)
+                gauge.remove(*labels, *extra)
 
 
 # Reason text is free-form (it names fields and values); metrics need a small, fixed label

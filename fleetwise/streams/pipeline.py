@@ -135,10 +135,10 @@ class ControlPlane:
         self.thermal = ThermalHeadroom() if self.config.thermal_headroom else None
         self.fleet_trends = FleetTrends() if self.config.fleet_trends else None
         self.trend_rows: list[GroupTrend] = []
-        # Called with each call's closed hops: (keys, (rack, site) per row, HopHeadroom). The
-        # stream worker sets its per-GPU Prometheus gauges here.
+        # Called with each call's closed hops: (keys, (rack, site) per row, hop-end times,
+        # HopHeadroom). The stream worker sets its per-GPU Prometheus gauges here.
         self.hop_observers: list[Callable[[list[tuple[str, int]], list[tuple[str | None, str | None]],
-                                           HopHeadroom], None]] = []
+                                           Any, HopHeadroom], None]] = []
         # Plausibility, clock-skew and rate limits before the windows (fleetwise/streams/limits.py)
         self.gate = SampleGate(self.features, self.dead_letter)
         self.inventory: dict[str, NodeInventory] = {}
@@ -450,7 +450,7 @@ class ControlPlane:
                 if self.fleet_trends is not None:
                     self.trend_rows.extend(self.fleet_trends.observe(keys, places, ts, hops))
                 for observe in self.hop_observers:
-                    observe(keys, places, hops)
+                    observe(keys, places, ts, hops)
         if self.policy.wants_utilisation:
             # Consolidation watches each GPU's mean utilisation per hop and who runs there.
             job_ranks = self.features.closed_job_ranks
