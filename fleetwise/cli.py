@@ -368,17 +368,20 @@ def _place_intent(path: Path, option: str = "JOB"):  # -> JobIntent
 
 def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
     """Latest GPU state per GPU from a trace (.jsonl/.jsonl.gz of GPU samples or node batches;
-    step records are skipped), the GPUs that run ``job`` now, and the latest timestamp."""
+    step records are skipped; GPU feature records, as `replay --features` writes them, give each
+    GPU's temperature at full power), the GPUs that run ``job`` now, and the latest timestamp."""
+    import dataclasses
     import gzip
 
     from pydantic import ValidationError
 
-    from fleetwise.planner.placement import telemetry_from_samples
-    from fleetwise.schemas import GpuSample, NodeBatch, describe_error
+    from fleetwise.planner.placement import GpuState, telemetry_from_samples
+    from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch, describe_error
 
     if not path.is_file():
         fail(f"--telemetry: trace file {str(path)!r} does not exist")
     samples: list = []
+    full_power: dict[tuple[str, int], tuple[float, float]] = {}  # the latest (ts, temp at full power)
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as fh:
@@ -392,7 +395,13 @@ def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
                 if not isinstance(obj, dict):
                     fail(f"--telemetry: {path} line {lineno} is not a JSON object")
                 try:
-                    if "samples" in obj:
+                    if obj.get("kind") == "features":
+                        fv = FeatureVector.model_validate(obj)
+                        temp = fv.values.get("temp_at_tdp_c")
+                        key, ts = (fv.node, fv.gpu), float(fv.ts)
+                        if fv.scope == "gpu" and temp is not None and ts >= full_power.get(key, (ts,))[0]:
+                            full_power[key] = (ts, float(temp))
+                    elif "samples" in obj:
                         samples.extend(NodeBatch.model_validate(obj).samples)
                     elif "step" not in obj:
                         samples.append(GpuSample.model_validate(obj))
@@ -401,6 +410,8 @@ def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
     except (OSError, UnicodeDecodeError, EOFError) as exc:
         fail(f"--telemetry: cannot read {str(path)!r}: {exc}")
     state = telemetry_from_samples(samples)
+    for key, (_ts, temp) in full_power.items():
+        state[key] = dataclasses.replace(state.get(key, GpuState()), full_power_c=temp)
     current = sorted(key for key, st in state.items() if st.job == job)
     latest = max((st.ts for st in state.values()), default=None)
     return state, current, latest
@@ -453,7 +464,8 @@ def place_cmd(
     telemetry: Path | None = typer.Option(
         None, "--telemetry", help="Trace of GPU samples (.jsonl/.jsonl.gz): the latest utilisation, "
         "temperature, power and job per GPU. GPUs running other jobs are busy; GPUs running JOB are its "
-        "current place."),
+        "current place. GPU feature records in it (`fleetwise replay --features`) give each GPU's "
+        "temperature at full power, which the thermal term then weighs instead of the temperature now."),
     weights: str | None = typer.Option(
         None, "--weights", help="Preset (bandwidth-hungry, compute-dense, latency-bound) and/or term=W "
         "overrides, e.g. 'compute-dense,carbon=2'. Terms: compute, memory, load, comm, latency, thermal, "

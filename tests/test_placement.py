@@ -459,3 +459,27 @@ def test_thermal_term_weighs_how_hot_a_gpu_runs_at_full_power():
     now_only = {k: GpuState(temp_c=s.temp_c) for k, s in tel.items()}
     best = place_job(job, invs, now_only, PlacementSettings(weights=weights, max_rack_share=1.0)).options[0]
     assert {k[0] for k in best.gpus} <= {"east-r0-n0", "east-r0-n1"}
+
+
+def test_cli_weighs_the_full_power_temperature_of_feature_records(files):
+    """Feature records in --telemetry (as `replay --features` writes them) give each GPU's
+    temperature at full power: the hot-aisle rack loses the thermal term though idle and cool now."""
+    tmp, fleet, _, _ = files
+    job = tmp / "a100.yaml"
+    job.write_text("job: demo\nmodel: gpt-1.3b\nglobal_batch: 64\n"
+                   "constraints:\n  max_gpus: 8\n  gpu_types: [a100-sxm-80gb]\n")
+
+    def best_racks(hot: str) -> set[str]:
+        trace = tmp / f"features-{hot}.jsonl"
+        rows = [{"kind": "features", "scope": "gpu", "ts": 600.0 * h, "window_s": 600.0,
+                 "node": f"east-{r}-n{k}", "gpu": i,
+                 "values": {"temp_at_tdp_c": (84.0 if r == hot else 62.0) if h else 70.0, "util_mean": 0.0}}
+                for h in range(2) for r in ("r0", "r1") for k in range(2) for i in range(8)]
+        trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        out = run(str(job), "--fleet", str(fleet), "--telemetry", str(trace), "--json",
+                  "--max-rack-share", "1", "--weights", "compute-dense,thermal=5")
+        assert out.exit_code == 0, out.output
+        return {g.split("/")[0].rsplit("-", 1)[0] for g in json.loads(out.stdout)["options"][0]["gpus"]}
+
+    assert best_racks("r0") == {"east-r1"}  # the latest record of each GPU counts, not the first
+    assert best_racks("r1") == {"east-r0"}
