@@ -612,6 +612,17 @@ def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
     assert json.loads(cm.data["migration.json"])["checkpoint_uri"] == "s3://c/1"
 
 
+def _operator_pod(cluster, job: dict, name: str, node: str) -> None:
+    """The pod a PyTorchJob's training operator would make from its Worker template (no operator
+    runs here), owned by the job and bound to `node`."""
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    cluster.core.create_namespaced_pod(cluster.ns, {
+        "metadata": {**template["metadata"], "name": name, "ownerReferences": [{
+            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job["metadata"]["name"],
+            "uid": job["metadata"]["uid"], "controller": True}]},
+        "spec": {**template["spec"], "nodeName": node}})
+
+
 def test_an_elastic_pytorchjob_grows_by_its_worker_replicas(cluster):
     """Pods a PyTorchJob owns are its operator's to make: a growth raises its Worker replicas
     (GPUs of its one template only, up to elasticPolicy.maxReplicas), and the gang follows."""
@@ -628,13 +639,7 @@ def test_an_elastic_pytorchjob_grows_by_its_worker_replicas(cluster):
     job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "pt")
     assert job["spec"]["elasticPolicy"]["maxReplicas"] == 2 and job["spec"]["pytorchReplicaSpecs"]["Worker"][
         "replicas"] == 1
-    # The pod the training operator would make from the Worker template, owned by the job.
-    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-    cluster.core.create_namespaced_pod(cluster.ns, {
-        "metadata": {**template["metadata"], "name": "pt-worker-0", "ownerReferences": [{
-            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "pt",
-            "uid": job["metadata"]["uid"], "controller": True}]},
-        "spec": {**template["spec"], "nodeName": home}})
+    _operator_pod(cluster, job, "pt-worker-0", home)
     consumer = _consumer(cluster)
     grow = sign(_cmd(type="resize", job="pt", seq=1, params={
         "join": [[more, g] for g in range(8)] + [[other, g] for g in range(8)]}), KEYS)
@@ -671,12 +676,7 @@ def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
     plan = _plan({home: nodes[home]}).model_copy(update={"constraints": JobConstraints(max_gpus=16)})
     cluster.kube.apply(render_plan(plan, "ptm", "team-a", namespace=cluster.ns, workload="pytorchjob"))
     job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptm")
-    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-    cluster.core.create_namespaced_pod(cluster.ns, {
-        "metadata": {**template["metadata"], "name": "ptm-worker-0", "ownerReferences": [{
-            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ptm",
-            "uid": job["metadata"]["uid"], "controller": True}]},
-        "spec": {**template["spec"], "nodeName": home}})
+    _operator_pod(cluster, job, "ptm-worker-0", home)
     consumer = _consumer(cluster)
     assert consumer.on_ack(Ack(command_id="snap-p", ts=NOW, by="training-plugin", status="done")) == []
     dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
@@ -720,13 +720,8 @@ def test_consolidation_moves_re_target_a_pytorchjob_s_worker_template(cluster):
     cluster.kube.apply(render_plan(plan, "ptc", "team-a", namespace=cluster.ns, workload="pytorchjob"))
     job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptc")
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
-    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     for i, node in enumerate((stay, leave)):
-        cluster.core.create_namespaced_pod(cluster.ns, {
-            "metadata": {**template["metadata"], "name": f"ptc-worker-{i}", "ownerReferences": [{
-                "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "ptc",
-                "uid": job["metadata"]["uid"], "controller": True}]},
-            "spec": {**template["spec"], "nodeName": node}})
+        _operator_pod(cluster, job, f"ptc-worker-{i}", node)
     consumer = _consumer(cluster)
     assert consumer.on_ack(Ack(command_id="ptc-ckpt", ts=NOW, by="training-plugin", status="done")) == []
     moves = [{"rank": 8 + g, "from": {"node": leave, "gpu": g}, "to": {"node": to, "gpu": g}}
