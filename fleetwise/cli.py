@@ -370,18 +370,17 @@ def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
     """Latest GPU state per GPU from a trace (.jsonl/.jsonl.gz of GPU samples or node batches;
     step records are skipped; GPU feature records, as `replay --features` writes them, give each
     GPU's temperature at full power), the GPUs that run ``job`` now, and the latest timestamp."""
-    import dataclasses
     import gzip
 
     from pydantic import ValidationError
 
-    from fleetwise.planner.placement import GpuState, telemetry_from_samples
+    from fleetwise.planner.placement import telemetry_from_samples, with_full_power
     from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch, describe_error
 
     if not path.is_file():
         fail(f"--telemetry: trace file {str(path)!r} does not exist")
     samples: list = []
-    full_power: dict[tuple[str, int], tuple[float, float]] = {}  # the latest (ts, temp at full power)
+    features: list = []
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as fh:
@@ -396,11 +395,7 @@ def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
                     fail(f"--telemetry: {path} line {lineno} is not a JSON object")
                 try:
                     if obj.get("kind") == "features":
-                        fv = FeatureVector.model_validate(obj)
-                        temp = fv.values.get("temp_at_tdp_c")
-                        key, ts = (fv.node, fv.gpu), float(fv.ts)
-                        if fv.scope == "gpu" and temp is not None and ts >= full_power.get(key, (ts,))[0]:
-                            full_power[key] = (ts, float(temp))
+                        features.append(FeatureVector.model_validate(obj))
                     elif "samples" in obj:
                         samples.extend(NodeBatch.model_validate(obj).samples)
                     elif "step" not in obj:
@@ -409,9 +404,7 @@ def _place_telemetry(path: Path, job: str) -> tuple[dict, list, float | None]:
                     fail(f"--telemetry: {path} line {lineno} is not a GPU sample: {describe_error(exc)}")
     except (OSError, UnicodeDecodeError, EOFError) as exc:
         fail(f"--telemetry: cannot read {str(path)!r}: {exc}")
-    state = telemetry_from_samples(samples)
-    for key, (_ts, temp) in full_power.items():
-        state[key] = dataclasses.replace(state.get(key, GpuState()), full_power_c=temp)
+    state = with_full_power(telemetry_from_samples(samples), features)
     current = sorted(key for key, st in state.items() if st.job == job)
     latest = max((st.ts for st in state.values()), default=None)
     return state, current, latest

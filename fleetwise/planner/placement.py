@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -138,6 +138,24 @@ def telemetry_from_samples(
             util_pct=metrics.get(M_UTIL), temp_c=metrics.get(M_TEMP), power_w=metrics.get(M_POWER),
             job=job, slowdown_c=metrics.get(M_SLOWDOWN), ts=ts,
         )
+    return out
+
+
+def with_full_power(
+    state: Mapping[tuple[str, int], GpuState], features: Iterable[Any],
+) -> dict[tuple[str, int], GpuState]:
+    """``state`` with each GPU's temperature at full power from GPU feature records (objects with
+    ``scope``, ``node``, ``gpu``, ``ts`` and ``values``: `temp_at_tdp_c`); the latest record of
+    a GPU wins."""
+    latest: dict[tuple[str, int], tuple[float, float]] = {}
+    for fv in features:
+        temp = fv.values.get("temp_at_tdp_c")
+        key, ts = (fv.node, int(fv.gpu)), float(fv.ts)
+        if fv.scope == "gpu" and temp is not None and ts >= latest.get(key, (ts,))[0]:
+            latest[key] = (ts, float(temp))
+    out = dict(state)
+    for key, (_ts, temp) in latest.items():
+        out[key] = replace(out.get(key, GpuState()), full_power_c=temp)
     return out
 
 
