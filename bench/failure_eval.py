@@ -42,7 +42,13 @@ from typing import Any
 import numpy as np
 
 from fleetwise.predictors.backtest import LEAD_12H, LEAD_30MIN_H, score_failures
-from fleetwise.predictors.failure import FailurePredictor, policy_from_spec
+from fleetwise.predictors.failure import (
+    RULE_NAMES,
+    FailurePredictor,
+    policy_from_spec,
+    rule_hits,
+    rule_names_of,
+)
 from fleetwise.predictors.training import (
     FeatureTable,
     RawSamples,
@@ -256,12 +262,13 @@ class HopScores:
 
 
 def _model_tag(predictor: FailurePredictor) -> str:
-    """Identifies the fitted model (not its policy), so cached scores follow retraining."""
+    """Identifies the fitted model (not its policy) and the rules, so cached scores follow both."""
     import hashlib
 
     meta = {k: v for k, v in predictor.model.metadata.items() if k != "policy"}
     probe = predictor.model.predict_proba(np.zeros((1, len(predictor.model.feature_names))))
-    text = json.dumps(meta, sort_keys=True, default=str) + repr(probe.tolist())
+    # The rules' bits are stored with the scores: a change of rules is a change of tag.
+    text = json.dumps(meta, sort_keys=True, default=str) + repr(probe.tolist()) + repr(RULE_NAMES)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -288,9 +295,7 @@ def score_hops(spec: TraceSpec, predictor: FailurePredictor, cache: Path) -> tup
         if len(cs) == 0:
             return
         prob = predictor.model.predict_proba(cf[:, predictor.model.cols])
-        rules = np.zeros(len(cs), dtype=np.uint8)
-        for r, col in enumerate(_rule_cols()):
-            rules |= (np.nan_to_num(cf[:, col]) > 0).astype(np.uint8) << r
+        rules = rule_hits(cf)
         w = np.flatnonzero(prob >= WATCH_FLOOR)
         parts.append((cs.astype(np.int32), cts, prob, rules, w + n_rows, cf[w].astype(np.float32)))
         n_rows += len(cs)
@@ -317,9 +322,6 @@ def replay_policy(
 ) -> tuple[dict, list[dict]]:
     """Backtest metrics of `policy` over stored hop scores (FailurePredictor.advance_policy on
     the GPUs that can alert under it); returns the metrics and the raise/clear predictions."""
-    from fleetwise.predictors.failure import RULES
-
-    rule_names = list(RULES.values())
     memory = np.zeros(len(scores.prob), dtype=bool)
     if len(scores.watch):
         wx = scores.watch_x[:, predictor.model.cols].astype(np.float64)
@@ -330,7 +332,7 @@ def replay_policy(
     rows = np.flatnonzero(can[scores.slots])
     rows = rows[np.lexsort((scores.ts[rows], scores.slots[rows]))]
     keys = [scores.keys[s] for s in scores.slots[rows].tolist()]
-    hits = [[name for r, name in enumerate(rule_names) if b >> r & 1] for b in scores.rules[rows].tolist()]
+    hits = [rule_names_of(b) for b in scores.rules[rows].tolist()]
     fp = FailurePredictor(predictor.model, policy)
     emit, states = fp.advance_policy(keys, scores.ts[rows], scores.prob[rows], memory[rows], hits)
     preds = []
@@ -363,13 +365,6 @@ def explain_scores(name: str, scores: HopScores, metrics: dict, preds: list[dict
         p = scores.prob[row] if row is not None else float("nan")
         print(f"  FALSE {name} {fa['node']}/{fa['gpu']} at {fa['raised_ts']:.0f} ({fa['source']}) "
               f"p={p:.2f}: {sig}")
-
-
-def _rule_cols() -> list[int]:
-    from fleetwise.predictors.failure import RULES
-    from fleetwise.predictors.features import FEATURE_NAMES
-
-    return [FEATURE_NAMES.index(f) for f in RULES]
 
 
 RULES_ONLY = {"model_alerts": False}  # the rules layer alone (`--rules-only`)

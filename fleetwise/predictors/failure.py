@@ -57,6 +57,7 @@ RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
     "xid_bus_hop": "xid79_off_bus",
     "xid_mem_fatal_hop": "xid_fatal_memory",
 }
+RULE_NAMES: list[str] = list(RULES.values())
 
 
 def feature_schema_hash(names: Sequence[str]) -> str:
@@ -227,7 +228,21 @@ class FailureModel:
                    policy=AlertPolicy(**policy), metadata=meta, **bundle)
 
 
-_RULE_COLS = {FEATURE_NAMES.index(f): name for f, name in RULES.items()}
+_RULE_COLS = [FEATURE_NAMES.index(f) for f in RULES]
+
+
+def rule_hits(features: np.ndarray) -> np.ndarray:
+    """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r]
+    (a missing value hits nothing)."""
+    f = np.nan_to_num(features[:, _RULE_COLS])
+    bits = np.zeros(len(f), dtype=np.uint8)
+    for r in range(len(_RULE_COLS)):
+        bits |= (f[:, r] > 0).astype(np.uint8) << r
+    return bits
+
+
+def rule_names_of(bits: int) -> list[str]:
+    return [name for r, name in enumerate(RULE_NAMES) if bits >> r & 1]
 
 
 @dataclass
@@ -279,10 +294,8 @@ class FailurePredictor:
         can cap drains per job."""
         x = features[:, self.model.cols]
         prob = self.model.predict_proba(x)
-        rule_hit: list[list[str]] = [[] for _ in range(len(keys))]
-        for col, name in _RULE_COLS.items():
-            for i in np.flatnonzero(np.nan_to_num(features[:, col]) > 0):
-                rule_hit[i].append(name)
+        bits = rule_hits(features)
+        rule_hit: list[list[str]] = [rule_names_of(b) if b else [] for b in bits.tolist()]
         pol = self.policy
         # Which rows' risk is memory-driven (only rows at or above hi_memory matter for raising).
         memory_driven = np.zeros(len(keys), dtype=bool)
