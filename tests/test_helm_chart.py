@@ -213,7 +213,8 @@ _CLIENT_CALLS = {  # official-client method -> (API group, resource, verb)
 }
 # Custom objects: the verb from the method, the group and resource from its arguments.
 _CUSTOM_VERBS = {"list_namespaced_custom_object": "list", "get_namespaced_custom_object": "get",
-                 "patch_namespaced_custom_object": "patch"}
+                 "patch_namespaced_custom_object": "patch", "create_namespaced_custom_object": "create",
+                 "delete_namespaced_custom_object": "delete"}
 
 
 def _permissions(rules: Iterable[dict]) -> set[tuple[str, str, str]]:
@@ -232,7 +233,7 @@ def _code_permissions() -> set[tuple[str, str, str]]:
     calls = set(re.findall(r"self\.core\.([a-z_]+)\(", source))
     unknown = calls - set(_CLIENT_CALLS)
     assert not unknown, f"consumer calls {sorted(unknown)}: add them to _CLIENT_CALLS and the chart's RBAC"
-    call = r'self\.custom\.([a-z_]+)\(\s*"([a-z.]+)",\s*"\w+",\s*[\w.]+,\s*"([a-z]+)"'
+    call = r'self\.custom\.([a-z_]+)\(\s*"([a-z0-9.-]+)",\s*"\w+",\s*[\w.]+,\s*"([a-z]+)"'
     custom = re.findall(call, source)
     # Every custom-object call names its group and resource literally (else it would go unseen).
     assert len(custom) == len(re.findall(r"self\.custom\.[a-z_]+\(", source)), custom

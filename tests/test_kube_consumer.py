@@ -104,7 +104,8 @@ def test_decide_pytorchjob_transfer_resumed_leaves_the_operator_s_new_pods_alone
     pod still on the node the job left is evicted."""
     view = _grow_view(owner="PyTorchJob/j")
     worker = {"replicas": 1, "template": {"metadata": {}, "spec": view.pods[0]["manifest"]["spec"]}}
-    view.workload = {"name": "j", "namespace": "ns", "spec": {"pytorchReplicaSpecs": {"Worker": worker}}}
+    view.workload = {"kind": "PyTorchJob", "name": "j", "namespace": "ns",
+                     "spec": {"pytorchReplicaSpecs": {"Worker": worker}}}
     move = _cmd(type="migrate", job="j", params={"phase": "transfer", "checkpoint_uri": "file:///c",
                                                  "destination": {"gpus": [["n2", g] for g in range(8)]}})
     first = decide(move, view)
@@ -119,6 +120,78 @@ def test_decide_pytorchjob_transfer_resumed_leaves_the_operator_s_new_pods_alone
     again = decide(move, view)
     assert [a.body for a in again.actions if a.kind == "PyTorchJob"] == [patch[0].body]
     assert [a.name for a in again.actions if a.verb == "evict"] == ["j-h100-sxm-0"]
+
+
+def _jobset_view() -> ClusterView:
+    """`_grow_view`'s job as a JobSet's: one replicated job `h100-sxm` of one pod (its Job's)."""
+    view = _grow_view(owner="Job/j-h100-sxm-0")
+    pod = view.pods[0]["manifest"]
+    rjob = {"name": "h100-sxm", "replicas": 1, "template": {"spec": {
+        "parallelism": 1, "completions": 1, "completionMode": "Indexed",
+        "template": {"metadata": pod["metadata"], "spec": {**pod["spec"], "restartPolicy": "Never"}}}}}
+    view.workload = {"kind": "JobSet", "name": "j", "namespace": "ns", "labels": {"fleetwise.io/job": "j"},
+                     "annotations": {}, "spec": {"replicatedJobs": [rjob]}}
+    view.configmap = {"name": "j-fleetwise", "namespace": "ns", "data": {}}
+    return view
+
+
+def test_decide_jobset_move_records_deletes_evicts_and_makes_it_again_and_resumes():
+    """A JobSet's replicated jobs cannot change: a transfer writes the JobSet it will make to the
+    ConfigMap, deletes the old one, evicts the job's pods, makes the new one. A consumer that
+    crashed after the delete makes the recorded one; after the create, it only evicts."""
+    view = _jobset_view()
+    move = _cmd(type="migrate", job="j", params={"phase": "transfer", "checkpoint_uri": "file:///c",
+                                                 "destination": {"gpus": [["n2", g] for g in range(8)]}})
+    first = decide(move, view)
+    assert not first.error and first.done
+    js = [(a.verb, a.kind) for a in first.actions if a.kind in ("JobSet", "ConfigMap") or a.verb == "evict"]
+    assert js == [("patch", "ConfigMap"), ("patch", "ConfigMap"), ("delete", "JobSet"), ("evict", "Pod"),
+                  ("create", "JobSet")]
+    made = first.actions[-1].body
+    assert made["metadata"]["annotations"]["fleetwise.io/rebuilt-by"] == move.id
+    (rjob,) = made["spec"]["replicatedJobs"]
+    tmpl = rjob["template"]["spec"]["template"]
+    assert rjob["name"] == "b200" and rjob["template"]["spec"]["parallelism"] == 1
+    assert tmpl["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == PRODUCTS["b200"]
+    assert tmpl["metadata"]["labels"]["kai.scheduler/subgroup-name"] == "b200"
+    assert tmpl["metadata"]["annotations"]["fleetwise.io/joined-by"] == move.id
+    record = json.loads(next(a for a in first.actions if "jobset.json" in a.body.get("data", {}))
+                        .body["data"]["jobset.json"])
+    assert record == {"command": move.id, "jobset": made}
+    # Crashed after the delete: no JobSet, the record in the ConfigMap, the old pod still there.
+    view.pod_group["annotations"]["fleetwise.io/commands"] = json.dumps({move.id: "applied"})
+    view.workload = None
+    view.configmap["data"]["jobset.json"] = json.dumps(record)
+    again = decide(move, view)
+    assert [(a.verb, a.kind) for a in again.actions if a.kind != "ConfigMap"] == [
+        ("evict", "Pod"), ("create", "JobSet")]
+    assert again.actions[-1].body == made
+    # Crashed after the create: the new JobSet's pod is left alone, the old one evicted.
+    view.workload = {**made["metadata"], "kind": "JobSet", "spec": made["spec"]}
+    view.pods.append({**view.pods[0], "name": "j-b200-0-0", "node": "n2",
+                      "manifest": {"metadata": tmpl["metadata"], "spec": tmpl["spec"]}})
+    last = decide(move, view)
+    assert [(a.verb, a.name) for a in last.actions if a.kind in ("JobSet", "Pod")] == [
+        ("evict", "j-h100-sxm-0")]
+    # No JobSet found and nothing recorded: pods of a Job alone are not ours to make, and the ack says so.
+    view.workload, view.configmap["data"] = None, {}
+    orphan = decide(move, view)
+    assert not [a for a in orphan.actions if a.verb == "create"]
+    assert "belong to Job/j-h100-sxm-0" in orphan.detail
+
+
+def test_decide_jobset_consolidation_move_makes_it_again_on_the_new_node():
+    view = _jobset_view()
+    moves = [{"from": {"node": "n0", "gpu": g}, "to": {"node": "n1", "gpu": g}} for g in range(8)]
+    d = decide(_cmd(type="consolidate", job="j", params={"action": "move", "moves": moves}), view)
+    assert not d.error and d.done
+    assert [(a.verb, a.kind) for a in d.actions if a.kind == "JobSet" or a.verb == "evict"] == [
+        ("delete", "JobSet"), ("evict", "Pod"), ("create", "JobSet")]
+    (rjob,) = d.actions[-1].body["spec"]["replicatedJobs"]
+    term = rjob["template"]["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert rjob["name"] == "h100-sxm" and {"key": "kubernetes.io/hostname", "operator": "In",
+                                           "values": ["n1"]} in term["matchExpressions"]
 
 
 def test_decide_growth_pods_per_product_and_pod_shape():
@@ -156,7 +229,8 @@ def test_decide_growth_pods_per_product_and_pod_shape():
     # A PyTorchJob that is not elastic gets no replicas; a resize that only lets GPUs go asks
     # nothing of it.
     owned = _grow_view(owner="PyTorchJob/j")
-    owned.workload = {"name": "j", "namespace": "ns", "spec": {"pytorchReplicaSpecs": {"Master": {}}}}
+    owned.workload = {"kind": "PyTorchJob", "name": "j", "namespace": "ns",
+                      "spec": {"pytorchReplicaSpecs": {"Master": {}}}}
     assert "PyTorchJob j is not elastic" in decide(cmd, owned).detail
     shrink = decide(_cmd(type="resize", job="j", params={"leave": [["n0", g] for g in range(8)]}), owned)
     assert shrink.done and "no pod" not in shrink.detail
@@ -205,7 +279,9 @@ def test_required_rbac_is_least_privilege():
     verbs = {(r["apiGroups"][0], res): set(r["verbs"]) for r in required_rbac() for res in r["resources"]}
     assert verbs[("", "pods/eviction")] == {"create"}
     assert verbs[("", "pods")] == {"create", "list"}  # never delete: pods leave through the Eviction API
-    assert all("delete" not in v and "*" not in v for v in verbs.values())
+    # The one delete: a JobSet, made again by a move (its replicated jobs cannot change).
+    assert [k for k, v in verbs.items() if "delete" in v] == [("jobset.x-k8s.io", "jobsets")]
+    assert all("*" not in v for v in verbs.values())
 
 
 def test_dry_run_prints_calls_and_plays_them_once():
@@ -299,6 +375,7 @@ class Cluster:
         self.core = client.CoreV1Api(kube.api_client())
         self.custom = client.CustomObjectsApi(kube.api_client())
         self.policy = client.PolicyV1Api(kube.api_client())
+        self.batch = client.BatchV1Api(kube.api_client())
         self.prefix = f"fw{uuid.uuid4().hex[:6]}"
         self.nodes: list[str] = []
 
@@ -702,6 +779,70 @@ def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
     # Done on the cluster: a restarted consumer changes nothing.
     (ack,) = _consumer(cluster).on_command(move)
     assert (ack.status, ack.detail) == ("done", "duplicate")
+
+
+def test_a_migration_transfer_makes_a_jobset_again_on_the_destination(cluster):
+    """A JobSet's replicated jobs cannot change: a migration's transfer deletes the job's JobSet
+    and makes it again for the destination (its replicated job's pods asking for the
+    destination's GPU product, held to its node), evicting the old pods; the JobSet to make is
+    recorded in the job's ConfigMap first. No JobSet or Job controller runs here: the test makes
+    the pod a Job would, and checks the JobSet and the evictions."""
+    from pathlib import Path
+
+    cluster.kube.install_crds([Path(__file__).parent / "data" / "jobset-crd.yaml"])
+    nodes = cluster.add_nodes(["h100-sxm", "b200"])
+    home, there = cluster.node_name(0), cluster.node_name(1)
+    cluster.kube.apply(render_plan(_plan({home: nodes[home]}), "jsm", "team-a", namespace=cluster.ns,
+                                   workload="jobset"))
+
+    def jobset() -> dict:
+        return cluster.custom.get_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", cluster.ns, "jobsets", "jsm")
+
+    old = jobset()
+    (rjob,) = old["spec"]["replicatedJobs"]
+    # What the JobSet controller would make: its Job (suspended, so that the Job controller makes
+    # no pod of its own), and the pod that Job would run, bound to the job's node.
+    owned_by = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": "jsm",
+                 "uid": old["metadata"]["uid"], "controller": True}]
+    job = cluster.batch.create_namespaced_job(cluster.ns, {
+        "metadata": {"name": "jsm-h100-sxm-0", "ownerReferences": owned_by},
+        "spec": {**rjob["template"]["spec"], "suspend": True}})
+    template = rjob["template"]["spec"]["template"]
+    cluster.core.create_namespaced_pod(cluster.ns, {
+        "metadata": {**template["metadata"], "name": "jsm-h100-sxm-0-0", "ownerReferences": [{
+            "apiVersion": "batch/v1", "kind": "Job", "name": job.metadata.name, "uid": job.metadata.uid,
+            "controller": True}]},
+        "spec": {**template["spec"], "nodeName": home}})
+    consumer = _consumer(cluster)
+    assert consumer.on_ack(Ack(command_id="snap-js", ts=NOW, by="training-plugin", status="done")) == []
+    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
+    move = sign(_cmd(type="migrate", job="jsm", requires=["snap-js"], params={
+        "phase": "transfer", "checkpoint_uri": "file:///ckpt/jsm", "destination": dest}), KEYS)
+    (ack,) = consumer.on_command(move)
+    assert ack.status == "done", ack.detail
+    assert "JobSet jsm: made again for the new place, 1 pod(s) evicted" in ack.detail
+    new = jobset()
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    assert new["metadata"]["annotations"]["fleetwise.io/rebuilt-by"] == move.id
+    assert new["metadata"]["labels"]["fleetwise.io/job"] == "jsm"  # found again by the job's label
+    (made,) = new["spec"]["replicatedJobs"]
+    spec = made["template"]["spec"]["template"]["spec"]
+    assert made["name"] == "b200" and made["template"]["spec"]["parallelism"] == 1
+    assert spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-B200"
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert {"key": "kubernetes.io/hostname", "operator": "In", "values": [there]} in term["matchExpressions"]
+    pods = cluster.pods("jsm")
+    assert "jsm-h100-sxm-0-0" not in pods or pods["jsm-h100-sxm-0-0"].metadata.deletion_timestamp is not None
+    cm = cluster.core.read_namespaced_config_map("jsm-fleetwise", cluster.ns)
+    assert json.loads(cm.data["jobset.json"])["command"] == move.id
+    pg = cluster.pod_group("jsm")
+    assert pg["spec"]["subGroups"] == [{"name": "b200", "minMember": 1}] and pg["spec"]["minMember"] == 1
+    # Done on the cluster: a restarted consumer changes nothing.
+    (ack,) = _consumer(cluster).on_command(move)
+    assert (ack.status, ack.detail) == ("done", "duplicate")
+    assert jobset()["metadata"]["uid"] == new["metadata"]["uid"]
 
 
 def test_consolidation_moves_re_target_a_pytorchjob_s_worker_template(cluster):

@@ -32,8 +32,10 @@ What each command does:
   the pod shape) is one the job did not have;
 - `migrate` (`phase`, `checkpoint_uri`, `destination`): a `transfer` with `destination.gpus`
   moves the job (the gang re-targeted to the destination, its pods made there as a growth's,
-  the old ones evicted); otherwise the PodGroup and the envelope ConfigMap record the phase and
-  destination (a `restore` with `destination.gpu_product` and `pods` re-targets the gang);
+  the old ones evicted; a PyTorchJob's Worker template re-targeted; a JobSet, whose replicated
+  jobs cannot change, deleted and made again for the destination); otherwise the PodGroup and
+  the envelope ConfigMap record the phase and destination (a `restore` with
+  `destination.gpu_product` and `pods` re-targets the gang);
 - `consolidate`: `action: hibernate` cordons the node and labels it
   `fleetwise.io/hibernate=true` (after the moves in `requires` are done); `action: wake`
   removes the label and uncordons (work returns); `action: move` (after the job's checkpoint)
@@ -66,6 +68,7 @@ from fleetwise.kube.render import (
     ANN_SUBGROUPS,
     GPU_COUNT_LABEL,
     JOB_LABEL,
+    JOBSET_API,
     envelope_configmap_name,
     pod_group_name,
 )
@@ -108,6 +111,8 @@ ANN_MOVES = "fleetwise.io/consolidation"
 ANN_GANG_LEFT = "fleetwise.io/gang-left"  # JSON list of pods the gang no longer counts
 ANN_LAST_SEQ = "fleetwise.io/last-seq"  # the job's last applied command seq (on its PodGroup)
 ANN_JOINED_BY = "fleetwise.io/joined-by"  # on a pod a resize created: the command's id
+ANN_REBUILT_BY = "fleetwise.io/rebuilt-by"  # on a JobSet a move made again: the command's id
+JOBSET_KEY = "jobset.json"  # in the envelope ConfigMap: the JobSet a move makes again (read on a resume)
 ANN_WORKLOAD = "fleetwise.io/workload-replicas"  # a growth's PyTorchJob Worker replicas (a resume: the same)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 KEEP_IDS = 32  # command ids remembered per object
@@ -140,14 +145,15 @@ class ClusterView:
     "namespace", "node", "deleting": bool, "subgroup", "owner": "Kind/name" of its controller or
     None, "phase", "manifest": {"metadata": {labels, annotations}, "spec"} (what a new pod copies)}.
     pod_group: {"name", "namespace", "spec", "annotations"} or None. configmap: {"name",
-    "namespace", "data"} or None. workload: the PyTorchJob that owns the job's pods, or None.
+    "namespace", "data"} or None. workload: the controller object that owns the job's pods, or
+    None: {"kind": "PyTorchJob" | "JobSet", "name", "namespace", "spec", "labels", "annotations"}.
     """
 
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     pods: list[dict[str, Any]] = field(default_factory=list)
     pod_group: dict[str, Any] | None = None
     configmap: dict[str, Any] | None = None
-    workload: dict[str, Any] | None = None  # the PyTorchJob owning the job's pods: {name, namespace, spec}
+    workload: dict[str, Any] | None = None  # the PyTorchJob or JobSet owning the job's pods
 
     @classmethod
     def assumed(cls, command: Command, namespace: str = "default", pods_per_node: int = 1) -> ClusterView:
@@ -165,8 +171,8 @@ class ClusterView:
 
 @dataclass(frozen=True)
 class Action:
-    """One intended API call. `verb`: patch | create | evict. `kind`: Node, Event, Pod,
-    PodGroup, ConfigMap. `patch`: "strategic" or "merge" for patches."""
+    """One intended API call. `verb`: patch | create | evict | delete. `kind`: Node, Event, Pod,
+    PodGroup, ConfigMap, PyTorchJob, JobSet. `patch`: "strategic" or "merge" for patches."""
 
     verb: str
     kind: str
@@ -190,11 +196,14 @@ class Action:
             return f"/apis/scheduling.run.ai/v2alpha2{ns}/podgroups/{self.name}"
         if self.kind == "PyTorchJob":
             return f"/apis/kubeflow.org/v1{ns}/pytorchjobs/{self.name}"
+        if self.kind == "JobSet":
+            base = f"/apis/{JOBSET_API}{ns}/jobsets"
+            return base if self.verb == "create" else f"{base}/{self.name}"
         raise ValueError(f"unknown kind {self.kind!r}")
 
     def describe(self) -> str:
         """The HTTP call, as `--dry-run` prints it."""
-        method = {"patch": "PATCH", "create": "POST", "evict": "POST"}[self.verb]
+        method = {"patch": "PATCH", "create": "POST", "evict": "POST", "delete": "DELETE"}[self.verb]
         ctype = f" ({self.patch}-merge-patch)" if self.verb == "patch" and self.patch == "strategic" else (
             " (merge-patch)" if self.verb == "patch" else "")
         body = json.dumps(self.body, sort_keys=True, separators=(",", ":"))
@@ -656,7 +665,7 @@ def _decide_resize(command: Command, view: ClusterView, waiting: list[str]) -> D
             gpus[sub] -= count
     joins = _place(_per_node(params.get("join")), view, new_subs, unknown)
     scale: tuple[list[Action], dict[str, Any] | None, str] | None = None
-    if view.workload is not None and joins:  # a PyTorchJob's: more Worker replicas, of its one template
+    if _owned_by(view, "PyTorchJob") and joins:  # a PyTorchJob's: more Worker replicas, of its one template
         scale = _scale_pytorchjob(command, view, joins, ann if resumed else None)
         fits = set(scale[1]["nodes"]) if scale[1] else set()
         joins = [j for j in joins if j[1] in fits]
@@ -883,6 +892,113 @@ def _retarget_pytorchjob(command: Command, view: ClusterView,
                      f"replicas), {len(leaving)} pod(s) evicted for its operator to make again")
 
 
+def _owned_by(view: ClusterView, kind: str) -> bool:
+    return view.workload is not None and view.workload.get("kind") == kind
+
+
+def _jobset_record(view: ClusterView, command: Command) -> dict[str, Any] | None:
+    """The JobSet this command makes again, as written to the envelope ConfigMap before the
+    old one was deleted (None: not written, or another command's)."""
+    try:
+        record = json.loads(((view.configmap or {}).get("data") or {}).get(JOBSET_KEY) or "null")
+    except json.JSONDecodeError:
+        return None
+    ours = isinstance(record, dict) and record.get("command") == command.id
+    return record.get("jobset") if ours else None
+
+
+def _controlled(view: ClusterView, command: Command) -> bool:
+    """The job's pods are a controller's to make: a PyTorchJob's or a JobSet's (also while this
+    command has deleted the JobSet and not made it again yet)."""
+    return view.workload is not None or _jobset_record(view, command) is not None
+
+
+def _retarget_workload(command: Command, view: ClusterView,
+                       layout: Sequence[Join]) -> tuple[list[Action], str]:
+    """The controller that owns the job's pods follows its pod `layout` after a move."""
+    if view.workload is None or _owned_by(view, "JobSet"):
+        return _rebuild_jobset(command, view, layout)
+    return _retarget_pytorchjob(command, view, layout)
+
+
+def _jobset_for(command: Command, wl: Mapping[str, Any], layout: Sequence[Join]) -> dict[str, Any] | str:
+    """The JobSet `wl` made again for the job's pod `layout`: one replicated job per subgroup,
+    copied from the one of that name (else of that GPU product, else the first), its pods asking
+    for the subgroup's GPUs and held to its nodes (`_pinned_spec`), marked as this command's.
+    A string: why it cannot be made."""
+    rjobs = [r for r in wl["spec"].get("replicatedJobs") or []
+             if ((r.get("template") or {}).get("spec") or {}).get("template", {}).get("spec")]
+    if not rjobs:
+        return f"JobSet {wl['name']} has no replicated job with a pod template to copy"
+
+    def product_of(r: Mapping[str, Any]) -> str | None:
+        return r["template"]["spec"]["template"]["spec"].get("nodeSelector", {}).get(GFD_PRODUCT_LABEL)
+
+    by_sub: dict[str, list[Join]] = {}
+    for j in layout:
+        if j[3]:
+            by_sub.setdefault(j[0], []).append(j)
+    made = []
+    for sub, joins in sorted(by_sub.items()):
+        product, per_pod = joins[0][2], joins[0][4]
+        source = next((r for r in rjobs if r.get("name") == sub), None) or next(
+            (r for r in rjobs if product_of(r) == product), rjobs[0])
+        r = copy.deepcopy(dict(source))
+        job_spec = r["template"]["spec"]
+        pods = sum(j[3] for j in joins)
+        pod = job_spec["template"]
+        pod["spec"] = _pinned_spec(pod["spec"], product, per_pod, sorted({j[1] for j in joins}))
+        meta = pod.setdefault("metadata", {})
+        meta["labels"] = {**(meta.get("labels") or {}), KAI_SUBGROUP_LABEL: sub, "fleetwise.io/subgroup": sub}
+        meta["annotations"] = {**(meta.get("annotations") or {}), ANN_JOINED_BY: command.id}
+        r.update(name=sub, replicas=1)
+        job_spec["parallelism"] = job_spec["completions"] = pods
+        made.append(r)
+    return {"apiVersion": JOBSET_API, "kind": "JobSet",
+            "metadata": {"name": wl["name"], "namespace": wl["namespace"],
+                         "labels": dict(wl.get("labels") or {}),
+                         "annotations": {**(wl.get("annotations") or {}), ANN_REBUILT_BY: command.id}},
+            "spec": {**copy.deepcopy(dict(wl["spec"])), "replicatedJobs": made}}
+
+
+def _rebuild_jobset(command: Command, view: ClusterView,
+                    layout: Sequence[Join]) -> tuple[list[Action], str]:
+    """The job's pods belong to a JobSet, whose replicated jobs cannot change once made: a
+    migration or a consolidation move (the job stopped at its checkpoint) deletes it and makes it
+    again for the job's pod `layout` after the move (`_jobset_for`), and evicts the job's pods the
+    new one did not make (the garbage collector removes the old Jobs' pods too; an eviction does
+    not wait for it and honours PodDisruptionBudgets). The JobSet to make is written to the
+    envelope ConfigMap before the delete, so a consumer restarted after it makes the same one;
+    a JobSet this command made already is left alone. (actions, detail; no actions: why not)."""
+    wl = view.workload
+    stored = _jobset_record(view, command)
+    before: list[Action] = []  # the record, the delete
+    make: list[Action] = []  # the new JobSet, once the old pods are going: they hold GPUs it may need
+    if wl is not None and (wl.get("annotations") or {}).get(ANN_REBUILT_BY) == command.id:
+        name = wl["name"]
+    else:
+        assert stored is not None or wl is not None  # _controlled: the JobSet, or this command's record
+        desired = stored if stored is not None else _jobset_for(command, wl, layout)
+        if isinstance(desired, str):
+            return [], f"no pod moved: {desired}"
+        name, ns = desired["metadata"]["name"], desired["metadata"]["namespace"]
+        subs = ", ".join(r["name"] for r in desired["spec"]["replicatedJobs"])
+        if stored is None:
+            before.append(_cm_patch(view, command, JOBSET_KEY, {"command": command.id, "jobset": desired},
+                                    f"the JobSet {name} is made again from here (replicated jobs {subs})"))
+        if wl is not None:
+            before.append(Action("delete", "JobSet", name, {"propagationPolicy": "Background"},
+                                 f"{command.job}: JobSet {name}'s replicated jobs cannot change; made again",
+                                 namespace=ns))
+        make.append(Action("create", "JobSet", name, desired,
+                           f"{command.job}: JobSet {name} with replicated jobs {subs}", namespace=ns))
+    leaving = sorted((p for p in view.pods if not p.get("deleting") and _joined_by(p) != command.id),
+                     key=lambda p: p["name"])
+    evictions = [_evict(p, f"{p['name']} of {command.job} leaves: its JobSet is made again") for p in leaving]
+    actions = before + evictions + make
+    return actions, (f"; JobSet {name}: made again for the new place, {len(leaving)} pod(s) evicted")
+
+
 def _decide_transfer(command: Command, view: ClusterView) -> Decision:
     """A migration's transfer (after its snapshot is done): the job's gang re-targeted to the
     destination's GPUs (`destination.gpus`: [node, gpu] pairs), its pods made there, the old ones
@@ -911,8 +1027,8 @@ def _decide_transfer(command: Command, view: ClusterView) -> Decision:
                                      f"{command.job} moves to {', '.join(sorted({j[1] for j in joins}))}"))
         out.actions.append(_cm_patch(view, command, "migration.json", record,
                                      "the new pods read the checkpoint to restore from here"))
-    if view.workload is not None:  # a PyTorchJob's pods: its operator makes them from the moved template
-        moved, why = _retarget_pytorchjob(command, view, joins)
+    if _controlled(view, command):  # a controller's pods: it makes them from the moved template
+        moved, why = _retarget_workload(command, view, joins)
         if not moved:
             return Decision(error=f"migrate transfer: {why}")
         out.actions += moved
@@ -989,20 +1105,21 @@ def _decide_move(command: Command, view: ClusterView) -> Decision:
     out = Decision(done=True)
     leaving = [p for p in view.pods if p.get("node") in changed and not p.get("deleting")
                and _joined_by(p) != command.id]
-    if view.workload is not None:  # a PyTorchJob's pods: its template follows the job's new layout
+    controlled = _controlled(view, command)
+    if controlled:  # a controller's pods: its template follows the job's new layout
         kept = Counter((p["subgroup"], p["node"]) for p in view.pods
                        if p.get("node") not in changed and p.get("subgroup") in subs and _live(p))
         layout = list(joins)
         for (sub, node), n in sorted(kept.items()):
             per_pod = int(subs[sub].get("gpus_per_pod", 1))
             layout.append((sub, node, str(subs[sub].get("product")), n, per_pod))
-        moved, why = _retarget_pytorchjob(command, view, layout)
+        moved, why = _retarget_workload(command, view, layout)
         if not moved:
             return Decision(error=f"consolidate move: {why}")
     if not resumed:
         out.actions.append(_gang_for(pg, command, subs, {ANN_MOVES: record},
                                      f"consolidation moves of {command.job}"))
-    if view.workload is not None:
+    if controlled:
         out.actions += moved
         out.finish.append(_pg_done(pg, command))
         out.detail = (f"{command.job}: {len(moves)} rank(s) moved; PodGroup {pg['name']}: minMember "
@@ -1092,6 +1209,7 @@ def required_rbac() -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"]},
         {"apiGroups": ["scheduling.run.ai"], "resources": ["podgroups"], "verbs": ["list", "patch"]},
         {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "patch"]},
+        {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["list", "create", "delete"]},
     ]
 
 
@@ -1202,6 +1320,12 @@ def _gpu_capacity(node: Any) -> int:
         return 0
 
 
+def _workload(kind: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {"kind": kind, "name": meta["name"], "namespace": meta["namespace"], "spec": obj.get("spec", {}),
+            "labels": dict(meta.get("labels") or {}), "annotations": dict(meta.get("annotations") or {})}
+
+
 def _owner(pod: Any) -> str | None:
     """"Kind/name" of the controller that owns a pod (None: a bare pod)."""
     refs = pod.metadata.owner_references or []
@@ -1285,12 +1409,6 @@ class ClientApi:
             view.pod_group = {"name": g["metadata"]["name"], "namespace": g["metadata"]["namespace"],
                               "spec": g.get("spec", {}),
                               "annotations": g["metadata"].get("annotations") or {}}
-        owners = {p["owner"] for p in view.pods if p.get("owner")}
-        if len(owners) == 1 and next(iter(owners)).startswith("PyTorchJob/"):
-            name = next(iter(owners)).split("/", 1)[1]
-            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs",
-                                                           name)
-            view.workload = {"name": name, "namespace": namespace, "spec": job.get("spec", {})}
         try:
             cm = self.core.read_namespaced_config_map(envelope_configmap_name(pg_name), namespace)
             view.configmap = {"name": cm.metadata.name, "namespace": cm.metadata.namespace,
@@ -1298,6 +1416,24 @@ class ClientApi:
         except Exception as exc:  # noqa: BLE001 - 404: the job was deployed without our ConfigMap
             if _api_status(exc) != 404:
                 raise
+        owners = {p["owner"] for p in view.pods if p.get("owner")}
+        in_flight = JOBSET_KEY in (view.configmap or {}).get("data", ())  # made again, maybe not yet
+        if len(owners) == 1 and next(iter(owners)).startswith("PyTorchJob/"):
+            name = next(iter(owners)).split("/", 1)[1]
+            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs",
+                                                           name)
+            view.workload = _workload("PyTorchJob", job)
+        elif any(o.startswith("Job/") for o in owners) or in_flight:
+            # A JobSet's pods are its Jobs'; the JobSet carries the job's label (`kube render`).
+            try:
+                sets = self.custom.list_namespaced_custom_object(
+                    "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", label_selector=selector)["items"]
+            except Exception as exc:  # noqa: BLE001 - 404: no JobSet CRD on this cluster
+                if _api_status(exc) != 404:
+                    raise
+                sets = []
+            if len(sets) == 1:
+                view.workload = _workload("JobSet", sets[0])
         return view
 
     def execute(self, action: Action) -> ActionResult:
@@ -1322,6 +1458,13 @@ class ClientApi:
                 self.custom.patch_namespaced_custom_object(
                     "kubeflow.org", "v1", action.namespace, "pytorchjobs", action.name, dict(action.body),
                     _content_type="application/merge-patch+json")
+            elif action.kind == "JobSet" and action.verb == "create":
+                self.custom.create_namespaced_custom_object(
+                    "jobset.x-k8s.io", "v1alpha2", action.namespace, "jobsets", dict(action.body))
+            elif action.kind == "JobSet":
+                self.custom.delete_namespaced_custom_object(
+                    "jobset.x-k8s.io", "v1alpha2", action.namespace, "jobsets", action.name,
+                    body=dict(action.body))
             else:
                 return ActionResult("error", f"unknown kind {action.kind}")
         except Exception as exc:  # noqa: BLE001 - ApiException: classify by HTTP status
@@ -1330,7 +1473,7 @@ class ClientApi:
                 return ActionResult("conflict", "changed since read")
             if status == 409:
                 return ActionResult("exists")
-            if status == 404 and action.kind in ("Pod", "ConfigMap"):
+            if status == 404 and (action.kind in ("Pod", "ConfigMap") or action.verb == "delete"):
                 return ActionResult("gone")
             if status == 429:
                 return ActionResult("blocked", _reason(exc) or "eviction refused (PodDisruptionBudget)")
