@@ -689,6 +689,20 @@ def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
     assert json.loads(cm.data["migration.json"])["checkpoint_uri"] == "s3://c/1"
 
 
+def _transfer(cluster, job: str, there: str) -> tuple[Command, Ack]:
+    """A migration's transfer of `job` to node `there`'s 8 GPUs as the policy sends it (after the
+    snapshot, its requirement, is acked done), carried out by a new consumer: (command, its ack)."""
+    consumer = _consumer(cluster)
+    snapshot = f"snap-{job}"
+    assert consumer.on_ack(Ack(command_id=snapshot, ts=NOW, by="training-plugin", status="done")) == []
+    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
+    move = sign(_cmd(type="migrate", job=job, requires=[snapshot], params={
+        "phase": "transfer", "checkpoint_uri": f"file:///ckpt/{job}", "destination": dest}), KEYS)
+    (ack,) = consumer.on_command(move)
+    assert ack.status == "done", ack.detail
+    return move, ack
+
+
 def _operator_pod(cluster, job: dict, name: str, node: str) -> None:
     """The pod a PyTorchJob's training operator would make from its Worker template (no operator
     runs here), owned by the job and bound to `node`."""
@@ -754,13 +768,7 @@ def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
     cluster.kube.apply(render_plan(plan, "ptm", "team-a", namespace=cluster.ns, workload="pytorchjob"))
     job = cluster.custom.get_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptm")
     _operator_pod(cluster, job, "ptm-worker-0", home)
-    consumer = _consumer(cluster)
-    assert consumer.on_ack(Ack(command_id="snap-p", ts=NOW, by="training-plugin", status="done")) == []
-    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
-    move = sign(_cmd(type="migrate", job="ptm", requires=["snap-p"], params={
-        "phase": "transfer", "checkpoint_uri": "file:///ckpt/ptm", "destination": dest}), KEYS)
-    (ack,) = consumer.on_command(move)
-    assert ack.status == "done", ack.detail
+    move, ack = _transfer(cluster, "ptm", there)
     assert f"PyTorchJob ptm: Worker template on {there} (1 replicas), 1 pod(s) evicted" in ack.detail
     worker = cluster.custom.get_namespaced_custom_object(
         "kubeflow.org", "v1", cluster.ns, "pytorchjobs", "ptm")["spec"]["pytorchReplicaSpecs"]["Worker"]
@@ -814,13 +822,7 @@ def test_a_migration_transfer_makes_a_jobset_again_on_the_destination(cluster):
             "apiVersion": "batch/v1", "kind": "Job", "name": job.metadata.name, "uid": job.metadata.uid,
             "controller": True}]},
         "spec": {**template["spec"], "nodeName": home}})
-    consumer = _consumer(cluster)
-    assert consumer.on_ack(Ack(command_id="snap-js", ts=NOW, by="training-plugin", status="done")) == []
-    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
-    move = sign(_cmd(type="migrate", job="jsm", requires=["snap-js"], params={
-        "phase": "transfer", "checkpoint_uri": "file:///ckpt/jsm", "destination": dest}), KEYS)
-    (ack,) = consumer.on_command(move)
-    assert ack.status == "done", ack.detail
+    move, ack = _transfer(cluster, "jsm", there)
     assert "JobSet jsm: made again for the new place, 1 pod(s) evicted" in ack.detail
     new = jobset()
     assert new["metadata"]["uid"] != old["metadata"]["uid"]
@@ -891,14 +893,7 @@ def test_a_migration_transfer_moves_the_job_s_pods_to_the_destination(cluster):
     cluster.deploy("mv", {home: nodes[home]})
     cluster.set_running("mv")
     (old,) = cluster.pods("mv")
-    consumer = _consumer(cluster)
-    assert consumer.on_ack(Ack(command_id="snap-1", ts=NOW, by="training-plugin", status="done")) == []
-    # As the policy sends it: the destination's GPUs, after the snapshot (its requirement).
-    dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
-    move = sign(_cmd(type="migrate", job="mv", requires=["snap-1"], params={
-        "phase": "transfer", "checkpoint_uri": "file:///ckpt/mv", "destination": dest}), KEYS)
-    (ack,) = consumer.on_command(move)
-    assert ack.status == "done", ack.detail
+    move, ack = _transfer(cluster, "mv", there)
     pg = cluster.pod_group("mv")
     assert pg["spec"]["subGroups"] == [{"name": "b200", "minMember": 1}] and pg["spec"]["minMember"] == 1
     subs = json.loads(pg["metadata"]["annotations"]["fleetwise.io/subgroups"])
@@ -912,8 +907,9 @@ def test_a_migration_transfer_moves_the_job_s_pods_to_the_destination(cluster):
         e.key: e.values for e in required.node_selector_terms[0].match_expressions}.items()
     assert old not in pods or pods[old].metadata.deletion_timestamp is not None  # evicted
     cm = cluster.core.read_namespaced_config_map("mv-fleetwise", cluster.ns)
-    assert json.loads(cm.data["migration.json"]) == {"command": move.id, "phase": "transfer",
-                                                     "checkpoint_uri": "file:///ckpt/mv", "destination": dest}
+    assert json.loads(cm.data["migration.json"]) == {
+        "command": move.id, "phase": "transfer", "checkpoint_uri": "file:///ckpt/mv",
+        "destination": move.params["destination"]}
     # Once done on the cluster, a restarted consumer changes nothing.
     (ack,) = _consumer(cluster).on_command(move)
     assert (ack.status, ack.detail) == ("done", "duplicate")
