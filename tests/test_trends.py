@@ -191,6 +191,21 @@ def test_control_plane_warns_of_a_gpu_losing_its_headroom(tmp_path: Path) -> Non
     assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n2", "r2", at="full_power") is None
     assert gauge("fleetwise_gpu_last_hop_timestamp_seconds", "n2", "r2") is None
     assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n1", "r1", at="full_power") == hot
+    # A GPU without a hop for an hour of the worker's event time (stopped reporting, or its
+    # partition moved to another worker) loses its series; one hop later than its last, not yet.
+    from types import SimpleNamespace
+
+    def hop(ts: float) -> None:
+        values = SimpleNamespace(headroom_c=[40.0], headroom_at_tdp_c=[20.0], drift_c_per_day=[0.0],
+                                 util_pct=[90.0])
+        M.observe_gpu_headroom([("n3", 0)], [("r3", "s1")], [ts], values)
+
+    hop(last + 600)
+    assert gauge("fleetwise_gpu_last_hop_timestamp_seconds", "n1", "r1") is not None
+    hop(last + 3 * 3600)
+    assert gauge("fleetwise_gpu_last_hop_timestamp_seconds", "n1", "r1") is None
+    assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n1", "r1", at="full_power") is None
+    assert gauge("fleetwise_gpu_thermal_headroom_celsius", "n3", "r3", at="now") == 40.0
 
 
 def test_replay_cli_writes_trends_and_draws_them_in_the_report(tmp_path: Path) -> None:

@@ -151,10 +151,17 @@ GPU_UTILISATION = Gauge(
 GPU_LAST_HOP = Gauge(
     "fleetwise_gpu_last_hop_timestamp_seconds",
     "event time (Unix s) of the GPU's last closed feature hop: the per-GPU gauges are as of then "
-    "(a GPU that stopped reporting keeps its last values until this worker evicts its state)",
+    "(series of a GPU without a hop for GPU_SERIES_STALE_S of the worker's event time are removed)",
     _GPU_LABELS,
 )
+# A GPU that stopped reporting, or whose partition moved to another worker, would keep its last
+# values here (twice in the roll-ups, in the second case): its series go once the worker's
+# newest hop is this much later than its last (event time; checked every _SWEEP_EVERY_S of it).
+GPU_SERIES_STALE_S = 3600.0
+_SWEEP_EVERY_S = 600.0
 _gpu_labels: dict[tuple[str, int], tuple[str, str, str, str]] = {}  # the label values set per GPU
+_gpu_last_ts: dict[tuple[str, int], float] = {}  # each GPU's last hop seen here
+_last_sweep_ts = [-math.inf]
 
 
 def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple[str | None, str | None]],
@@ -168,6 +175,7 @@ def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple
         if old is not None and old != labels:  # moved to another rack or site: one series per GPU
             forget_gpus([f"{node}/{gpu}"])
         _gpu_labels[(node, int(gpu))] = labels
+        _gpu_last_ts[(node, int(gpu))] = float(ts[i])
         GPU_LAST_HOP.labels(*labels).set(float(ts[i]))
         for gauge, value, extra in ((GPU_HEADROOM, hops.headroom_c[i], ("now",)),
                                     (GPU_HEADROOM, hops.headroom_at_tdp_c[i], ("full_power",)),
@@ -175,13 +183,18 @@ def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple
                                     (GPU_UTILISATION, hops.util_pct[i], ())):
             if not math.isnan(value):
                 gauge.labels(*labels, *extra).set(float(value))
+    newest = max((float(t) for t in ts), default=None)
+    if newest is not None and abs(newest - _last_sweep_ts[0]) >= _SWEEP_EVERY_S:
+        _last_sweep_ts[0] = newest
+        forget_gpus([f"{n}/{g}" for (n, g), t in _gpu_last_ts.items() if t < newest - GPU_SERIES_STALE_S])
 
 
 def forget_gpus(keys: Sequence[str]) -> None:
     """Remove the per-GPU series of GPUs ("node/gpu") whose state the worker dropped (evicted as
-    idle): a GPU gone for good no longer shows its last values in the roll-ups."""
+    idle) or that went stale: a GPU gone no longer shows its last values in the roll-ups."""
     for key in keys:
         node, _, gpu = key.rpartition("/")
+        _gpu_last_ts.pop((node, int(gpu)), None)
         labels = _gpu_labels.pop((node, int(gpu)), None)
         if labels is None:
             continue
