@@ -421,6 +421,10 @@ class Cluster:
         return {p.metadata.name: p for p in self.core.list_namespaced_pod(
             self.ns, label_selector=f"fleetwise.io/job={job}").items}
 
+    def jobset(self, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", self.ns, "jobsets", name)
+
     def pod_group(self, job: str) -> dict:
         return self.custom.get_namespaced_custom_object("scheduling.run.ai", "v2alpha2", self.ns,
                                                         "podgroups", job)
@@ -689,17 +693,18 @@ def test_migrate_records_phases_and_retargets_the_gang_on_restore(cluster):
     assert json.loads(cm.data["migration.json"])["checkpoint_uri"] == "s3://c/1"
 
 
-def _transfer(cluster, job: str, there: str) -> tuple[Command, Ack]:
+def _transfer(cluster, job: str, there: str, status: str = "done",
+              consumer: KubeConsumer | None = None) -> tuple[Command, Ack]:
     """A migration's transfer of `job` to node `there`'s 8 GPUs as the policy sends it (after the
     snapshot, its requirement, is acked done), carried out by a new consumer: (command, its ack)."""
-    consumer = _consumer(cluster)
+    consumer = consumer or _consumer(cluster)
     snapshot = f"snap-{job}"
     assert consumer.on_ack(Ack(command_id=snapshot, ts=NOW, by="training-plugin", status="done")) == []
     dest = {"gpus": [[there, g] for g in range(8)], "nodes": [there], "site": "b", "gpu_type": "b200"}
     move = sign(_cmd(type="migrate", job=job, requires=[snapshot], params={
         "phase": "transfer", "checkpoint_uri": f"file:///ckpt/{job}", "destination": dest}), KEYS)
     (ack,) = consumer.on_command(move)
-    assert ack.status == "done", ack.detail
+    assert ack.status == status, ack.detail
     return move, ack
 
 
@@ -789,42 +794,46 @@ def test_a_migration_transfer_moves_a_pytorchjob_s_worker_template(cluster):
     assert (ack.status, ack.detail) == ("done", "duplicate")
 
 
+def _jobset_job(cluster, name: str, finalizers: tuple[str, ...] = ()) -> tuple[str, str, dict]:
+    """A job rendered as a JobSet on an H100 node (a B200 node beside it), with the Job and pod
+    its controllers would make (no JobSet controller runs here; the Job is suspended, so that the
+    Job controller makes no pod of its own): (its node, the other node, the JobSet)."""
+    from pathlib import Path
+
+    cluster.kube.install_crds([Path(__file__).parent / "data" / "jobset-crd.yaml"])
+    nodes = cluster.add_nodes(["h100-sxm", "b200"])
+    home, there = cluster.node_name(0), cluster.node_name(1)
+    objects = render_plan(_plan({home: nodes[home]}), name, "team-a", namespace=cluster.ns, workload="jobset")
+    for o in objects:
+        if o["kind"] == "JobSet" and finalizers:
+            o["metadata"]["finalizers"] = list(finalizers)
+    cluster.kube.apply(objects)
+    js = cluster.jobset(name)
+    (rjob,) = js["spec"]["replicatedJobs"]
+    owned_by = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": name,
+                 "uid": js["metadata"]["uid"], "controller": True}]
+    job = cluster.batch.create_namespaced_job(cluster.ns, {
+        "metadata": {"name": f"{name}-h100-sxm-0", "ownerReferences": owned_by},
+        "spec": {**rjob["template"]["spec"], "suspend": True}})
+    template = rjob["template"]["spec"]["template"]
+    cluster.core.create_namespaced_pod(cluster.ns, {
+        "metadata": {**template["metadata"], "name": f"{name}-h100-sxm-0-0", "ownerReferences": [{
+            "apiVersion": "batch/v1", "kind": "Job", "name": job.metadata.name, "uid": job.metadata.uid,
+            "controller": True}]},
+        "spec": {**template["spec"], "nodeName": home}})
+    return home, there, js
+
+
 def test_a_migration_transfer_makes_a_jobset_again_on_the_destination(cluster):
     """A JobSet's replicated jobs cannot change: a migration's transfer deletes the job's JobSet
     and makes it again for the destination (its replicated job's pods asking for the
     destination's GPU product, held to its node), evicting the old pods; the JobSet to make is
     recorded in the job's ConfigMap first. No JobSet or Job controller runs here: the test makes
     the pod a Job would, and checks the JobSet and the evictions."""
-    from pathlib import Path
-
-    cluster.kube.install_crds([Path(__file__).parent / "data" / "jobset-crd.yaml"])
-    nodes = cluster.add_nodes(["h100-sxm", "b200"])
-    home, there = cluster.node_name(0), cluster.node_name(1)
-    cluster.kube.apply(render_plan(_plan({home: nodes[home]}), "jsm", "team-a", namespace=cluster.ns,
-                                   workload="jobset"))
-
-    def jobset() -> dict:
-        return cluster.custom.get_namespaced_custom_object(
-            "jobset.x-k8s.io", "v1alpha2", cluster.ns, "jobsets", "jsm")
-
-    old = jobset()
-    (rjob,) = old["spec"]["replicatedJobs"]
-    # What the JobSet controller would make: its Job (suspended, so that the Job controller makes
-    # no pod of its own), and the pod that Job would run, bound to the job's node.
-    owned_by = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": "jsm",
-                 "uid": old["metadata"]["uid"], "controller": True}]
-    job = cluster.batch.create_namespaced_job(cluster.ns, {
-        "metadata": {"name": "jsm-h100-sxm-0", "ownerReferences": owned_by},
-        "spec": {**rjob["template"]["spec"], "suspend": True}})
-    template = rjob["template"]["spec"]["template"]
-    cluster.core.create_namespaced_pod(cluster.ns, {
-        "metadata": {**template["metadata"], "name": "jsm-h100-sxm-0-0", "ownerReferences": [{
-            "apiVersion": "batch/v1", "kind": "Job", "name": job.metadata.name, "uid": job.metadata.uid,
-            "controller": True}]},
-        "spec": {**template["spec"], "nodeName": home}})
+    home, there, old = _jobset_job(cluster, "jsm")
     move, ack = _transfer(cluster, "jsm", there)
     assert "JobSet jsm: made again for the new place, 1 pod(s) evicted" in ack.detail
-    new = jobset()
+    new = cluster.jobset("jsm")
     assert new["metadata"]["uid"] != old["metadata"]["uid"]
     assert new["metadata"]["annotations"]["fleetwise.io/rebuilt-by"] == move.id
     assert new["metadata"]["labels"]["fleetwise.io/job"] == "jsm"  # found again by the job's label
@@ -844,7 +853,27 @@ def test_a_migration_transfer_makes_a_jobset_again_on_the_destination(cluster):
     # Done on the cluster: a restarted consumer changes nothing.
     (ack,) = _consumer(cluster).on_command(move)
     assert (ack.status, ack.detail) == ("done", "duplicate")
-    assert jobset()["metadata"]["uid"] == new["metadata"]["uid"]
+    assert cluster.jobset("jsm")["metadata"]["uid"] == new["metadata"]["uid"]
+
+
+def test_a_jobset_still_being_deleted_is_made_again_on_a_later_tick(cluster):
+    """The old JobSet is held by a finalizer (another controller's): the new one cannot be made
+    under its name yet. The transfer is `applied` and waits, saying why; once the old one is
+    gone, the next tick makes the new one and the transfer is done."""
+    home, there, old = _jobset_job(cluster, "jsf", finalizers=["example.com/hold"])
+    consumer = _consumer(cluster)
+    move, ack = _transfer(cluster, "jsf", there, status="applied", consumer=consumer)
+    assert "JobSet jsf is still being deleted" in ack.detail
+    held = cluster.jobset("jsf")
+    assert held["metadata"]["uid"] == old["metadata"]["uid"] and held["metadata"].get("deletionTimestamp")
+    assert consumer.tick() == []  # still held: nothing new to say
+    cluster.custom.patch_namespaced_custom_object(
+        "jobset.x-k8s.io", "v1alpha2", cluster.ns, "jobsets", "jsf", {"metadata": {"finalizers": None}})
+    (ack,) = consumer.tick()
+    assert ack.status == "done", ack.detail
+    new = cluster.jobset("jsf")
+    assert new["metadata"]["annotations"]["fleetwise.io/rebuilt-by"] == move.id
+    assert new["spec"]["replicatedJobs"][0]["name"] == "b200"
 
 
 def test_consolidation_moves_re_target_a_pytorchjob_s_worker_template(cluster):

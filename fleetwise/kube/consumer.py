@@ -1471,6 +1471,8 @@ class ClientApi:
             status = _api_status(exc)
             if status == 409 and action.verb == "patch":
                 return ActionResult("conflict", "changed since read")
+            if status == 409 and action.kind == "JobSet":
+                return self._jobset_there(action)
             if status == 409:
                 return ActionResult("exists")
             if status == 404 and (action.kind in ("Pod", "ConfigMap") or action.verb == "delete"):
@@ -1481,6 +1483,18 @@ class ClientApi:
                 raise
             return ActionResult("error", f"HTTP {status}: {_reason(exc)}")
         return ActionResult("ok")
+
+
+    def _jobset_there(self, action: Action) -> ActionResult:
+        """A JobSet of that name exists: the one this command made ("exists"), or the old one not
+        gone yet (a finalizer still holds it: "blocked", made on a later tick)."""
+        found = self.custom.list_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", action.namespace, "jobsets",
+            field_selector=f"metadata.name={action.name}")["items"]
+        mine = action.body["metadata"]["annotations"].get(ANN_REBUILT_BY)
+        if any((js["metadata"].get("annotations") or {}).get(ANN_REBUILT_BY) == mine for js in found):
+            return ActionResult("exists")
+        return ActionResult("blocked", f"JobSet {action.name} is still being deleted")
 
 
 def _reason(exc: Exception) -> str:
