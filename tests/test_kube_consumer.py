@@ -130,7 +130,8 @@ def _jobset_view() -> ClusterView:
         "parallelism": 1, "completions": 1, "completionMode": "Indexed",
         "template": {"metadata": pod["metadata"], "spec": {**pod["spec"], "restartPolicy": "Never"}}}}}
     view.workload = {"kind": "JobSet", "name": "j", "namespace": "ns", "labels": {"fleetwise.io/job": "j"},
-                     "annotations": {}, "spec": {"replicatedJobs": [rjob]}}
+                     "annotations": {}, "spec": {"replicatedJobs": [rjob], "successPolicy": {
+                         "operator": "All", "targetReplicatedJobs": ["h100-sxm"]}}}
     view.configmap = {"name": "j-fleetwise", "namespace": "ns", "data": {}}
     return view
 
@@ -152,6 +153,8 @@ def test_decide_jobset_move_records_deletes_evicts_and_makes_it_again_and_resume
     (rjob,) = made["spec"]["replicatedJobs"]
     tmpl = rjob["template"]["spec"]["template"]
     assert rjob["name"] == "b200" and rjob["template"]["spec"]["parallelism"] == 1
+    # A policy naming the old replicated job names the new one (else the JobSet is refused).
+    assert made["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["b200"]}
     assert tmpl["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == PRODUCTS["b200"]
     assert tmpl["metadata"]["labels"]["kai.scheduler/subgroup-name"] == "b200"
     assert tmpl["metadata"]["annotations"]["fleetwise.io/joined-by"] == move.id

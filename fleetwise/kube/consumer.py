@@ -954,11 +954,19 @@ def _jobset_for(command: Command, wl: Mapping[str, Any], layout: Sequence[Join])
         r.update(name=sub, replicas=1)
         job_spec["parallelism"] = job_spec["completions"] = pods
         made.append(r)
+    if not made:
+        return "the job's new place holds no whole pod"
+    spec = copy.deepcopy(dict(wl["spec"]))
+    # Policies that name replicated jobs would name ones that are gone: they name the new ones.
+    names = [r["name"] for r in made]
+    for policy in [spec.get("successPolicy"), *((spec.get("failurePolicy") or {}).get("rules") or [])]:
+        if isinstance(policy, dict) and policy.get("targetReplicatedJobs"):
+            policy["targetReplicatedJobs"] = names
     return {"apiVersion": JOBSET_API, "kind": "JobSet",
             "metadata": {"name": wl["name"], "namespace": wl["namespace"],
                          "labels": dict(wl.get("labels") or {}),
                          "annotations": {**(wl.get("annotations") or {}), ANN_REBUILT_BY: command.id}},
-            "spec": {**copy.deepcopy(dict(wl["spec"])), "replicatedJobs": made}}
+            "spec": {**spec, "replicatedJobs": made}}
 
 
 def _rebuild_jobset(command: Command, view: ClusterView,
