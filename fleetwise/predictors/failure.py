@@ -242,6 +242,7 @@ def rule_hits(features: np.ndarray) -> np.ndarray:
 
 
 def rule_names_of(bits: int) -> list[str]:
+    """The names of the rules set in `bits` (`rule_hits`)."""
     return [name for r, name in enumerate(RULE_NAMES) if bits >> r & 1]
 
 
@@ -295,7 +296,7 @@ class FailurePredictor:
         x = features[:, self.model.cols]
         prob = self.model.predict_proba(x)
         bits = rule_hits(features)
-        rule_hit: list[list[str]] = [rule_names_of(b) if b else [] for b in bits.tolist()]
+        rule_hit = [rule_names_of(b) for b in bits.tolist()]
         pol = self.policy
         # Which rows' risk is memory-driven (only rows at or above hi_memory matter for raising).
         memory_driven = np.zeros(len(keys), dtype=bool)

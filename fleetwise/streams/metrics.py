@@ -159,8 +159,8 @@ GPU_LAST_HOP = Gauge(
 # newest hop is this much later than its last (event time; checked every _SWEEP_EVERY_S of it).
 GPU_SERIES_STALE_S = 3600.0
 _SWEEP_EVERY_S = 600.0
-_gpu_labels: dict[tuple[str, int], tuple[str, str, str, str]] = {}  # the label values set per GPU
-_gpu_last_ts: dict[tuple[str, int], float] = {}  # each GPU's last hop seen here
+# Per GPU: the label values its series were set with, and the end of its last hop seen here.
+_gpu_series: dict[tuple[str, int], tuple[tuple[str, str, str, str], float]] = {}
 _last_sweep_ts = [-math.inf]
 
 
@@ -171,11 +171,10 @@ def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple
     for i, (node, gpu) in enumerate(keys):
         rack, site = places[i]
         labels = (node, str(gpu), rack or "", site or "")
-        old = _gpu_labels.get((node, int(gpu)))
-        if old is not None and old != labels:  # moved to another rack or site: one series per GPU
+        old = _gpu_series.get((node, int(gpu)))
+        if old is not None and old[0] != labels:  # moved to another rack or site: one series per GPU
             forget_gpus([f"{node}/{gpu}"])
-        _gpu_labels[(node, int(gpu))] = labels
-        _gpu_last_ts[(node, int(gpu))] = float(ts[i])
+        _gpu_series[(node, int(gpu))] = (labels, float(ts[i]))
         GPU_LAST_HOP.labels(*labels).set(float(ts[i]))
         for gauge, value, extra in ((GPU_HEADROOM, hops.headroom_c[i], ("now",)),
                                     (GPU_HEADROOM, hops.headroom_at_tdp_c[i], ("full_power",)),
@@ -186,7 +185,7 @@ def observe_gpu_headroom(keys: Sequence[tuple[str, int]], places: Sequence[tuple
     newest = max((float(t) for t in ts), default=None)
     if newest is not None and abs(newest - _last_sweep_ts[0]) >= _SWEEP_EVERY_S:
         _last_sweep_ts[0] = newest
-        forget_gpus([f"{n}/{g}" for (n, g), t in _gpu_last_ts.items() if t < newest - GPU_SERIES_STALE_S])
+        forget_gpus([f"{n}/{g}" for (n, g), (_, t) in _gpu_series.items() if t < newest - GPU_SERIES_STALE_S])
 
 
 def forget_gpus(keys: Sequence[str]) -> None:
@@ -194,10 +193,10 @@ def forget_gpus(keys: Sequence[str]) -> None:
     idle) or that went stale: a GPU gone no longer shows its last values in the roll-ups."""
     for key in keys:
         node, _, gpu = key.rpartition("/")
-        _gpu_last_ts.pop((node, int(gpu)), None)
-        labels = _gpu_labels.pop((node, int(gpu)), None)
-        if labels is None:
+        known = _gpu_series.pop((node, int(gpu)), None)
+        if known is None:
             continue
+        labels = known[0]
         for gauge, extra in ((GPU_HEADROOM, ("now",)), (GPU_HEADROOM, ("full_power",)), (GPU_DRIFT, ()),
                              (GPU_UTILISATION, ()), (GPU_LAST_HOP, ())):
             with contextlib.suppress(KeyError):  # never set (an unknown value)
