@@ -384,7 +384,9 @@ def pooled_targets(set_name: str, predictor: FailurePredictor, cache: Path, rule
     by_class: dict[str, list[int]] = {}
     for spec in SETS[set_name]:
         scores, labels = score_hops(spec, predictor, cache)
-        m, _ = replay_policy(scores, labels, predictor, policy)
+        m, preds = replay_policy(scores, labels, predictor, policy)
+        if verbose:
+            explain_scores(spec.name, scores, m, preds, predictor)
         tot["long_c"] += m["recall_long_precursor_12h"]["caught"]
         tot["long_n"] += m["recall_long_precursor_12h"]["n"]
         tot["pre_c"] += m["recall_with_precursor_30min"]["caught"]
