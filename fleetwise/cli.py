@@ -1084,10 +1084,10 @@ def demo(
         scorecard.add_row(*row)
     console.print(scorecard)
     if failure is not None and not failure.policy.model_alerts:
-        console.print(f"Failure alerts here come from the rules alone (the packaged default: the model's "
-                      f"alerts cost false alarms on fleets unlike its training); the model's probabilities "
+        console.print("Failure alerts here come from the rules alone (the packaged default: the model's "
+                      "alerts cost false alarms on fleets unlike its training); the model's probabilities "
                       f"are the watch list. With its alerts too: `fleetwise replay {trace} --model-alerts` "
-                      f"(docs/predictors.md, \"Result and default\").")
+                      "(docs/predictors.md, \"Result and default\").")
     _demo_trends(runtime.control.trend_rows, decisions)
     report = out_dir / "report.html"
     _write_report(report, decisions, labels_path, runtime.control.trend_rows)
