@@ -13,8 +13,10 @@ Sets of traces, none used in training (the packaged model: members 0-11 of the r
 The randomised-family sets (issue 16): "val-dr" (tuning: members never trained on),
 "fa-val-dr-wide" (more false-alarm exposure of the same family at a realistic failure rate),
 "test-dr" (held out, same family) and "shifted" (another family, never trained or tuned on:
-the evaluation that can fail), with "shifted-fresh" and "shifted-final", members of the same
-family drawn later, each looked at by fewer decisions (see their comments in SETS):
+the evaluation that can fail), with "shifted-fresh", "shifted-final" and "shifted-new",
+members of the same family drawn later, each looked at by fewer decisions (see their comments
+in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
+(its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -171,6 +173,42 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("shifted-8", "", 10, 8, 40, 300, "shifted"),
         TraceSpec("shifted-12", "h100-sxm:128,b200:128,h20:128,a100-sxm-80gb:64,v100-sxm2-32gb:64",
                   21, 12, 9, 300, "shifted"),
+    ],
+    # Tuning set of the "wide" training family (its members 0-11 trained on; these never).
+    "val-wide": [
+        TraceSpec("val-wide-100", "", 7, 100, 40, 60, "wide"),
+        TraceSpec("val-wide-101", "", 7, 101, 40, 120, "wide"),
+        TraceSpec("val-wide-102", "", 7, 102, 40, 300, "wide"),
+        TraceSpec("fa-val-wide-110", "h100-sxm:192,a100-sxm-80gb:128,h200:192", 14, 110, 3, 300, "wide"),
+    ],
+    # Members of the shifted family drawn (2026-12-04) for the "wide" training trial, after the
+    # sets above: nothing had looked at them. A model trained on "wide" has seen the shifted
+    # family's parameter ranges (not its GPU models), so for it these are near-shift.
+    "shifted-new": [
+        TraceSpec("shifted-13", "", 10, 13, 40, 300, "shifted"),
+        TraceSpec("shifted-14", "", 10, 14, 40, 300, "shifted"),
+        TraceSpec("shifted-15", "", 10, 15, 40, 300, "shifted"),
+        TraceSpec("shifted-16", "b200:128,h100-sxm:128,b300:128,a100-sxm-40gb:64,h20:64", 21, 16, 9, 300,
+                  "shifted"),
+    ],
+    # The "far" family: beyond "wide" (and so beyond "train") on every noise and trap range,
+    # another failure-class mix, GPU models no training mix has; never trained or tuned on.
+    "far": [
+        TraceSpec("far-0", "", 10, 0, 40, 300, "far"),
+        TraceSpec("far-1", "", 10, 1, 40, 300, "far"),
+        TraceSpec("far-2", "", 10, 2, 40, 300, "far"),
+        TraceSpec("far-10", "b200:192,h20:128,b300:128,v100-sxm2-32gb:64", 21, 10, 9, 300, "far"),
+    ],
+    # Drawn after "far" and "shifted-new" had been looked at (their false alarms led to a trial
+    # without the absolute thermal-throttle features): that trial's one held-out run.
+    "far-fresh": [
+        TraceSpec("far-3", "", 10, 3, 40, 300, "far"),
+        TraceSpec("far-4", "", 10, 4, 40, 300, "far"),
+        TraceSpec("far-5", "", 10, 5, 40, 300, "far"),
+        TraceSpec("far-11", "b300:192,b100:128,h20:128,a100-sxm-40gb:64", 21, 11, 9, 300, "far"),
+        TraceSpec("shifted-17", "", 10, 17, 40, 300, "shifted"),
+        TraceSpec("shifted-18", "b300:128,h20:128,b200:128,h100-sxm:64,v100-sxm2-32gb:64", 21, 18, 9, 300,
+                  "shifted"),
     ],
 }
 

@@ -75,6 +75,26 @@ def test_families_are_reproducible_and_distinct() -> None:
         family_config("nope", 0)
 
 
+def test_wide_spans_train_and_shifted_and_far_lies_beyond() -> None:
+    from fleetwise.catalog import parse_gpu_counts
+
+    train, shifted, wide, far = (FAMILIES[n] for n in ("train", "shifted", "wide", "far"))
+    for name, (lo, hi) in wide.ranges.items():
+        assert lo <= min(train.ranges[name][0], shifted.ranges[name][0])
+        assert hi >= max(train.ranges[name][1], shifted.ranges[name][1])
+        # "far" is the held-out family of a model trained on "wide": beyond it on every range.
+        assert far.ranges[name][1] > hi, name
+    assert set(far.ranges) == set(wide.ranges)
+
+    def models(family) -> set[str]:  # noqa: ANN001
+        return {g.id for mix in family.mixes for g, _ in parse_gpu_counts(mix)}
+
+    assert not models(far) & models(wide)
+    cfg = family_config("far", 2)
+    assert cfg.class_mix == far.class_mix and cfg.sample_interval_s == 300.0
+    assert family_config("wide", 0).class_mix == SimConfig().class_mix
+
+
 def test_bad_knob_names_the_field() -> None:
     with pytest.raises(SimConfigError, match="dcgm_blank_prob"):
         SimConfig(dcgm_blank_prob=2.0).validate()

@@ -34,6 +34,7 @@ class Family:
     intervals_s: tuple[float, ...]
     ranges: dict[str, tuple[float, float]]
     seed_base: int
+    class_mix: dict[str, float] | None = None  # failure classes' shares (None: the simulator's)
 
 
 TRAIN = Family(
@@ -128,7 +129,70 @@ SHIFTED = Family(
     seed_base=2600,
 )
 
-FAMILIES = {f.name: f for f in (TRAIN, SHIFTED)}
+# Training across the union of both: from "train"'s quiet end to "shifted"'s noisy one, on
+# "train"'s GPU mixes (so GPU models stay a shift). Trained on, it makes the shifted family's
+# parameter ranges in-distribution; "far" is then the evaluation that can fail.
+WIDE = Family(
+    name="wide",
+    mixes=TRAIN.mixes,
+    intervals_s=TRAIN.intervals_s,
+    ranges={name: (min(lo, SHIFTED.ranges[name][0]), max(hi, SHIFTED.ranges[name][1]))
+            for name, (lo, hi) in TRAIN.ranges.items()},
+    seed_base=3600,
+)
+
+# Beyond "wide" on every noise and trap range (hotter rooms, worse cooling, noisier sensors,
+# more and worse lemons, longer benign bursts, more scrape defects), another failure-class mix
+# (more NVLink and thermal-interface failures), GPU models no training mix has, 5-minute samples.
+FAR = Family(
+    name="far",
+    mixes=(
+        "b200:64,h20:32,v100-sxm2-32gb:32",
+        "b300:64,a100-sxm-40gb:32,b100:32",
+        "b100:32,b200:32,v100-sxm2-32gb:32,h20:32",
+    ),
+    intervals_s=(300.0,),
+    ranges={
+        "site_inlet": (28.0, 32.0),
+        "rack_inlet_sd_c": (2.5, 4.0),
+        "cooling_rise_c": (50.0, 56.0),
+        "board_r_sd": (0.14, 0.20),
+        "temp_noise_c": (1.3, 2.0),
+        "temp_offset_sd_c": (2.5, 4.0),
+        "power_noise": (0.04, 0.07),
+        "neighbour_heat_c": (5.0, 8.0),
+        "bg_sbe_healthy": (0.5, 1.0),
+        "bg_sbe_lemon": (12.0, 25.0),
+        "bg_pcie_healthy": (1.5, 3.0),
+        "bg_pcie_lemon": (15.0, 30.0),
+        "bg_nvl_healthy": (1.5, 3.0),
+        "bg_nvl_lemon": (15.0, 30.0),
+        "bg_rate_sd": (1.2, 1.8),
+        "pcie_burst_rate_per_gpu_day": (0.15, 0.3),
+        "nvl_burst_rate_per_gpu_day": (0.15, 0.3),
+        "link_burst_size": (40.0, 90.0),
+        "dcgm_blank_prob": (0.008, 0.02),
+        "missing_counter_prob": (0.008, 0.02),
+        "gpu_reset_rate_per_gpu_day": (0.08, 0.15),
+        "lemon_share": (0.08, 0.14),
+        "hot_healthy_share": (0.06, 0.12),
+        "hot_excess_lo": (10.0, 13.0),
+        "app_xid_rate": (300.0, 600.0),
+        "benign_sbe_rate": (200.0, 400.0),
+        "benign_total_hi": (300.0, 600.0),
+        "benign_minutes_hi": (300.0, 600.0),
+        "transient_xid74_rate": (30.0, 60.0),
+        "xid74_peer_prob": (0.8, 1.0),
+        "reboot_rate": (120.0, 200.0),
+        "scrape_gap_rate": (8.0, 14.0),
+        "missing_key_prob": (0.015, 0.03),
+    },
+    seed_base=4600,
+    class_mix={"hbm_ecc": 0.24, "nvlink": 0.22, "off_bus": 0.14, "gsp": 0.10,
+               "thermal_interface": 0.18, "silent": 0.12},
+)
+
+FAMILIES = {f.name: f for f in (TRAIN, SHIFTED, WIDE, FAR)}
 
 
 def family_config(family: str, index: int, *, days: float = 10.0, failure_rate: float = 40.0,
@@ -171,6 +235,8 @@ def family_config(family: str, index: int, *, days: float = 10.0, failure_rate: 
                  "gpu_reset_rate_per_gpu_day", "lemon_share", "hot_healthy_share", "xid74_peer_prob",
                  "missing_key_prob"):
         values[name] = draw(name)
+    if fam.class_mix is not None:
+        values["class_mix"] = dict(fam.class_mix)
     values.update(overrides)
     config = SimConfig(**values)
     config.validate()
