@@ -210,6 +210,17 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("shifted-18", "b300:128,h20:128,b200:128,h100-sxm:64,v100-sxm2-32gb:64", 21, 18, 9, 300,
                   "shifted"),
     ],
+    # Drawn (2026-12-04) after every set above had been looked at, once the long-persistence
+    # policy (0.97 held 36 hops) had been chosen on the shifted sets before: its one judgement.
+    "judge": [
+        TraceSpec("shifted-19", "", 10, 19, 40, 300, "shifted"),
+        TraceSpec("shifted-20", "", 10, 20, 40, 300, "shifted"),
+        TraceSpec("shifted-21", "h200:192,b100:128,h20:128,a100-sxm-40gb:64", 21, 21, 9, 300, "shifted"),
+        TraceSpec("far-6", "", 10, 6, 40, 300, "far"),
+        TraceSpec("far-7", "", 10, 7, 40, 300, "far"),
+        TraceSpec("far-12", "b200:128,b300:128,h20:128,v100-sxm2-32gb:64,a100-sxm-40gb:64", 21, 12, 9, 300,
+                  "far"),
+    ],
 }
 
 
