@@ -893,8 +893,8 @@ def replay(
                                        "Default: each file in turn, line by line."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the model's policy says; the packaged model's: the rules "
-                                             "alone)."),
+                                             "as the model's policy says; the packaged model's: both, the "
+                                             "model's after 6 h at p >= 0.97)."),
     trends: Path | None = typer.Option(None, "--trends", help="Also write thermal headroom and "
                                        "utilisation per rack and site, per event-time hour (JSON lines; "
                                        "the report shows them whenever --report is given)."),
@@ -1084,10 +1084,9 @@ def demo(
         scorecard.add_row(*row)
     console.print(scorecard)
     if failure is not None and not failure.policy.model_alerts:
-        console.print("Failure alerts here come from the rules alone (the packaged default: the model's "
-                      "alerts cost false alarms on fleets unlike its training); the model's probabilities "
-                      f"are the watch list. With its alerts too: `fleetwise replay {trace} --model-alerts` "
-                      "(docs/predictors.md, \"Result and default\").")
+        console.print("Failure alerts here come from the rules alone (this model's policy); the model's "
+                      f"probabilities are the watch list. With its alerts too: `fleetwise replay {trace} "
+                      "--model-alerts` (docs/predictors.md, \"Result and default\").")
     _demo_trends(runtime.control.trend_rows, decisions)
     report = out_dir / "report.html"
     _write_report(report, decisions, labels_path, runtime.control.trend_rows)
@@ -1829,9 +1828,8 @@ def predictor_train(
                                       "--policy`)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Store a policy "
                                              "in which the model raises alerts beside the rules, or the "
-                                             "rules alone (default: both with a --policy chosen by "
-                                             "backtest, else the rules alone, until a backtest on your "
-                                             "fleet shows the model pays)."),
+                                             "rules alone (default: both, at --policy or the packaged "
+                                             "thresholds)."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
@@ -1935,8 +1933,8 @@ def predictor_train(
     if model_alerts is not None:
         command += " --model-alerts" if model_alerts else " --rules-only"
         model.metadata["training_command"] = command
-    model.policy = replace(model.policy,
-                           model_alerts=model_alerts if model_alerts is not None else chosen is not None)
+    if model_alerts is not None:
+        model.policy = replace(model.policy, model_alerts=model_alerts)
     model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys)),
                                                  "policy_source": policy or "default"})
     size_kb = model_path.stat().st_size / 1024
@@ -2037,8 +2035,8 @@ def worker(
                                        help="Operator policy file (YAML)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the model's policy says; the packaged model's: the rules "
-                                             "alone)."),
+                                             "as the model's policy says; the packaged model's: both, the "
+                                             "model's after 6 h at p >= 0.97)."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka.
 

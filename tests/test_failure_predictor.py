@@ -270,6 +270,21 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
     assert alert_series(out, 7)[-1] is True
 
 
+def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:
+    """The packaged default: the model raises only after 6 h (36 hops) at p >= hi; an episode of
+    high risk that ends sooner (a benign burst, a lemon's noisy hours) raises nothing."""
+    pol = AlertPolicy()
+    assert pol.model_alerts and pol.k_raise == pol.k_raise_memory == 36
+    burst = [0.99] * 35 + [0.1] * 10
+    assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst), len(burst)))
+    sustained = [0.1] * 5 + [0.99] * 40
+    alerts = alert_series(run(FailurePredictor(stub_model(pol)), sustained), len(sustained))
+    assert alerts.index(True) == 5 + 35  # the 36th hop at risk
+    # Memory-driven risk waits as long (no lower tier): the same burst of single-bit errors.
+    sbe = {"sbe_active_6h": [1.0] * len(burst), "sbe_vol_6h": [500.0] * len(burst)}
+    assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst, sbe), len(burst)))
+
+
 def test_policy_spec_sets_the_thresholds_over_a_base_and_names_a_bad_one() -> None:
     from fleetwise.predictors.failure import policy_from_spec
 
