@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from fleetwise.cli import app
+from fleetwise.predictors.failure import AlertPolicy
 from fleetwise.predictors.training import FAILURE_XIDS, LabelError, labels_from_records
 from fleetwise.sim import FleetSimulator, SimConfig
 
@@ -86,6 +88,14 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     assert meta["traces"] == [str(trace)] and meta["policy"]["hi"] == 0.8
     assert (meta["policy"]["k_raise_memory"], meta["policy"]["hi_memory"]) == (12, 0.6)
     assert "--trace" in meta["training_command"]
+    # Without --policy the packaged thresholds are stored; --rules-only turns the model's alerts off.
+    plain = tmp_path / "plain"
+    res = runner.invoke(app, ["predictor", "train", "--trace", str(trace), "--labels", str(labels),
+                              "--out-dir", str(plain), "--rules-only"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((plain / "failure_model.json").read_text())
+    assert meta["policy"] == {**asdict(AlertPolicy()), "model_alerts": False}
+    assert meta["training_command"].endswith("--rules-only")
     res = runner.invoke(app, ["backtest", "--trace", str(trace), "--labels", str(labels),
                               "--model-dir", str(model_dir), "--json"])
     assert res.exit_code == 0, res.output
