@@ -1083,10 +1083,6 @@ def demo(
     for row in metrics_rows(metrics):
         scorecard.add_row(*row)
     console.print(scorecard)
-    if failure is not None and not failure.policy.model_alerts:
-        console.print("Failure alerts here come from the rules alone (this model's policy); the model's "
-                      f"probabilities are the watch list. With its alerts too: `fleetwise replay {trace} "
-                      "--model-alerts` (docs/predictors.md, \"Result and default\").")
     _demo_trends(runtime.control.trend_rows, decisions)
     report = out_dir / "report.html"
     _write_report(report, decisions, labels_path, runtime.control.trend_rows)
@@ -1933,7 +1929,6 @@ def predictor_train(
     if model_alerts is not None:
         command += " --model-alerts" if model_alerts else " --rules-only"
         model.metadata["training_command"] = command
-    if model_alerts is not None:
         model.policy = replace(model.policy, model_alerts=model_alerts)
     model_path, meta_path = model.save(out_dir, {"rows": int(sum(len(y) for y in ys)),
                                                  "policy_source": policy or "default"})
