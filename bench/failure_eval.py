@@ -221,6 +221,18 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-12", "b200:128,b300:128,h20:128,v100-sxm2-32gb:64,a100-sxm-40gb:64", 21, 12, 9, 300,
                   "far"),
     ],
+    # Drawn (2026-12-04, sixteenth session) after "judge" had been run three times: a second
+    # judgement of the default (0.97 held 36 hops), run once, nothing chosen on it
+    # (docs/benchmarks.md, "A second judgement").
+    "judge2": [
+        TraceSpec("shifted-22", "", 10, 22, 40, 300, "shifted"),
+        TraceSpec("shifted-23", "", 10, 23, 40, 300, "shifted"),
+        TraceSpec("shifted-24", "b300:192,h100-sxm:128,b100:128,a100-sxm-80gb:64", 21, 24, 9, 300, "shifted"),
+        TraceSpec("far-13", "", 10, 13, 40, 300, "far"),
+        TraceSpec("far-14", "", 10, 14, 40, 300, "far"),
+        TraceSpec("far-15", "h200:128,b200:128,h20:128,v100-sxm2-32gb:64,a100-sxm-80gb:64", 21, 15, 9, 300,
+                  "far"),
+    ],
 }
 
 
