@@ -233,6 +233,17 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-15", "h200:128,b200:128,h20:128,v100-sxm2-32gb:64,a100-sxm-80gb:64", 21, 15, 9, 300,
                   "far"),
     ],
+    # Drawn (2026-12-04, sixteenth session) before the full-power-drift candidate with a shorter
+    # hold was looked at anywhere: that candidate's one judgement, and the default's beside it
+    # (docs/benchmarks.md, "Tried and dropped: the full-power drift with a hold").
+    "judge3": [
+        TraceSpec("shifted-25", "", 10, 25, 40, 300, "shifted"),
+        TraceSpec("shifted-26", "", 10, 26, 40, 300, "shifted"),
+        TraceSpec("shifted-27", "h100-sxm:192,b200:128,h20:128,v100-sxm2-32gb:64", 21, 27, 9, 300, "shifted"),
+        TraceSpec("far-16", "", 10, 16, 40, 300, "far"),
+        TraceSpec("far-17", "", 10, 17, 40, 300, "far"),
+        TraceSpec("far-18", "b100:192,h200:128,b300:128,a100-sxm-40gb:64", 21, 18, 9, 300, "far"),
+    ],
 }
 
 
