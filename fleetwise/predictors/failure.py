@@ -83,8 +83,10 @@ class AlertPolicy:
     # judged once on fresh members of the shifted and "far" families (26,616 GPU-days): 0.04
     # false alarms per 1,000 GPU-days, precision 0.99, no hot-but-healthy GPU flagged, recall
     # 0.29 (long precursors, 12 h) / 0.39 (any, 30 min) against the rules' 0.12 / 0.22
-    # (docs/benchmarks.md, "Long persistence"). The earlier 1-hour policy (k 6, memory tier
-    # 0.7 x 18) made 1.34 false alarms per 1,000 GPU-days there; it caught more (0.50 / 0.56).
+    # (docs/benchmarks.md, "Long persistence"); two later judgements on fresh members agree (all
+    # three pooled: 0.05 false alarms per 1,000 GPU-days, recall 0.25 / 0.37). The earlier
+    # 1-hour policy (k 6, memory tier 0.7 x 18) made 1.34 false alarms per 1,000 GPU-days
+    # there; it caught more (0.50 / 0.56).
     hi: float = 0.97
     lo: float = 0.485
     k_raise: int = 36
