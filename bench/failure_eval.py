@@ -16,7 +16,9 @@ The randomised-family sets (issue 16): "val-dr" (tuning: members never trained o
 the evaluation that can fail), with "shifted-fresh", "shifted-final" and "shifted-new",
 members of the same family drawn later, each looked at by fewer decisions (see their comments
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
-(its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range):
+(its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
+judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
+"judge3" (shifted and far members, two 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
