@@ -77,16 +77,11 @@ class AlertPolicy:
     # The model raises a GPU only after its probability has stayed >= hi for k_raise hops (36
     # hops: 6 h). Noise that lifts a healthy GPU's probability (a benign single-bit burst, a
     # lemon's background, a link or thermal episode) does so for minutes to a few hours; a
-    # degrading board stays at risk for hours to days. Chosen on the shifted family (members
-    # looked at before, 43,761 GPU-days) and the training family's tuning set, by the rule used
-    # throughout: fewest false alarms (none), then long-precursor, then any-precursor recall;
-    # judged once on fresh members of the shifted and "far" families (26,616 GPU-days): 0.04
-    # false alarms per 1,000 GPU-days, precision 0.99, no hot-but-healthy GPU flagged, recall
-    # 0.29 (long precursors, 12 h) / 0.39 (any, 30 min) against the rules' 0.12 / 0.22
-    # (docs/benchmarks.md, "Long persistence"); two later judgements on fresh members agree (all
-    # three pooled: 0.05 false alarms per 1,000 GPU-days, recall 0.25 / 0.37). The earlier
-    # 1-hour policy (k 6, memory tier 0.7 x 18) made 1.34 false alarms per 1,000 GPU-days
-    # there; it caught more (0.50 / 0.56).
+    # degrading board stays at risk for hours to days. Chosen on the shifted family's tuning
+    # members by the rule used throughout (fewest false alarms, then long-precursor, then
+    # any-precursor recall) and judged on members drawn after the choice; the figures, and the
+    # 1-hour policy it replaced, are in docs/benchmarks.md ("Long persistence", "A second
+    # judgement").
     hi: float = 0.97
     lo: float = 0.485
     k_raise: int = 36
