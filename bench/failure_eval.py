@@ -55,10 +55,10 @@ from fleetwise.predictors.failure import (
     FailurePredictor,
     feature_schema_hash,
     policy_from_spec,
-    rule_hits,
-    rule_names_of,
 )
 from fleetwise.predictors.features import FEATURE_NAMES
+from fleetwise.predictors.policy_choice import HopScores, poisson_upper, replay_policy
+from fleetwise.predictors.policy_choice import score_hops as score_hops_raw
 from fleetwise.predictors.training import (
     FeatureTable,
     RawSamples,
@@ -336,33 +336,6 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
 # `fleetwise worker/replay --stagger-hops` run the windows. Set once from the command line.
 STAGGER_HOPS = False
 
-WATCH_FLOOR = 0.2  # rows at or above keep their features (policy sweeps use hi >= 0.5)
-
-
-@dataclass
-class HopScores:
-    """Every closed GPU-hop of a trace reduced to what an alert policy needs: probability,
-    rule hits, and the features of rows at or above WATCH_FLOOR (memory share, signals).
-
-    Small enough for 30-day traces of 512-1,024 GPUs, where the full feature table is not."""
-
-    keys: list[tuple[str, int]]  # per slot
-    slots: np.ndarray
-    ts: np.ndarray
-    prob: np.ndarray
-    rules: np.ndarray  # bit r set: rule r of RULE_NAMES hit in the hop
-    watch: np.ndarray  # row indices with prob >= WATCH_FLOOR
-    watch_x: np.ndarray  # their FEATURE_NAMES rows (float32)
-    gpu_days: float
-
-    def first_seen(self, hop_s: float = 600.0) -> dict[tuple[str, int], float]:
-        first: dict[int, float] = {}
-        for sl, t in zip(self.slots.tolist(), self.ts.tolist(), strict=True):
-            if sl not in first or t < first[sl]:
-                first[sl] = t
-        return {self.keys[sl]: t - hop_s for sl, t in first.items()}
-
-
 def _model_tag(predictor: FailurePredictor) -> str:
     """Identifies the fitted model (not its policy) and the rules, so cached scores follow both."""
     import hashlib
@@ -376,9 +349,7 @@ def _model_tag(predictor: FailurePredictor) -> str:
 
 
 def score_hops(spec: TraceSpec, predictor: FailurePredictor, cache: Path) -> tuple[HopScores, list[dict]]:
-    """HopScores of a trace (features computed in chunks and dropped; cached per model)."""
-    from fleetwise.predictors.features import GpuFeatureWindows
-
+    """HopScores of a trace (`fleetwise.predictors.policy_choice.score_hops`), cached per model."""
     path = cache / f"{spec.key()}.scores-{_model_tag(predictor)}{'-staggered' if STAGGER_HOPS else ''}.npz"
     raw, labels = load_raw(spec, cache)
     keys = [(m["node"], int(m["gpu"])) for m in raw.meta]
@@ -386,68 +357,10 @@ def score_hops(spec: TraceSpec, predictor: FailurePredictor, cache: Path) -> tup
         d = np.load(path)
         return HopScores(keys, d["slots"], d["ts"], d["prob"], d["rules"], d["watch"], d["watch_x"],
                          float(d["gpu_days"])), labels
-    windows = GpuFeatureWindows(stagger=STAGGER_HOPS)
-    for m in raw.meta:
-        windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
-    parts: list[tuple[np.ndarray, ...]] = []
-    n_rows = 0
-
-    def score(out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        nonlocal n_rows
-        cs, cts, cf = out
-        if len(cs) == 0:
-            return
-        prob = predictor.model.predict_proba(cf[:, predictor.model.cols])
-        rules = rule_hits(cf)
-        w = np.flatnonzero(prob >= WATCH_FLOOR)
-        parts.append((cs.astype(np.int32), cts, prob, rules, w + n_rows, cf[w].astype(np.float32)))
-        n_rows += len(cs)
-
-    chunk = 20_000
-    for k in range(0, len(raw), chunk):
-        score(windows.ingest(raw.slots[k:k + chunk], raw.ts[k:k + chunk], raw.rows[k:k + chunk]))
-    score(windows.flush_arrays())
-    cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
-    watch_x = np.vstack([p[5] for p in parts])
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    for sl, t in zip(cols[0].tolist(), cols[1].tolist(), strict=True):
-        first[sl] = min(first.get(sl, t), t)
-        last[sl] = max(last.get(sl, t), t)
-    gpu_days = sum(last[s] - first[s] + windows.hop_s for s in first) / 86400.0
-    np.savez(path, slots=cols[0], ts=cols[1], prob=cols[2], rules=cols[3], watch=cols[4], watch_x=watch_x,
-             gpu_days=gpu_days)
-    return HopScores(keys, cols[0], cols[1], cols[2], cols[3], cols[4], watch_x, gpu_days), labels
-
-
-def replay_policy(
-    scores: HopScores, labels: list[dict], predictor: FailurePredictor, policy: Any
-) -> tuple[dict, list[dict]]:
-    """Backtest metrics of `policy` over stored hop scores (FailurePredictor.advance_policy on
-    the GPUs that can alert under it); returns the metrics and the raise/clear predictions."""
-    memory = np.zeros(len(scores.prob), dtype=bool)
-    if len(scores.watch):
-        wx = scores.watch_x[:, predictor.model.cols].astype(np.float64)
-        memory[scores.watch] = predictor.model.memory_share(wx) >= 0.5
-    # GPUs that never reach hi (or hi_memory) and hit no rule never alert: skip them (same result, less time).
-    can = np.zeros(len(scores.keys), dtype=bool)
-    can[scores.slots[(scores.prob >= min(policy.hi, policy.hi_memory)) | (scores.rules > 0)]] = True
-    rows = np.flatnonzero(can[scores.slots])
-    rows = rows[np.lexsort((scores.ts[rows], scores.slots[rows]))]
-    keys = [scores.keys[s] for s in scores.slots[rows].tolist()]
-    hits = [rule_names_of(b) for b in scores.rules[rows].tolist()]
-    fp = FailurePredictor(predictor.model, policy)
-    emit, states = fp.advance_policy(keys, scores.ts[rows], scores.prob[rows], memory[rows], hits)
-    preds = []
-    for j, (alert, source, was) in zip(emit, states, strict=True):
-        if alert != was:  # raises and clears are all an episode needs
-            node, gpu = keys[j]
-            preds.append({"type": "failure", "node": node, "gpu": gpu, "ts": float(scores.ts[rows[j]]),
-                          "alert": alert, "signals": [{"name": "source", "value": source}],
-                          "row": int(rows[j])})
-    metrics = score_failures(preds, labels, gpu_days=scores.gpu_days, horizon_h=predictor.model.horizon_h,
-                             first_seen=scores.first_seen())
-    return metrics, preds
+    s = score_hops_raw(raw, predictor, stagger=STAGGER_HOPS)
+    np.savez(path, slots=s.slots, ts=s.ts, prob=s.prob, rules=s.rules, watch=s.watch, watch_x=s.watch_x,
+             gpu_days=s.gpu_days)
+    return s, labels
 
 
 def explain_scores(name: str, scores: HopScores, metrics: dict, preds: list[dict],
@@ -578,13 +491,6 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return (max(0.0, mid - half), min(1.0, mid + half))
-
-
-def poisson_upper(k: int, conf: float = 0.95) -> float:
-    """Upper confidence bound of a Poisson mean given k observed events (exact, via chi2)."""
-    from scipy.stats import chi2
-
-    return float(chi2.ppf(conf, 2 * (k + 1)) / 2)
 
 
 def explain(spec: TraceSpec, metrics: dict, table: FeatureTable | None, preds: list, probs: Any) -> None:
