@@ -1946,35 +1946,39 @@ def backtest_cmd(
     model_dir: Path | None = typer.Option(None, "--model-dir", help="A model other than the packaged one."),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
     policy: str | None = typer.Option(None, "--policy", help="Score another alert policy "
-                                      "'hi,k,k_memory[,hi_memory]' (choosing the threshold for a "
-                                      "false-alarm budget)."),
+                                      "'hi,k,k_memory[,hi_memory]'."),
+    choose: bool = typer.Option(False, "--choose-policy", help="Score the trace once, replay a grid of "
+                                "alert policies over it and choose the one that calls the most failures "
+                                "within --budget (docs/predictors.md, 'Retraining on your own fleet')."),
+    budget: float = typer.Option(0.2, "--budget", help="With --choose-policy: false alarms per 1,000 "
+                                 "GPU-days a policy may make, at the 95% upper bound."),
+    grid: str | None = typer.Option(None, "--grid", help="With --choose-policy: the policies to try, "
+                                    "';'-separated 'hi,k,k_memory[,hi_memory]' (default: hi 0.8-0.97 held "
+                                    "6-72 hops)."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
     from fleetwise.predictors.backtest import backtest_trace, metrics_rows
     from fleetwise.predictors.failure import FailurePredictor, FeatureSchemaError
 
     _existing([trace, labels], "file")
+    if choose and (policy or report):
+        fail("--choose-policy replays its own grid of policies: leave out --policy and --report")
+    if not choose and grid:
+        fail("--grid is the sweep of --choose-policy: give both")
     try:
         predictor = FailurePredictor.load(model_dir)
     except (FileNotFoundError, FeatureSchemaError) as exc:
         fail(str(exc))
+    if choose:
+        _choose_policy(trace, _operator_labels(labels), predictor, budget, grid, as_json)
+        return
     chosen = _parse_policy(policy, predictor.policy)
     if chosen is not None:
         predictor = FailurePredictor(predictor.model, chosen)
     label_list = _operator_labels(labels)
     steps: list[dict] = []
-
-    def gpu_samples():  # noqa: ANN202 - streams the trace; step records are kept aside
-        for r in _iter_jsonl(trace):
-            if "metrics" in r:
-                yield r
-            elif "samples" in r and isinstance(r["samples"], list):
-                yield from r["samples"]
-            elif "step_time_s" in r:
-                steps.append(r)
-
     try:
-        run = backtest_trace(gpu_samples(), steps, label_list, predictor)
+        run = backtest_trace(_trace_samples(trace, steps), steps, label_list, predictor)
     except ValueError as exc:
         fail(f"{trace}: {exc}")
     metrics = run.metrics
@@ -2004,6 +2008,62 @@ def backtest_cmd(
     if report is not None:
         console.print(f"report -> {report}")
 
+
+
+def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  # noqa: ANN001
+                   grid: str | None, as_json: bool) -> None:
+    """`backtest --choose-policy`: one scoring pass, every policy of the grid replayed over it."""
+    from fleetwise.predictors.failure import policy_from_spec
+    from fleetwise.predictors.policy_choice import POLICY_CHOICE_GRID, RANK_BUCKETS, choose_policy, score_hops
+    from fleetwise.predictors.training import raw_samples
+
+    specs = [g.strip() for g in grid.split(";") if g.strip()] if grid else list(POLICY_CHOICE_GRID)
+    for spec in specs:  # a bad spec fails here, before the trace is read
+        try:
+            policy_from_spec(spec)
+        except ValueError as exc:
+            fail(f"--grid: {exc}")
+    try:
+        scores = score_hops(raw_samples(_trace_samples(trace)), predictor)
+        choice = choose_policy(scores, labels, predictor, budget, specs)
+    except ValueError as exc:
+        fail(f"{trace}: {exc}")
+    if as_json:
+        print_json({
+            "budget_per_1000_gpu_days": choice.budget_per_1000_gpu_days, "gpu_days": choice.gpu_days,
+            "chosen": choice.chosen.spec if choice.chosen else None, "reason": choice.reason,
+            "trials": [{"policy": t.spec, "false_alarms": t.false_alarms,
+                        "false_alarms_per_1000_gpu_days": t.false_alarms_per_1000_gpu_days,
+                        "upper95_per_1000_gpu_days": t.upper95_per_1000_gpu_days,
+                        "within_budget": t.within_budget, "precision": t.precision,
+                        **{b: {"caught": c, "n": n} for b, (c, n) in t.caught.items()}}
+                       for t in choice.trials],
+        })
+        return
+    from rich.table import Table
+
+    t = Table(title=f"alert policies on {trace.name}: {choice.gpu_days:,.0f} GPU-days, "
+                    f"budget {budget:g} false alarms / 1,000 GPU-days (95% upper bound)")
+    t.caption = ("FA: false alarms (n, per 1,000 GPU-days, 95% upper bound); caught / failures: long "
+                 "precursors (>= 18 h) 12 h ahead, any precursor 30 min ahead, all failures 12 h and 30 min "
+                 "ahead; prec: precision of alert episodes; * chosen")
+    for col in ("policy", "FA", "FA/1k", "upper", "in budget", "long@12h", "pre@30m", "all@12h", "all@30m",
+                "prec"):
+        t.add_column(col, no_wrap=True)
+    t.caption_justify = "left"
+    for tr in choice.trials:
+        mark = " *" if tr is choice.chosen else ""
+        t.add_row(tr.spec + mark, str(tr.false_alarms), f"{tr.false_alarms_per_1000_gpu_days:.2f}",
+                  f"{tr.upper95_per_1000_gpu_days:.2f}", "yes" if tr.within_budget else "no",
+                  *(f"{c}/{n}" for c, n in (tr.caught[b] for b in RANK_BUCKETS)),
+                  "-" if tr.precision is None else f"{tr.precision:.2f}")
+    from rich.console import Console
+
+    Console(width=max(console.width, 110)).print(t)  # the columns whole on an 80-column pipe
+    console.print(f"chosen: {choice.reason}")
+    if choice.chosen is not None:
+        console.print(f"store it with the model: fleetwise predictor train --trace ... --labels ... "
+                      f"--policy {choice.chosen.spec} --out-dir DIR")
 
 
 # ---- worker / agent --------------------------------------------------------------------------

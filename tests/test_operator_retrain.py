@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from fleetwise.cli import app
 from fleetwise.predictors.failure import AlertPolicy
+from fleetwise.predictors.policy_choice import RANK_BUCKETS
 from fleetwise.predictors.training import FAILURE_XIDS, LabelError, labels_from_records
 from fleetwise.sim import FleetSimulator, SimConfig
 
@@ -104,6 +105,35 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     want = len(labels_from_records(records))
     assert f["failures"] == want
     assert f["true_alerts"] >= 1  # in-sample: the fit sees these failures' hops
+    # Choosing the policy for a false-alarm budget: one scoring pass, every policy of the grid
+    # replayed over it; each row must be what `backtest --policy` scores on its own.
+    common = ["backtest", "--trace", str(trace), "--labels", str(labels), "--model-dir", str(model_dir)]
+    grid = ["0.97,36,36", "0.8,2,12,0.6", "0.9,6,6"]
+    res = runner.invoke(app, [*common, "--choose-policy", "--budget", "1000", "--grid", ";".join(grid),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    choice = json.loads(res.output[res.output.index("{"):])
+    assert [t["policy"] for t in choice["trials"]] == ["rules-only", *grid]
+    buckets = RANK_BUCKETS  # the ranking's order: long precursors @ 12 h, then any @ 30 min, ...
+    for t in choice["trials"][1:]:
+        res = runner.invoke(app, [*common, "--policy", t["policy"], "--json"])
+        alone = json.loads(res.output[res.output.index("{"):])["failure"]
+        assert t["false_alarms"] == alone["false_alerts"], t["policy"]
+        assert [t[b]["caught"] for b in buckets] == [alone[b]["caught"] for b in buckets], t["policy"]
+    # A budget this short trace can show (~48 GPU-days): the policy that calls the most.
+    fit = [t for t in choice["trials"][1:] if t["within_budget"]]
+    best = max(fit, key=lambda t: ([t[b]["caught"] for b in buckets], -t["false_alarms"]))
+    assert choice["chosen"] == best["policy"]
+    assert any(t["recall_all_30min"]["caught"] > 0 for t in fit)
+    # The target budget needs ~15,000 GPU-days without a false alarm: nothing is chosen, and the
+    # table says why.
+    res = runner.invoke(app, [*common, "--choose-policy", "--grid", ";".join(grid)])
+    assert res.exit_code == 0, res.output
+    assert "14,979 GPU-days" in res.output and "--rules-only" in res.output
+    res = runner.invoke(app, [*common, "--choose-policy", "--grid", "0.9;6"])
+    assert res.exit_code != 0 and "--grid: a policy is 'hi,k,k_memory[,hi_memory]'" in res.output
+    res = runner.invoke(app, [*common, "--choose-policy", "--policy", "0.9,6,6"])
+    assert res.exit_code != 0 and "leave out --policy" in res.output
     # A labels file the operator got wrong names the record.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"event": "rma", "node": "n1", "gpu": 0}\n')
