@@ -1821,7 +1821,7 @@ def predictor_train(
                                       "(docs/predictors.md: labels file)."),
     policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory[,hi_memory]' "
                                       "to store with the model (choose it with `fleetwise backtest "
-                                      "--policy`)."),
+                                      "--choose-policy`)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Store a policy "
                                              "in which the model raises alerts beside the rules, or the "
                                              "rules alone (default: both, at --policy or the packaged "
