@@ -2014,8 +2014,12 @@ def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  #
                    grid: str | None, as_json: bool) -> None:
     """`backtest --choose-policy`: one scoring pass, every policy of the grid replayed over it."""
     from fleetwise.predictors.failure import policy_from_spec
-    from fleetwise.predictors.policy_choice import POLICY_CHOICE_GRID, RANK_BUCKETS, choose_policy, score_hops
-    from fleetwise.predictors.training import raw_samples
+    from fleetwise.predictors.policy_choice import (
+        POLICY_CHOICE_GRID,
+        RANK_BUCKETS,
+        choose_policy,
+        score_hop_stream,
+    )
 
     specs = [g.strip() for g in grid.split(";") if g.strip()] if grid else list(POLICY_CHOICE_GRID)
     for spec in specs:  # a bad spec fails here, before the trace is read
@@ -2024,7 +2028,7 @@ def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  #
         except ValueError as exc:
             fail(f"--grid: {exc}")
     try:
-        scores = score_hops(raw_samples(_trace_samples(trace)), predictor)
+        scores = score_hop_stream(_trace_samples(trace), predictor)
         choice = choose_policy(scores, labels, predictor, budget, specs)
     except ValueError as exc:
         fail(f"{trace}: {exc}")

@@ -14,7 +14,7 @@ read the traces and cache the scores).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +28,7 @@ from fleetwise.predictors.failure import (
     rule_hits,
     rule_names_of,
 )
-from fleetwise.predictors.features import GpuFeatureWindows
+from fleetwise.predictors.features import GpuFeatureWindows, sample_row
 from fleetwise.predictors.training import RawSamples
 
 # Rows at or above this probability keep their features (for memory-driven risk and the
@@ -68,40 +68,79 @@ class HopScores:
         return {self.keys[sl]: t - hop_s for sl, t in first.items()}
 
 
+class _HopScorer:
+    """Scores closed hops as the windows give them out; keeps what HopScores holds."""
+
+    def __init__(self, predictor: FailurePredictor) -> None:
+        self.predictor = predictor
+        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.n_rows = 0
+
+    def add(self, out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        cs, cts, cf = out
+        if len(cs) == 0:
+            return
+        model = self.predictor.model
+        prob = model.predict_proba(cf[:, model.cols])
+        w = np.flatnonzero(prob >= WATCH_FLOOR)
+        self.parts.append((cs.astype(np.int32), cts, prob, rule_hits(cf), w + self.n_rows,
+                           cf[w].astype(np.float32)))
+        self.n_rows += len(cs)
+
+    def scores(self, keys: list[tuple[str, int]], hop_s: float) -> HopScores:
+        if not self.parts:
+            raise ValueError("the trace has no GPU samples")
+        cols = [np.concatenate([p[i] for p in self.parts]) for i in range(5)]
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for sl, t in zip(cols[0].tolist(), cols[1].tolist(), strict=True):
+            first[sl] = min(first.get(sl, t), t)
+            last[sl] = max(last.get(sl, t), t)
+        gpu_days = sum(last[s] - first[s] + hop_s for s in first) / 86400.0
+        return HopScores(keys, cols[0], cols[1], cols[2], cols[3], cols[4],
+                         np.vstack([p[5] for p in self.parts]), gpu_days)
+
+
 def score_hops(raw: RawSamples, predictor: FailurePredictor, *, stagger: bool = False,
                chunk: int = 20_000) -> HopScores:
     """HopScores of the samples in `raw` (features computed chunk by chunk and dropped)."""
     windows = GpuFeatureWindows(stagger=stagger)
     for m in raw.meta:
         windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
-    keys = [(m["node"], int(m["gpu"])) for m in raw.meta]
-    parts: list[tuple[np.ndarray, ...]] = []
-    n_rows = 0
-
-    def score(out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        nonlocal n_rows
-        cs, cts, cf = out
-        if len(cs) == 0:
-            return
-        prob = predictor.model.predict_proba(cf[:, predictor.model.cols])
-        w = np.flatnonzero(prob >= WATCH_FLOOR)
-        parts.append((cs.astype(np.int32), cts, prob, rule_hits(cf), w + n_rows, cf[w].astype(np.float32)))
-        n_rows += len(cs)
-
+    scorer = _HopScorer(predictor)
     for k in range(0, len(raw), chunk):
-        score(windows.ingest(raw.slots[k:k + chunk], raw.ts[k:k + chunk], raw.rows[k:k + chunk]))
-    score(windows.flush_arrays())
-    if not parts:
-        raise ValueError("the trace has no GPU samples")
-    cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    for sl, t in zip(cols[0].tolist(), cols[1].tolist(), strict=True):
-        first[sl] = min(first.get(sl, t), t)
-        last[sl] = max(last.get(sl, t), t)
-    gpu_days = sum(last[s] - first[s] + windows.hop_s for s in first) / 86400.0
-    return HopScores(keys, cols[0], cols[1], cols[2], cols[3], cols[4], np.vstack([p[5] for p in parts]),
-                     gpu_days)
+        scorer.add(windows.ingest(raw.slots[k:k + chunk], raw.ts[k:k + chunk], raw.rows[k:k + chunk]))
+    scorer.add(windows.flush_arrays())
+    return scorer.scores([(m["node"], int(m["gpu"])) for m in raw.meta], windows.hop_s)
+
+
+def score_hop_stream(samples: Iterable[Mapping[str, Any]], predictor: FailurePredictor, *,
+                     stagger: bool = False, chunk: int = 20_000) -> HopScores:
+    """HopScores of GPU-sample dicts in event-time order (a trace file read line by line): no
+    sample outlives its chunk, so memory follows the hops kept, not the trace's samples."""
+    windows = GpuFeatureWindows(stagger=stagger)
+    scorer = _HopScorer(predictor)
+    slot_of: dict[tuple[str, int], int] = {}
+    keys: list[tuple[str, int]] = []
+    slots: list[int] = []
+    ts: list[float] = []
+    rows: list[list[float]] = []
+    for s in samples:
+        key = (s["node"], int(s["gpu"]))
+        slot = slot_of.get(key)
+        if slot is None:
+            slot = slot_of[key] = windows.register(key[0], key[1], s["model"], s.get("rack"), s.get("site"))
+            keys.append(key)
+        slots.append(slot)
+        ts.append(s["ts"])
+        rows.append(sample_row(s["metrics"]))
+        if len(ts) >= chunk:
+            scorer.add(windows.ingest(slots, ts, rows))
+            slots, ts, rows = [], [], []
+    if ts:
+        scorer.add(windows.ingest(slots, ts, rows))
+    scorer.add(windows.flush_arrays())
+    return scorer.scores(keys, windows.hop_s)
 
 
 def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predictor: FailurePredictor,
