@@ -1766,8 +1766,9 @@ def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: 
     return compute_features_raw(raw), labels
 
 
-def _trace_samples(trace: Path, steps: list[dict] | None = None):  # noqa: ANN202 - Iterator[dict]
-    """GPU samples of a trace file (sample lines and node batches); step records go to `steps`."""
+def _trace_samples(trace: Path, steps=None):  # noqa: ANN001,ANN202 - Iterator[dict]
+    """GPU samples of a trace file (sample lines and node batches); step records go to `steps`
+    (a list, or a backtest's StepStream: anything with `append`)."""
     for r in _iter_jsonl(trace):
         if "metrics" in r:
             yield r
@@ -1957,7 +1958,7 @@ def backtest_cmd(
                                     "6-72 hops)."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
-    from fleetwise.predictors.backtest import backtest_trace, metrics_rows
+    from fleetwise.predictors.backtest import StepStream, backtest_trace, metrics_rows
     from fleetwise.predictors.failure import FailurePredictor, FeatureSchemaError
 
     _existing([trace, labels], "file")
@@ -1976,7 +1977,7 @@ def backtest_cmd(
     if chosen is not None:
         predictor = FailurePredictor(predictor.model, chosen)
     label_list = _operator_labels(labels)
-    steps: list[dict] = []
+    steps = StepStream()
     try:
         run = backtest_trace(_trace_samples(trace, steps), steps, label_list, predictor)
     except ValueError as exc:

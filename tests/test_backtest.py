@@ -112,3 +112,56 @@ def test_backtest_cli_scores_a_simulated_trace(tmp_path) -> None:
     assert html.startswith("<html") and "data:image/png;base64," in html  # plots embedded
     missing = runner.invoke(app, ["backtest", "--trace", str(tmp_path / "no.jsonl"), "--labels", str(labels)])
     assert missing.exit_code == 2 and "not found" in missing.output
+
+
+def test_backtest_scores_what_the_stream_processors_emit() -> None:
+    """backtest_trace scores hops chunk by chunk, replays the policy over their probabilities and
+    runs the straggler detector on step records as they are read (StepStream); the metrics must
+    be those of the processors run over the whole trace at once."""
+    from fleetwise.predictors.backtest import StepStream, backtest_trace, job_hours, score_all
+    from fleetwise.predictors.failure import FailurePredictor
+    from fleetwise.predictors.stragglers import StragglerDetector
+    from fleetwise.predictors.training import compute_features, label_rows
+    from fleetwise.sim import FleetSimulator, SimConfig
+
+    sim = FleetSimulator(SimConfig(gpus="h100-sxm:16,a100-sxm-80gb:8", days=1, seed=5,
+                                   failure_rate_per_1000_gpu_days=300.0,
+                                   straggler_rate_per_1000_gpu_days=3000.0))
+    ticks = list(sim.ticks())
+    samples = [s for t in ticks for s in t.samples]
+    steps = [s for t in ticks for s in t.steps]
+    labels = sim.labels()
+    predictor = FailurePredictor.load()
+
+    stream = StepStream(chunk=1000)
+
+    def read():  # noqa: ANN202 - one pass, as the CLI reads a file: steps go to the stream as met
+        for t in ticks:
+            yield from t.samples
+            for s in t.steps:
+                stream.append(s)
+
+    run = backtest_trace(read(), stream, labels, predictor)
+
+    table = compute_features(iter(samples))
+    fresh = FailurePredictor(predictor.model, predictor.policy)
+    preds, probs = fresh.process_arrays(table.keys, table.ts, table.features)
+    detector = StragglerDetector()
+    strag = [p for k in range(0, len(steps), 1000) for p in detector.process(steps[k:k + 1000])
+             if isinstance(p, Prediction)]
+    strag += [p for p in detector.flush() if isinstance(p, Prediction)]
+    lab = label_rows(table, labels, predictor.model.horizon_h)
+    m = lab.score_mask
+    want = score_all(preds + strag, labels, gpu_days=table.gpu_days, horizon_h=predictor.model.horizon_h,
+                     job_hours=job_hours(steps), steps=steps, hop_labels=lab.y[m], hop_probs=probs[m],
+                     first_seen=table.first_seen())
+    got = run.metrics
+    assert got["failure"]["failures"] > 0 and got["failure"]["alert_episodes"] > 0
+    assert got["straggler"]["injected"] > 0 and len(stream) == len(steps)
+    for key in ("failure", "straggler"):
+        assert got[key] == want[key], key
+    # The report's rows: every hop of the failing GPUs, with the stream's probabilities.
+    failing = {(f["node"], f["gpu"]) for f in labels if f["kind"] == "failure"}
+    rows = [i for i, k in enumerate(table.keys) if k in failing]
+    assert sorted(zip(run.table.keys, run.table.ts.tolist(), run.probs.tolist(), strict=True)) == sorted(
+        (table.keys[i], float(table.ts[i]), float(probs[i])) for i in rows)

@@ -20,7 +20,8 @@ Definitions (failure side):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,51 +270,110 @@ class BacktestRun:
     """What `backtest_trace` computed: the metrics and what a report plots."""
 
     metrics: dict[str, Any]
-    table: Any  # training.FeatureTable: per GPU-hop keys, ts, features
-    probs: np.ndarray  # failure probability per GPU-hop
-    predictions: list[Prediction]  # failure predictions the alert policy emitted
+    table: Any  # training.FeatureTable of the labelled failing GPUs' hops: keys, ts, features
+    probs: np.ndarray  # failure probability of each of those hops
+    predictions: list[dict[str, Any]]  # the alert policy's raises and clears (every GPU)
 
 
 def job_hours(steps: Iterable[Mapping[str, Any]]) -> float:
     """Sum over jobs of the span of their step records, in hours (the straggler exposure)."""
     span: dict[str, list[float]] = {}
     for s in steps:
-        first_last = span.setdefault(s["job"], [s["ts"], s["ts"]])
-        first_last[0], first_last[1] = min(first_last[0], s["ts"]), max(first_last[1], s["ts"])
+        _widen(span, s["job"], s["ts"])
+    return _span_hours(span)
+
+
+def _widen(span: dict[str, list[float]], job: str, ts: float) -> None:
+    first_last = span.setdefault(job, [ts, ts])
+    first_last[0], first_last[1] = min(first_last[0], ts), max(first_last[1], ts)
+
+
+def _span_hours(span: Mapping[str, list[float]]) -> float:
     return sum(b - a for a, b in span.values()) / 3600.0
+
+
+class StepStream:
+    """A backtest's step records, fed to the straggler detector in chunks as they are read;
+    of each only (job, rank, ts) is kept, for scoring. A week of one record per rank per
+    minute is millions of dicts; this holds 16 bytes a record."""
+
+    def __init__(self, chunk: int = 4096) -> None:
+        from fleetwise.predictors.stragglers import StragglerDetector
+
+        self.detector = StragglerDetector()
+        self.chunk = chunk
+        self.predictions: list[Prediction] = []
+        self._pending: list[Mapping[str, Any]] = []
+        self._jobs: dict[str, int] = {}
+        self._job_of = array("i")
+        self._rank = array("i")
+        self._ts = array("d")
+        self._span: dict[str, list[float]] = {}
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        self._pending.append(record)
+        job = record["job"]
+        self._job_of.append(self._jobs.setdefault(job, len(self._jobs)))
+        self._rank.append(int(record["rank"]))
+        self._ts.append(float(record["ts"]))
+        _widen(self._span, job, float(record["ts"]))
+        if len(self._pending) >= self.chunk:
+            self._process()
+
+    def _process(self) -> None:
+        self.predictions += [p for p in self.detector.process(self._pending) if isinstance(p, Prediction)]
+        self._pending = []
+
+    def finish(self) -> list[Prediction]:
+        """Process what is left and flush the detector; the straggler predictions."""
+        self._process()
+        self.predictions += [p for p in self.detector.flush() if isinstance(p, Prediction)]
+        return self.predictions
+
+    def __len__(self) -> int:
+        return len(self._ts)
+
+    def job_hours(self) -> float:
+        return _span_hours(self._span)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """(job, rank, ts) of every record, in arrival order, as the scorer reads them."""
+        names = list(self._jobs)
+        for j, r, t in zip(self._job_of, self._rank, self._ts, strict=True):
+            yield {"job": names[j], "rank": r, "ts": t}
 
 
 def backtest_trace(
     samples: Iterable[Mapping[str, Any]],
-    steps: Sequence[Mapping[str, Any]],
+    steps: StepStream,
     labels: Sequence[Mapping[str, Any]],
     predictor: Any,
-    *,
-    chunk: int = 4096,
 ) -> BacktestRun:
     """Score the failure predictor (every GPU-hop) and the straggler detector over a trace.
 
-    `samples` may be a generator that fills `steps` as it goes (one pass over a file): the
-    GPU samples are consumed first, then the steps are read.
+    `samples` may be a generator that appends to `steps` as it goes (one pass over a file: the
+    straggler detector runs on the step records as they come). The samples are scored chunk by
+    chunk and dropped (`policy_choice.score_hop_stream`), and the alert policy is replayed over
+    the hops' probabilities, so memory follows the hops, not the samples; only the failing
+    GPUs' hops keep their features, for the report.
     """
-    from fleetwise.predictors.stragglers import StragglerDetector
-    from fleetwise.predictors.training import compute_features, label_rows
+    from fleetwise.predictors.policy_choice import replay_policy, score_hop_stream
+    from fleetwise.predictors.training import FeatureTable, label_rows
 
-    table = compute_features(samples)
-    if len(table) == 0:
-        raise ValueError("the trace has no GPU samples")
+    failing = {(str(lab["node"]), int(lab["gpu"])) for lab in labels if lab.get("kind") == "failure"}
+    scores = score_hop_stream(samples, predictor, keep_keys=failing)
     horizon = predictor.model.horizon_h
-    lab = label_rows(table, labels, horizon)
-    predictions, probs = predictor.process_arrays(table.keys, table.ts, table.features)
-    strag_preds: list[Prediction] = []
-    if steps:
-        detector = StragglerDetector()
-        for k in range(0, len(steps), chunk):
-            strag_preds += [p for p in detector.process(steps[k:k + chunk]) if isinstance(p, Prediction)]
-        strag_preds += [p for p in detector.flush() if isinstance(p, Prediction)]
+    hops = FeatureTable([scores.keys[s] for s in scores.slots.tolist()], scores.ts, np.zeros((0, 0)))
+    lab = label_rows(hops, labels, horizon)
+    _, predictions = replay_policy(scores, labels, predictor, predictor.policy)
+    strag_preds = steps.finish()
     mask = lab.score_mask
-    metrics = score_all(predictions + strag_preds, labels, gpu_days=table.gpu_days, horizon_h=horizon,
-                        job_hours=job_hours(steps), steps=steps or None, hop_labels=lab.y[mask],
-                        hop_probs=probs[mask], first_seen=table.first_seen())
+    metrics = score_all([*predictions, *strag_preds], labels, gpu_days=scores.gpu_days, horizon_h=horizon,
+                        job_hours=steps.job_hours(), steps=steps.records() if len(steps) else None,
+                        hop_labels=lab.y[mask],
+                        hop_probs=scores.prob[mask], first_seen=scores.first_seen())
     metrics["model"] = {k: predictor.model.metadata.get(k) for k in ("version", "training_command")}
-    return BacktestRun(metrics=metrics, table=table, probs=probs, predictions=predictions)
+    kept = scores.kept
+    table = FeatureTable([scores.keys[s] for s in scores.slots[kept].tolist()], scores.ts[kept],
+                         scores.kept_x if len(kept) else np.zeros((0, 0)))
+    return BacktestRun(metrics=metrics, table=table, probs=scores.prob[kept], predictions=predictions)

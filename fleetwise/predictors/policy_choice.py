@@ -8,14 +8,17 @@ the policy step the stream worker runs). `choose_policy` keeps, among the polici
 alarms are within the budget *at the 95% upper bound* (a trace with no false alarm shows a
 budget only when it is long enough), the one that calls the most failures.
 
+The same one pass (`score_hop_stream`) and replay are how `backtest_trace` scores the packaged
+policy, so a backtest's memory follows the hops, not the trace's samples.
+
 Pure functions over arrays and label dicts: no file I/O (the CLI and `bench/failure_eval.py`
 read the traces and cache the scores).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -59,6 +62,10 @@ class HopScores:
     watch: np.ndarray  # row indices with prob >= WATCH_FLOOR
     watch_x: np.ndarray  # their FEATURE_NAMES rows (float32)
     gpu_days: float
+    # Rows of the GPUs named in `keep_keys` when scored (a report's failing GPUs) and their
+    # FEATURE_NAMES rows; empty otherwise.
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    kept_x: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     def first_seen(self, hop_s: float = 600.0) -> dict[tuple[str, int], float]:
         first: dict[int, float] = {}
@@ -75,6 +82,8 @@ class _HopScorer:
         self.predictor = predictor
         self.parts: list[tuple[np.ndarray, ...]] = []
         self.n_rows = 0
+        self.keep_slots: list[int] = []  # slots whose every row keeps its features
+        self.kept: list[tuple[np.ndarray, np.ndarray]] = []
 
     def add(self, out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         cs, cts, cf = out
@@ -85,6 +94,9 @@ class _HopScorer:
         w = np.flatnonzero(prob >= WATCH_FLOOR)
         self.parts.append((cs.astype(np.int32), cts, prob, rule_hits(cf), w + self.n_rows,
                            cf[w].astype(np.float32)))
+        if self.keep_slots:
+            k = np.flatnonzero(np.isin(cs, self.keep_slots))
+            self.kept.append((k + self.n_rows, cf[k]))
         self.n_rows += len(cs)
 
     def scores(self, keys: list[tuple[str, int]], hop_s: float) -> HopScores:
@@ -97,8 +109,12 @@ class _HopScorer:
             first[sl] = min(first.get(sl, t), t)
             last[sl] = max(last.get(sl, t), t)
         gpu_days = sum(last[s] - first[s] + hop_s for s in first) / 86400.0
-        return HopScores(keys, cols[0], cols[1], cols[2], cols[3], cols[4],
-                         np.vstack([p[5] for p in self.parts]), gpu_days)
+        scores = HopScores(keys, cols[0], cols[1], cols[2], cols[3], cols[4],
+                           np.vstack([p[5] for p in self.parts]), gpu_days)
+        if self.kept:
+            scores.kept = np.concatenate([k for k, _ in self.kept])
+            scores.kept_x = np.vstack([x for _, x in self.kept])
+        return scores
 
 
 def score_hops(raw: RawSamples, predictor: FailurePredictor, *, stagger: bool = False,
@@ -115,9 +131,12 @@ def score_hops(raw: RawSamples, predictor: FailurePredictor, *, stagger: bool = 
 
 
 def score_hop_stream(samples: Iterable[Mapping[str, Any]], predictor: FailurePredictor, *,
-                     stagger: bool = False, chunk: int = 20_000) -> HopScores:
+                     stagger: bool = False, chunk: int = 20_000,
+                     keep_keys: Collection[tuple[str, int]] = ()) -> HopScores:
     """HopScores of GPU-sample dicts in event-time order (a trace file read line by line): no
-    sample outlives its chunk, so memory follows the hops kept, not the trace's samples."""
+    sample outlives its chunk, so memory follows the hops kept, not the trace's samples.
+    Every hop of the GPUs in `keep_keys` keeps its features (`kept`, `kept_x`)."""
+    keep = set(keep_keys)
     windows = GpuFeatureWindows(stagger=stagger)
     scorer = _HopScorer(predictor)
     slot_of: dict[tuple[str, int], int] = {}
@@ -131,6 +150,8 @@ def score_hop_stream(samples: Iterable[Mapping[str, Any]], predictor: FailurePre
         if slot is None:
             slot = slot_of[key] = windows.register(key[0], key[1], s["model"], s.get("rack"), s.get("site"))
             keys.append(key)
+            if key in keep:
+                scorer.keep_slots.append(slot)
         slots.append(slot)
         ts.append(s["ts"])
         rows.append(sample_row(s["metrics"]))
