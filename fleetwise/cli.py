@@ -1728,14 +1728,14 @@ def _read_jsonl(path: Path) -> list[dict]:
     return list(_iter_jsonl(path))
 
 
-def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: float,  # noqa: ANN202
+def _sim_trace(mix: str, days: float, seed: int, failure_rate: float, interval: float,  # noqa: ANN202
                cache: Path | None = None, family: str | None = None):
-    """Features and labels of one simulator trace (with `family`, member `seed` of that
+    """Raw samples and labels of one simulator trace (with `family`, member `seed` of that
     configuration family, fleetwise.sim.randomize); with `cache`, the raw sample arrays and
     labels are kept there (same config -> same file), so a retrain skips the simulation."""
     import numpy as np
 
-    from fleetwise.predictors.training import RawSamples, compute_features_raw, raw_samples
+    from fleetwise.predictors.training import RawSamples, raw_samples
     from fleetwise.sim import FleetSimulator, SimConfig, SimConfigError
     from fleetwise.sim.randomize import family_config, family_key
 
@@ -1746,7 +1746,7 @@ def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: 
     if cache is not None and (cache / f"{name}.npz").exists() and (cache / f"{name}.labels.json").exists():
         d = np.load(cache / f"{name}.npz")
         raw = RawSamples(json.loads(str(d["meta"])), d["slots"], d["ts"], d["rows"])
-        return compute_features_raw(raw), json.loads((cache / f"{name}.labels.json").read_text())
+        return raw, json.loads((cache / f"{name}.labels.json").read_text())
     try:
         if family:
             config = family_config(family, seed, days=days, failure_rate=failure_rate, gpus=mix or None,
@@ -1763,7 +1763,7 @@ def _sim_table(mix: str, days: float, seed: int, failure_rate: float, interval: 
         cache.mkdir(parents=True, exist_ok=True)
         np.savez(cache / f"{name}.npz", meta=json.dumps(raw.meta), slots=raw.slots, ts=raw.ts, rows=raw.rows)
         (cache / f"{name}.labels.json").write_text(json.dumps(labels))
-    return compute_features_raw(raw), labels
+    return raw, labels
 
 
 def _trace_samples(trace: Path, steps=None):  # noqa: ANN001,ANN202 - Iterator[dict]
@@ -1838,14 +1838,7 @@ def predictor_train(
 
     import numpy as np
 
-    from fleetwise.predictors.training import (
-        HORIZON_H,
-        compute_features,
-        fit_failure_model,
-        gpu_groups,
-        label_rows,
-        model_matrix,
-    )
+    from fleetwise.predictors.training import fit_failure_model, training_rows
 
     family = None if family in (None, "", "none") else family
     chosen = _parse_policy(policy)
@@ -1874,32 +1867,31 @@ def predictor_train(
     xs, ys, hours, groups = [], [], [], []
     offset, started, n_fail = 0, time.time(), 0
 
-    def add(table, label_list, what: str) -> None:  # noqa: ANN001
+    def add(source, label_list, what: str) -> None:  # noqa: ANN001 - RawSamples or sample dicts
+        # The rows a fit reads, labelled chunk by chunk: a trace's samples and its full feature
+        # table are never held (a 30-day fleet's would not fit).
         nonlocal offset, n_fail
-        lab = label_rows(table, label_list, HORIZON_H)
-        g = gpu_groups(table.keys) + offset
-        offset = int(g.max()) + 1 if len(g) else offset
-        m = lab.train_mask
-        xs.append(model_matrix(table)[m])
-        ys.append(lab.y[m])
-        hours.append(lab.hours_to_failure[m])
-        groups.append(g[m])
+        rows = training_rows(source, label_list)
+        if rows.hops == 0:
+            fail(f"{what}: no GPU samples")
+        xs.append(rows.x)
+        ys.append(rows.y)
+        hours.append(rows.hours_to_failure)
+        groups.append(rows.groups + offset)
+        offset += rows.gpus
         n_fail += sum(1 for x in label_list if x.get("kind") == "failure")
-        console.print(f"{what}: {table.samples:,} samples, {len(table):,} GPU-hops, "
-                      f"{int(lab.y[m].sum())} positive hops used")
+        console.print(f"{what}: {rows.samples:,} samples, {rows.hops:,} GPU-hops, "
+                      f"{int(rows.y.sum())} positive hops used")
 
     if trace:
         for tr, lb in zip(trace, labels, strict=True):
-            table = compute_features(_trace_samples(tr))
-            if len(table) == 0:
-                fail(f"{tr}: no GPU samples")
-            add(table, _operator_labels(lb), f"{tr.name} ({lb.name})")
+            add(_trace_samples(tr), _operator_labels(lb), f"{tr.name} ({lb.name})")
     else:
         for i, seed in enumerate(seed_list):
             mix = mix_list[i % len(mix_list)]
             interval = interval_list[i % len(interval_list)]
-            table, label_list = _sim_table(mix, days, seed, failure_rate, interval, cache, family)
-            add(table, label_list, f"seed {seed} ({family or 'plain'}{', ' + mix if mix else ''}"
+            raw, label_list = _sim_trace(mix, days, seed, failure_rate, interval, cache, family)
+            add(raw, label_list, f"seed {seed} ({family or 'plain'}{', ' + mix if mix else ''}"
                 f"{f', {interval:g} s' if interval else ''})")
     y_all = np.concatenate(ys)
     if y_all.sum() < 5:
@@ -2019,7 +2011,7 @@ def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  #
         POLICY_CHOICE_GRID,
         RANK_BUCKETS,
         choose_policy,
-        score_hop_stream,
+        score_hops,
     )
 
     specs = [g.strip() for g in grid.split(";") if g.strip()] if grid else list(POLICY_CHOICE_GRID)
@@ -2029,7 +2021,7 @@ def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  #
         except ValueError as exc:
             fail(f"--grid: {exc}")
     try:
-        scores = score_hop_stream(_trace_samples(trace), predictor)
+        scores = score_hops(_trace_samples(trace), predictor)
         choice = choose_policy(scores, labels, predictor, budget, specs)
     except ValueError as exc:
         fail(f"{trace}: {exc}")

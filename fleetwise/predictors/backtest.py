@@ -353,15 +353,15 @@ def backtest_trace(
 
     `samples` may be a generator that appends to `steps` as it goes (one pass over a file: the
     straggler detector runs on the step records as they come). The samples are scored chunk by
-    chunk and dropped (`policy_choice.score_hop_stream`), and the alert policy is replayed over
+    chunk and dropped (`policy_choice.score_hops`), and the alert policy is replayed over
     the hops' probabilities, so memory follows the hops, not the samples; only the failing
     GPUs' hops keep their features, for the report.
     """
-    from fleetwise.predictors.policy_choice import replay_policy, score_hop_stream
+    from fleetwise.predictors.policy_choice import replay_policy, score_hops
     from fleetwise.predictors.training import FeatureTable, label_rows
 
     failing = {(str(lab["node"]), int(lab["gpu"])) for lab in labels if lab.get("kind") == "failure"}
-    scores = score_hop_stream(samples, predictor, keep_keys=failing)
+    scores = score_hops(samples, predictor, keep_keys=failing)
     horizon = predictor.model.horizon_h
     hops = FeatureTable([scores.keys[s] for s in scores.slots.tolist()], scores.ts, np.zeros((0, 0)))
     lab = label_rows(hops, labels, horizon)

@@ -8,8 +8,9 @@ the policy step the stream worker runs). `choose_policy` keeps, among the polici
 alarms are within the budget *at the 95% upper bound* (a trace with no false alarm shows a
 budget only when it is long enough), the one that calls the most failures.
 
-The same one pass (`score_hop_stream`) and replay are how `backtest_trace` scores the packaged
-policy, so a backtest's memory follows the hops, not the trace's samples.
+The same one pass (`score_hops` over the trace's sample dicts) and replay are how
+`backtest_trace` scores the model's policy, so a backtest's memory follows the hops, not the
+trace's samples.
 
 Pure functions over arrays and label dicts: no file I/O (the CLI and `bench/failure_eval.py`
 read the traces and cache the scores).
@@ -31,8 +32,8 @@ from fleetwise.predictors.failure import (
     rule_hits,
     rule_names_of,
 )
-from fleetwise.predictors.features import GpuFeatureWindows, sample_row
-from fleetwise.predictors.training import RawSamples
+from fleetwise.predictors.features import GpuFeatureWindows
+from fleetwise.predictors.training import RawSamples, hop_chunks, slot_key
 
 # Rows at or above this probability keep their features (for memory-driven risk and the
 # explanation of a false alarm); a policy that raises below it cannot be replayed exactly.
@@ -117,50 +118,23 @@ class _HopScorer:
         return scores
 
 
-def score_hops(raw: RawSamples, predictor: FailurePredictor, *, stagger: bool = False,
-               chunk: int = 20_000) -> HopScores:
-    """HopScores of the samples in `raw` (features computed chunk by chunk and dropped)."""
+def score_hops(source: RawSamples | Iterable[Mapping[str, Any]], predictor: FailurePredictor, *,
+               stagger: bool = False, chunk: int = 20_000,
+               keep_keys: Collection[tuple[str, int]] = ()) -> HopScores:
+    """HopScores of a trace: cached RawSamples, or GPU-sample dicts in event-time order (a
+    trace file read line by line: no sample outlives its chunk, so memory follows the hops
+    kept, not the samples). Every hop of the GPUs in `keep_keys` keeps its features (`kept`,
+    `kept_x`: a report's failing GPUs)."""
     windows = GpuFeatureWindows(stagger=stagger)
-    for m in raw.meta:
-        windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
     scorer = _HopScorer(predictor)
-    for k in range(0, len(raw), chunk):
-        scorer.add(windows.ingest(raw.slots[k:k + chunk], raw.ts[k:k + chunk], raw.rows[k:k + chunk]))
-    scorer.add(windows.flush_arrays())
-    return scorer.scores([(m["node"], int(m["gpu"])) for m in raw.meta], windows.hop_s)
-
-
-def score_hop_stream(samples: Iterable[Mapping[str, Any]], predictor: FailurePredictor, *,
-                     stagger: bool = False, chunk: int = 20_000,
-                     keep_keys: Collection[tuple[str, int]] = ()) -> HopScores:
-    """HopScores of GPU-sample dicts in event-time order (a trace file read line by line): no
-    sample outlives its chunk, so memory follows the hops kept, not the trace's samples.
-    Every hop of the GPUs in `keep_keys` keeps its features (`kept`, `kept_x`)."""
     keep = set(keep_keys)
-    windows = GpuFeatureWindows(stagger=stagger)
-    scorer = _HopScorer(predictor)
-    slot_of: dict[tuple[str, int], int] = {}
     keys: list[tuple[str, int]] = []
-    slots: list[int] = []
-    ts: list[float] = []
-    rows: list[list[float]] = []
-    for s in samples:
-        key = (s["node"], int(s["gpu"]))
-        slot = slot_of.get(key)
-        if slot is None:
-            slot = slot_of[key] = windows.register(key[0], key[1], s["model"], s.get("rack"), s.get("site"))
-            keys.append(key)
-            if key in keep:
+    for out in hop_chunks(source, windows, chunk):
+        for slot in range(len(keys), len(windows.keys())):  # GPUs registered in this chunk
+            keys.append(slot_key(windows, slot))
+            if keys[-1] in keep:
                 scorer.keep_slots.append(slot)
-        slots.append(slot)
-        ts.append(s["ts"])
-        rows.append(sample_row(s["metrics"]))
-        if len(ts) >= chunk:
-            scorer.add(windows.ingest(slots, ts, rows))
-            slots, ts, rows = [], [], []
-    if ts:
-        scorer.add(windows.ingest(slots, ts, rows))
-    scorer.add(windows.flush_arrays())
+        scorer.add(out)
     return scorer.scores(keys, windows.hop_s)
 
 

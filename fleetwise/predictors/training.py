@@ -12,7 +12,7 @@ repair window after a failure are left out of training and scoring.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,43 @@ def raw_samples(samples: Iterable[dict[str, Any]], block: int = 200_000) -> RawS
                       np.vstack([p[2] for p in parts]))
 
 
+def hop_chunks(source: RawSamples | Iterable[Mapping[str, Any]], windows: GpuFeatureWindows,
+               chunk: int = 20_000) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Closed hops of a trace as the windows close them, `chunk` samples at a time: (slots,
+    hop-end ts, FEATURE_NAMES rows), then the hops `flush` closes. A RawSamples registers its
+    GPUs first (slot = meta index); sample dicts register on first sight (the same order), and
+    none outlives its chunk, so a trace file is read in memory bounded by the chunk."""
+    if isinstance(source, RawSamples):
+        for m in source.meta:
+            windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
+        for k in range(0, len(source), chunk):
+            yield windows.ingest(source.slots[k:k + chunk], source.ts[k:k + chunk], source.rows[k:k + chunk])
+    else:
+        slot_of: dict[tuple[str, int], int] = {}
+        slots: list[int] = []
+        ts: list[float] = []
+        rows: list[list[float]] = []
+        for s in source:
+            key = (s["node"], int(s["gpu"]))
+            slot = slot_of.get(key)
+            if slot is None:
+                slot = slot_of[key] = windows.register(*key, s["model"], s.get("rack"), s.get("site"))
+            slots.append(slot)
+            ts.append(s["ts"])
+            rows.append(sample_row(s["metrics"]))
+            if len(ts) >= chunk:
+                yield windows.ingest(slots, ts, rows)
+                slots, ts, rows = [], [], []
+        if ts:
+            yield windows.ingest(slots, ts, rows)
+    yield windows.flush_arrays()
+
+
+def slot_key(windows: GpuFeatureWindows, slot: int) -> tuple[str, int]:
+    m = windows.slot_meta(slot)
+    return (m["node"], int(m["gpu"]))
+
+
 def compute_features(
     samples: Iterable[dict[str, Any]], hop_s: float = 600.0, chunk: int = 20_000
 ) -> FeatureTable:
@@ -115,12 +152,7 @@ def compute_features_raw(raw: RawSamples, hop_s: float = 600.0, chunk: int = 20_
     """Run GpuFeatureWindows over RawSamples in chunks of `chunk` samples; collect every hop
     (`stagger`: each GPU's hop grid shifted by its phase, as the stream worker may run)."""
     windows = GpuFeatureWindows(hop_s=hop_s, stagger=stagger)
-    for m in raw.meta:
-        windows.register(m["node"], m["gpu"], m["model"], m.get("rack"), m.get("site"))
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for k in range(0, len(raw), chunk):
-        parts.append(windows.ingest(raw.slots[k:k + chunk], raw.ts[k:k + chunk], raw.rows[k:k + chunk]))
-    parts.append(windows.flush_arrays())
+    parts = list(hop_chunks(raw, windows, chunk))
     slots = np.concatenate([p[0] for p in parts])
     ts = np.concatenate([p[1] for p in parts])
     feats = np.vstack([p[2] for p in parts])
@@ -137,6 +169,54 @@ def compute_features_raw(raw: RawSamples, hop_s: float = 600.0, chunk: int = 20_
     models = [meta[s]["model"] for s in slots.tolist()]
     return FeatureTable(keys, ts, feats, models, gpu_days, windows.dropped_late,
                         windows.dropped_duplicate, windows.samples_in)
+
+
+@dataclass
+class TrainingRows:
+    """A trace's training rows: MODEL_FEATURES columns of the hops `label_rows` keeps for
+    fitting, in (hop end, GPU) order, with their labels and one group id per GPU."""
+
+    x: np.ndarray
+    y: np.ndarray
+    hours_to_failure: np.ndarray
+    groups: np.ndarray  # 0.. per GPU, numbered in order of each GPU's first hop
+    gpus: int  # GPUs with any closed hop (kept or not): the next trace's groups start here
+    hops: int  # every closed hop, kept or not
+    samples: int
+
+
+def training_rows(source: RawSamples | Iterable[Mapping[str, Any]], labels: Sequence[Mapping[str, Any]],
+                  horizon_h: float = HORIZON_H, names: Sequence[str] = MODEL_FEATURES,
+                  chunk: int = 20_000) -> TrainingRows:
+    """The rows a fit reads, labelled and filtered chunk by chunk: neither the trace's samples
+    nor its full feature table are held. The same rows, order and groups as labelling
+    `compute_features` and taking `model_matrix` of its training rows and `gpu_groups` of its
+    keys."""
+    windows = GpuFeatureWindows()
+    cols = [FEATURE_NAMES.index(n) for n in names]
+    parts: list[tuple[np.ndarray, ...]] = []
+    first_ts: dict[int, float] = {}
+    hops = 0
+    for cs, cts, cf in hop_chunks(source, windows, chunk):
+        if len(cs) == 0:
+            continue
+        hops += len(cs)
+        for sl, t in zip(cs.tolist(), cts.tolist(), strict=True):
+            if t < first_ts.get(sl, np.inf):
+                first_ts[sl] = t
+        keys = [slot_key(windows, sl) for sl in cs.tolist()]
+        lab = label_rows(FeatureTable(keys, cts, np.zeros((len(cs), 0))), labels, horizon_h)
+        m = lab.train_mask
+        parts.append((cs[m], cts[m], cf[m][:, cols], lab.y[m], lab.hours_to_failure[m]))
+    if not parts:
+        return TrainingRows(np.zeros((0, len(cols))), np.zeros(0, bool), np.zeros(0), np.zeros(0, np.int64),
+                            0, 0, windows.samples_in)
+    slots, ts, x, y, hours = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    order = np.lexsort((slots, ts))
+    # gpu_groups numbers GPUs by their first row in (ts, slot) order over every hop, kept or not.
+    group_of = {sl: i for i, sl in enumerate(sorted(first_ts, key=lambda sl: (first_ts[sl], sl)))}
+    groups = np.array([group_of[sl] for sl in slots[order].tolist()], dtype=np.int64)
+    return TrainingRows(x[order], y[order], hours[order], groups, len(first_ts), hops, windows.samples_in)
 
 
 def failures_by_gpu(labels: Iterable[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
