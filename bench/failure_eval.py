@@ -63,8 +63,10 @@ from fleetwise.predictors.training import (
     FeatureTable,
     RawSamples,
     compute_features_raw,
+    hop_chunks,
     label_rows,
     raw_samples,
+    slot_key,
 )
 from fleetwise.sim.randomize import family_key
 
@@ -285,48 +287,25 @@ def evaluate(
 def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict, None, list, None]:
     """Like `evaluate` for traces too large to hold: simulate, window and score in chunks,
     keeping only alert predictions (the feature table of 30,000 GPU-days would not fit)."""
-    from fleetwise.predictors.features import GpuFeatureWindows, sample_row
+    from fleetwise.predictors.features import GpuFeatureWindows
     from fleetwise.sim import FleetSimulator
 
     sim = FleetSimulator(spec.config())
     windows = GpuFeatureWindows(stagger=STAGGER_HOPS)
     pred = FailurePredictor(predictor.model, predictor.policy)
-    slot_of: dict[tuple[str, int], int] = {}
-    keys: list[tuple[str, int]] = []
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     kept: list = []
-    slots: list[int] = []
-    ts: list[float] = []
-    rows: list[list[Any]] = []
-
-    def score(out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        cs, cts, cf = out
+    for cs, cts, cf in hop_chunks((s for tick in sim.ticks() for s in tick.samples), windows):
         if len(cs) == 0:
-            return
+            continue
         for sl, t in zip(cs.tolist(), cts.tolist(), strict=True):
             first.setdefault(sl, t)
             last[sl] = t
-        preds, _ = pred.process_arrays([keys[i] for i in cs.tolist()], cts, cf)
+        preds, _ = pred.process_arrays([slot_key(windows, i) for i in cs.tolist()], cts, cf)
         kept.extend(p for p in preds if p.alert or p.reason == "cleared")
-
-    for tick in sim.ticks():
-        for smp in tick.samples:
-            key = (smp["node"], smp["gpu"])
-            slot = slot_of.get(key)
-            if slot is None:
-                slot = slot_of[key] = windows.register(smp["node"], smp["gpu"], smp["model"])
-                keys.append(key)
-            slots.append(slot)
-            ts.append(smp["ts"])
-            rows.append(sample_row(smp["metrics"]))
-        if len(ts) >= 20_000:
-            score(windows.ingest(slots, ts, rows))
-            slots, ts, rows = [], [], []
-    score(windows.ingest(slots, ts, rows))
-    score(windows.flush_arrays())
     gpu_days = sum(last[s] - first[s] + windows.hop_s for s in first) / 86400.0
-    seen = {keys[sl]: t - windows.hop_s for sl, t in first.items()}
+    seen = {slot_key(windows, sl): t - windows.hop_s for sl, t in first.items()}
     metrics = score_failures(kept, sim.labels(), gpu_days=gpu_days, horizon_h=predictor.model.horizon_h,
                              first_seen=seen)
     return metrics, None, kept, None
