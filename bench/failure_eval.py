@@ -280,7 +280,8 @@ def evaluate(
     preds, probs = fresh.process_arrays(table.keys, table.ts, table.features)
     m = lab.score_mask
     metrics = score_failures(preds, labels, gpu_days=table.gpu_days, horizon_h=predictor.model.horizon_h,
-                             hop_labels=lab.y[m], hop_probs=probs[m], first_seen=table.first_seen())
+                             hop_labels=lab.y[m], hop_probs=probs[m], first_seen=table.first_seen(),
+                             trace_end=float(table.ts.max()))
     return metrics, table, preds, probs
 
 
@@ -307,7 +308,7 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
     gpu_days = sum(last[s] - first[s] + windows.hop_s for s in first) / 86400.0
     seen = {slot_key(windows, sl): t - windows.hop_s for sl, t in first.items()}
     metrics = score_failures(kept, sim.labels(), gpu_days=gpu_days, horizon_h=predictor.model.horizon_h,
-                             first_seen=seen)
+                             first_seen=seen, trace_end=max(last.values()))
     return metrics, None, kept, None
 
 

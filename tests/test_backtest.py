@@ -165,3 +165,24 @@ def test_backtest_scores_what_the_stream_processors_emit() -> None:
     rows = [i for i, k in enumerate(table.keys) if k in failing]
     assert sorted(zip(run.table.keys, run.table.ts.tolist(), run.probs.tolist(), strict=True)) == sorted(
         (table.keys[i], float(table.ts[i]), float(probs[i])) for i in rows)
+
+
+def test_only_failures_the_trace_watched_are_scored() -> None:
+    """An operator's records name GPUs and months a trace does not cover: those failures are
+    not misses, and a failure just after the trace still makes an alert raised before it true."""
+    first_seen = {("n1", 0): T0, ("n1", 1): T0 + 100 * H}
+    end = T0 + 200 * H
+    labels = [
+        failure("n1", 0, 50),  # watched: scored
+        failure("n1", 1, 20),  # before its GPU's first hop in the trace
+        failure("n9", 0, 60),  # a GPU the trace never saw
+        failure("n1", 1, 205),  # after the trace: not scored, but the alert at 199 h is true
+    ]
+    preds = [pred("n1", 0, 40, True), pred("n1", 1, 199, True)]
+    m = score_failures(preds, labels, gpu_days=10.0, horizon_h=48, first_seen=first_seen, trace_end=end)
+    assert (m["failures"], m["failures_outside_trace"]) == (1, 3)
+    assert m["recall_all_30min"] == {"n": 1, "caught": 1, "recall": 1.0}
+    assert (m["true_alerts"], m["false_alerts"]) == (2, 0)
+    # Without the trace's span every labelled failure counts (the simulator's labels are all inside).
+    m = score_failures(preds, labels, gpu_days=10.0, horizon_h=48)
+    assert (m["failures"], m["failures_outside_trace"]) == (4, 0)

@@ -16,6 +16,10 @@ Definitions (failure side):
   of the precursor start and the GPU's first sample to the failure (a failure 3 h into a
   trace cannot be called 12 h ahead, whenever its precursor began); the raw precursor
   length is kept per failure as `precursor_h_raw`.
+- with `first_seen` (and `trace_end`), a labelled failure is scored only when the trace watched
+  its GPU then (from its first hop to the trace's end): an operator's records cover more GPUs
+  and months than one trace (`failures_outside_trace` counts the rest, which still make an
+  alert raised before them true).
 """
 
 from __future__ import annotations
@@ -98,12 +102,23 @@ def score_failures(
     hop_probs: np.ndarray | None = None,
     base_rate: float = BASE_RATE_PER_1000_GPU_DAYS,
     first_seen: Mapping[tuple[str, int], float] | None = None,
+    trace_end: float | None = None,
 ) -> dict[str, Any]:
     """Failure-prediction metrics (see the module docstring for definitions).
 
-    first_seen: (node, gpu) -> ts of the GPU's first sample in the trace (visible precursors)."""
+    first_seen: (node, gpu) -> ts of the GPU's first sample in the trace (visible precursors).
+    With it (and `trace_end`, the end of the trace's last hop), the failures scored are those of
+    GPUs in the trace while it watched them: an operator's labels file may name other GPUs and
+    other months. Every labelled failure still makes an alert before it true."""
     episodes = alert_episodes(predictions)
     fails = [lab for lab in labels if lab.get("kind") == "failure"]
+
+    def watched(f: Mapping[str, Any]) -> bool:
+        if first_seen is None:
+            return True
+        start, tf = first_seen.get((f["node"], int(f["gpu"]))), float(f["ts"])
+        return start is not None and start <= tf and (trace_end is None or tf <= trace_end)
+
     hz = horizon_h * 3600.0
     by_gpu: dict[tuple[str, int], list[Episode]] = {}
     for ep in episodes:
@@ -111,6 +126,7 @@ def score_failures(
 
     true_eps: set[int] = set()
     failure_rows = []
+    outside = 0
     for f in fails:
         tf = float(f["ts"])
         key = (f["node"], int(f["gpu"]))
@@ -129,6 +145,9 @@ def score_failures(
         precursor_h = precursor_raw
         if precursor_raw is not None and first_seen is not None and key in first_seen:
             precursor_h = min(precursor_raw, max(0.0, (tf - first_seen[key]) / 3600.0))
+        if not watched(f):
+            outside += 1
+            continue
         failure_rows.append({"class": f.get("class", "unknown"), "lead_h": lead, "precursor_h": precursor_h,
                              "precursor_h_raw": precursor_raw, "source": source, "node": f["node"],
                              "gpu": int(f["gpu"]), "ts": tf})
@@ -165,6 +184,7 @@ def score_failures(
         "horizon_h": horizon_h,
         "gpu_days": gpu_days,
         "failures": len(failure_rows),
+        "failures_outside_trace": outside,  # labelled, but not of a GPU the trace watched then
         "alert_episodes": len(episodes),
         "true_alerts": n_true,
         "false_alerts": n_false,
@@ -213,12 +233,14 @@ def score_all(
     hop_labels: np.ndarray | None = None,
     hop_probs: np.ndarray | None = None,
     first_seen: Mapping[tuple[str, int], float] | None = None,
+    trace_end: float | None = None,
 ) -> dict[str, Any]:
     """Failure metrics, plus straggler metrics from the straggler detector's own scorer."""
     from fleetwise.predictors.stragglers import score_stragglers
 
     out = {"failure": score_failures(predictions, labels, gpu_days=gpu_days, horizon_h=horizon_h,
-                                     hop_labels=hop_labels, hop_probs=hop_probs, first_seen=first_seen)}
+                                     hop_labels=hop_labels, hop_probs=hop_probs, first_seen=first_seen,
+                                     trace_end=trace_end)}
     strag_preds = [p for p in predictions if _get(p, "type") != "failure"]
     if job_hours > 0:
         out["straggler"] = score_stragglers(strag_preds, list(labels), job_hours, steps=steps)  # type: ignore[arg-type]
@@ -242,6 +264,7 @@ def metrics_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str, str]]:
 
     rows = [
         ("failures in trace", str(f["failures"]), ""),
+        ("labelled failures outside it (other GPUs or times)", str(f.get("failures_outside_trace", 0)), ""),
         ("GPU-days", f"{f['gpu_days']:.0f}", ""),
         ("recall, precursor >= 18 h, lead >= 12 h", rec(f["recall_long_precursor_12h"]), ">= 0.8"),
         ("recall, any precursor, lead >= 30 min", rec(f["recall_with_precursor_30min"]), ">= 0.75"),
@@ -371,7 +394,8 @@ def backtest_trace(
     metrics = score_all([*predictions, *strag_preds], labels, gpu_days=scores.gpu_days, horizon_h=horizon,
                         job_hours=steps.job_hours(), steps=steps.records() if len(steps) else None,
                         hop_labels=lab.y[mask],
-                        hop_probs=scores.prob[mask], first_seen=scores.first_seen())
+                        hop_probs=scores.prob[mask], first_seen=scores.first_seen(),
+                        trace_end=float(scores.ts.max()))
     metrics["model"] = {k: predictor.model.metadata.get(k) for k in ("version", "training_command")}
     kept = scores.kept
     table = FeatureTable([scores.keys[s] for s in scores.slots[kept].tolist()], scores.ts[kept],

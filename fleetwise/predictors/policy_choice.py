@@ -165,7 +165,7 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
                           "alert": alert, "signals": [{"name": "source", "value": source}],
                           "row": int(rows[j])})
     metrics = score_failures(preds, labels, gpu_days=scores.gpu_days, horizon_h=predictor.model.horizon_h,
-                             first_seen=scores.first_seen())
+                             first_seen=scores.first_seen(), trace_end=float(scores.ts.max()))
     return metrics, preds
 
 
