@@ -1871,7 +1871,10 @@ def predictor_train(
         # The rows a fit reads, labelled chunk by chunk: a trace's samples and its full feature
         # table are never held (a 30-day fleet's would not fit).
         nonlocal offset, n_fail
-        rows = training_rows(source, label_list)
+        try:
+            rows = training_rows(source, label_list)
+        except ValueError as exc:
+            fail(f"{what}: {exc}")
         if rows.hops == 0:
             fail(f"{what}: no GPU samples")
         xs.append(rows.x)

@@ -186,3 +186,38 @@ def test_only_failures_the_trace_watched_are_scored() -> None:
     # Without the trace's span every labelled failure counts (the simulator's labels are all inside).
     m = score_failures(preds, labels, gpu_days=10.0, horizon_h=48)
     assert (m["failures"], m["failures_outside_trace"]) == (4, 0)
+
+
+def test_a_bad_record_is_a_clear_error_not_a_traceback(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    sample = {"ts": T0, "node": "n1", "gpu": 0, "uuid": "GPU-1", "model": "h100-sxm",
+              "metrics": {"DCGM_FI_DEV_GPU_TEMP": 50}}
+    step = {"ts": T0, "job": "j", "rank": 0, "node": "n1", "gpu": 0, "step": 1, "step_time_s": 1.0,
+            "compute_s": 0.9}
+    labels = tmp_path / "l.jsonl"
+    labels.write_text("")
+    runner = CliRunner()
+    new_gpu = {k: v for k, v in sample.items() if k != "model"} | {"gpu": 1}  # its model is needed
+    cases = [
+        ([sample, new_gpu], "GPU sample 2 (n1/1 at ts", "no 'model' field"),
+        ([sample, {**sample, "ts": "soon"}], "GPU sample 2", "could not convert string to float"),
+        ([sample, {k: v for k, v in step.items() if k != "job"}], "step record 1 (?/0 at ts",
+         "no 'job' field"),
+    ]
+    for records, where, why in cases:
+        trace = tmp_path / "t.jsonl"
+        trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+        for args in (["backtest", "--trace", str(trace), "--labels", str(labels)],
+                     ["predictor", "train", "--trace", str(trace), "--labels", str(labels),
+                      "--out-dir", str(tmp_path / "m")]):
+            if args[0] == "predictor" and "step record" in where:
+                continue  # training reads GPU samples only
+            out = runner.invoke(app, args)
+            text = " ".join(out.output.split())  # the console wraps at 80 columns
+            assert out.exit_code == 2 and where in text and why in text, (args[0], out.output)
+            assert "Traceback" not in text

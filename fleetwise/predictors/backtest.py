@@ -334,12 +334,18 @@ class StepStream:
         self._span: dict[str, list[float]] = {}
 
     def append(self, record: Mapping[str, Any]) -> None:
+        from fleetwise.predictors.training import bad_field, record_where
+
+        try:
+            job, rank, ts = record["job"], int(record["rank"]), float(record["ts"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"step record {len(self._ts) + 1} ({record_where(record, ('job', 'rank'))}): "
+                             f"{bad_field(exc)}") from None
         self._pending.append(record)
-        job = record["job"]
         self._job_of.append(self._jobs.setdefault(job, len(self._jobs)))
-        self._rank.append(int(record["rank"]))
-        self._ts.append(float(record["ts"]))
-        _widen(self._span, job, float(record["ts"]))
+        self._rank.append(rank)
+        self._ts.append(ts)
+        _widen(self._span, job, ts)
         if len(self._pending) >= self.chunk:
             self._process()
 

@@ -119,20 +119,37 @@ def hop_chunks(source: RawSamples | Iterable[Mapping[str, Any]], windows: GpuFea
         slots: list[int] = []
         ts: list[float] = []
         rows: list[list[float]] = []
-        for s in source:
-            key = (s["node"], int(s["gpu"]))
-            slot = slot_of.get(key)
-            if slot is None:
-                slot = slot_of[key] = windows.register(*key, s["model"], s.get("rack"), s.get("site"))
+        for n, s in enumerate(source, start=1):
+            try:
+                key = (s["node"], int(s["gpu"]))
+                slot = slot_of.get(key)
+                if slot is None:
+                    slot = slot_of[key] = windows.register(*key, s["model"], s.get("rack"), s.get("site"))
+                t, row = float(s["ts"]), sample_row(s["metrics"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"GPU sample {n} ({record_where(s)}): {bad_field(exc)}") from None
             slots.append(slot)
-            ts.append(s["ts"])
-            rows.append(sample_row(s["metrics"]))
+            ts.append(t)
+            rows.append(row)
             if len(ts) >= chunk:
                 yield windows.ingest(slots, ts, rows)
                 slots, ts, rows = [], [], []
         if ts:
             yield windows.ingest(slots, ts, rows)
     yield windows.flush_arrays()
+
+
+def bad_field(exc: Exception) -> str:
+    """What a record lacked or got wrong, from the error reading it."""
+    return f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
+
+
+def record_where(record: Any, who: tuple[str, str] = ("node", "gpu")) -> str:
+    """Whose record (`who`: node/gpu, or job/rank) and its ts, as far as it has them, for an
+    error message."""
+    if not isinstance(record, Mapping):
+        return f"not an object: {type(record).__name__}"
+    return f"{record.get(who[0], '?')}/{record.get(who[1], '?')} at ts {record.get('ts', '?')}"
 
 
 def slot_key(windows: GpuFeatureWindows, slot: int) -> tuple[str, int]:
