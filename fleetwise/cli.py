@@ -1766,16 +1766,51 @@ def _sim_trace(mix: str, days: float, seed: int, failure_rate: float, interval: 
     return raw, labels
 
 
-def _trace_samples(trace: Path, steps=None):  # noqa: ANN001,ANN202 - Iterator[dict]
+def _trace_samples(trace: Path, steps=None, window: tuple[float | None, float | None] = (None, None)):  # noqa: ANN001,ANN202
     """GPU samples of a trace file (sample lines and node batches); step records go to `steps`
-    (a list, or a backtest's StepStream: anything with `append`)."""
+    (a list, or a backtest's StepStream: anything with `append`). With a `window` (since, until),
+    only records with since <= ts < until (a record whose ts is not a number passes, for the
+    reader to name)."""
+    since, until = window
+
+    def inside(r: dict) -> bool:
+        if since is None and until is None:
+            return True
+        try:
+            t = float(r["ts"])
+        except (KeyError, TypeError, ValueError):
+            return True
+        return (since is None or t >= since) and (until is None or t < until)
+
     for r in _iter_jsonl(trace):
         if "metrics" in r:
-            yield r
+            if inside(r):
+                yield r
         elif "samples" in r and isinstance(r["samples"], list):
-            yield from r["samples"]
-        elif "step_time_s" in r and steps is not None:
+            yield from (s for s in r["samples"] if not isinstance(s, dict) or inside(s))
+        elif "step_time_s" in r and steps is not None and inside(r):
             steps.append(r)
+
+
+def _time_window(since: str | None, until: str | None) -> tuple[float | None, float | None]:
+    """--since / --until (Unix seconds or RFC 3339 with an offset) -> Unix seconds."""
+    from fleetwise.schemas import parse_timestamp
+
+    out: list[float | None] = []
+    for flag, text in (("--since", since), ("--until", until)):
+        if text is None:
+            out.append(None)
+            continue
+        try:
+            out.append(float(text))
+        except ValueError:
+            try:
+                out.append(parse_timestamp(text))
+            except ValueError as exc:
+                fail(f"{flag}: {exc}")
+    if out[0] is not None and out[1] is not None and out[0] >= out[1]:
+        fail(f"--since ({since}) must be before --until ({until})")
+    return out[0], out[1]
 
 
 def _operator_labels(path: Path) -> list[dict]:
@@ -1830,6 +1865,10 @@ def predictor_train(
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
+    since: str | None = typer.Option(None, "--since", help="With --trace: read only records at or after "
+                                     "this time (Unix seconds or RFC 3339 with an offset)."),
+    until: str | None = typer.Option(None, "--until", help="With --trace: read only records before this "
+                                     "time (the training part of a fleet's history split by time)."),
 ) -> None:
     """Fit the failure model on simulator traces (a randomised family by default) or on your own
     telemetry and failure records (--trace/--labels), and write it to OUT_DIR."""
@@ -1842,6 +1881,9 @@ def predictor_train(
 
     family = None if family in (None, "", "none") else family
     chosen = _parse_policy(policy)
+    if (since or until) and not trace:
+        fail("--since / --until select part of your own --trace; the simulator's traces are whole")
+    window = _time_window(since, until)
     if len(trace) != len(labels):
         fail(f"give one --labels file per --trace ({len(trace)} traces, {len(labels)} labels files)")
     _existing([*trace, *labels], "file")
@@ -1888,7 +1930,7 @@ def predictor_train(
 
     if trace:
         for tr, lb in zip(trace, labels, strict=True):
-            add(_trace_samples(tr), _operator_labels(lb), f"{tr.name} ({lb.name})")
+            add(_trace_samples(tr, window=window), _operator_labels(lb), f"{tr.name} ({lb.name})")
     else:
         for i, seed in enumerate(seed_list):
             mix = mix_list[i % len(mix_list)]
@@ -1907,6 +1949,7 @@ def predictor_train(
     if trace:
         command = ("fleetwise predictor train --out-dir {} {}".format(out_dir, " ".join(
             f"--trace {t} --labels {lb}" for t, lb in zip(trace, labels, strict=True))))
+        command += (f" --since {since}" if since else "") + (f" --until {until}" if until else "")
     else:
         command = (f"fleetwise predictor train --out-dir {out_dir} --seeds {seeds} "
                    f"--family {family or 'none'} " + (f"--mixes '{mixes}' " if mixes else "")
@@ -1951,12 +1994,17 @@ def backtest_cmd(
     grid: str | None = typer.Option(None, "--grid", help="With --choose-policy: the policies to try, "
                                     "';'-separated 'hi,k,k_memory[,hi_memory]' (default: hi 0.8-0.97 held "
                                     "6-72 hops)."),
+    since: str | None = typer.Option(None, "--since", help="Read only records at or after this time "
+                                     "(Unix seconds or RFC 3339 with an offset): the held-out part of a "
+                                     "fleet's history split by time."),
+    until: str | None = typer.Option(None, "--until", help="Read only records before this time."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
     from fleetwise.predictors.backtest import StepStream, backtest_trace, metrics_rows
     from fleetwise.predictors.failure import FailurePredictor, FeatureSchemaError
 
     _existing([trace, labels], "file")
+    window = _time_window(since, until)
     if choose and (policy or report):
         fail("--choose-policy replays its own grid of policies: leave out --policy and --report")
     if not choose and grid:
@@ -1966,7 +2014,7 @@ def backtest_cmd(
     except (FileNotFoundError, FeatureSchemaError) as exc:
         fail(str(exc))
     if choose:
-        _choose_policy(trace, _operator_labels(labels), predictor, budget, grid, as_json)
+        _choose_policy(trace, _operator_labels(labels), predictor, budget, grid, as_json, window)
         return
     chosen = _parse_policy(policy, predictor.policy)
     if chosen is not None:
@@ -1974,7 +2022,7 @@ def backtest_cmd(
     label_list = _operator_labels(labels)
     steps = StepStream()
     try:
-        run = backtest_trace(_trace_samples(trace, steps), steps, label_list, predictor)
+        run = backtest_trace(_trace_samples(trace, steps, window), steps, label_list, predictor)
     except ValueError as exc:
         fail(f"{trace}: {exc}")
     metrics = run.metrics
@@ -2007,7 +2055,7 @@ def backtest_cmd(
 
 
 def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  # noqa: ANN001
-                   grid: str | None, as_json: bool) -> None:
+                   grid: str | None, as_json: bool, window: tuple[float | None, float | None]) -> None:
     """`backtest --choose-policy`: one scoring pass, every policy of the grid replayed over it."""
     from fleetwise.predictors.failure import policy_from_spec
     from fleetwise.predictors.policy_choice import (
@@ -2024,7 +2072,7 @@ def _choose_policy(trace: Path, labels: list[dict], predictor, budget: float,  #
         except ValueError as exc:
             fail(f"--grid: {exc}")
     try:
-        scores = score_hops(_trace_samples(trace), predictor)
+        scores = score_hops(_trace_samples(trace, window=window), predictor)
         choice = choose_policy(scores, labels, predictor, budget, specs)
     except ValueError as exc:
         fail(f"{trace}: {exc}")

@@ -130,6 +130,27 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     res = runner.invoke(app, [*common, "--choose-policy", "--grid", ";".join(grid)])
     assert res.exit_code == 0, res.output
     assert "14,979 GPU-days" in res.output and "--rules-only" in res.output
+    # The procedure's split by time, with the CLI alone: train on the first day, backtest the
+    # second against the same labels file (the first day's failures are not the second's misses).
+    mid = str(sim.config.start_ts + 86400)
+    res = runner.invoke(app, ["predictor", "train", "--trace", str(trace), "--labels", str(labels),
+                              "--out-dir", str(tmp_path / "first-day"), "--until", mid])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "first-day" / "failure_model.json").read_text())
+    assert meta["training_command"].endswith(f"--until {mid}")
+    res = runner.invoke(app, [*common, "--since", mid, "--json"])
+    assert res.exit_code == 0, res.output
+    held = json.loads(res.output[res.output.index("{"):])["failure"]
+    labelled = labels_from_records(records)
+    after = sum(1 for x in labelled if x["kind"] == "failure" and x["ts"] >= float(mid))
+    assert 0 < held["failures"] == after < want and held["failures_outside_trace"] == want - after
+    assert held["gpu_days"] <= 24 * 1.0 + 1e-6
+    res = runner.invoke(app, [*common, "--since", mid, "--until", "1764547200"])
+    assert res.exit_code == 2 and "must be before --until" in " ".join(res.output.split())
+    res = runner.invoke(app, [*common, "--since", "yesterday"])
+    assert res.exit_code == 2 and "--since:" in res.output
+    res = runner.invoke(app, ["predictor", "train", "--out-dir", str(tmp_path / "x"), "--until", mid])
+    assert res.exit_code == 2 and "your own --trace" in " ".join(res.output.split())
     res = runner.invoke(app, [*common, "--choose-policy", "--grid", "0.9;6"])
     assert res.exit_code != 0 and "--grid: a policy is 'hi,k,k_memory[,hi_memory]'" in res.output
     res = runner.invoke(app, [*common, "--choose-policy", "--policy", "0.9,6,6"])
