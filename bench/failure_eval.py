@@ -63,7 +63,9 @@ from fleetwise.predictors.training import (
     FeatureTable,
     RawSamples,
     compute_features_raw,
+    covered_gpu_days,
     hop_chunks,
+    hop_extent,
     label_rows,
     raw_samples,
     slot_key,
@@ -294,21 +296,21 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
     sim = FleetSimulator(spec.config())
     windows = GpuFeatureWindows(stagger=STAGGER_HOPS)
     pred = FailurePredictor(predictor.model, predictor.policy)
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
+    hop_slots: list[np.ndarray] = []
+    hop_ts: list[np.ndarray] = []
     kept: list = []
     for cs, cts, cf in hop_chunks((s for tick in sim.ticks() for s in tick.samples), windows):
         if len(cs) == 0:
             continue
-        for sl, t in zip(cs.tolist(), cts.tolist(), strict=True):
-            first.setdefault(sl, t)
-            last[sl] = t
+        hop_slots.append(cs)
+        hop_ts.append(cts)
         preds, _ = pred.process_arrays([slot_key(windows, i) for i in cs.tolist()], cts, cf)
         kept.extend(p for p in preds if p.alert or p.reason == "cleared")
-    gpu_days = sum(last[s] - first[s] + windows.hop_s for s in first) / 86400.0
-    seen = {slot_key(windows, sl): t - windows.hop_s for sl, t in first.items()}
-    metrics = score_failures(kept, sim.labels(), gpu_days=gpu_days, horizon_h=predictor.model.horizon_h,
-                             first_seen=seen, trace_end=max(last.values()))
+    extent = hop_extent(np.concatenate(hop_slots), np.concatenate(hop_ts))
+    seen = {slot_key(windows, sl): first - windows.hop_s for sl, (first, _) in extent.items()}
+    metrics = score_failures(kept, sim.labels(), gpu_days=covered_gpu_days(extent, windows.hop_s),
+                             horizon_h=predictor.model.horizon_h, first_seen=seen,
+                             trace_end=max(last for _, last in extent.values()))
     return metrics, None, kept, None
 
 

@@ -33,7 +33,7 @@ from fleetwise.predictors.failure import (
     rule_names_of,
 )
 from fleetwise.predictors.features import GpuFeatureWindows
-from fleetwise.predictors.training import RawSamples, hop_chunks, slot_key
+from fleetwise.predictors.training import RawSamples, covered_gpu_days, hop_chunks, hop_extent, slot_key
 
 # Rows at or above this probability keep their features (for memory-driven risk and the
 # explanation of a false alarm); a policy that raises below it cannot be replayed exactly.
@@ -69,11 +69,8 @@ class HopScores:
     kept_x: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     def first_seen(self, hop_s: float = 600.0) -> dict[tuple[str, int], float]:
-        first: dict[int, float] = {}
-        for sl, t in zip(self.slots.tolist(), self.ts.tolist(), strict=True):
-            if sl not in first or t < first[sl]:
-                first[sl] = t
-        return {self.keys[sl]: t - hop_s for sl, t in first.items()}
+        """(node, gpu) -> start of the GPU's first hop (for visible precursors)."""
+        return {self.keys[sl]: first - hop_s for sl, (first, _) in hop_extent(self.slots, self.ts).items()}
 
 
 class _HopScorer:
@@ -104,12 +101,7 @@ class _HopScorer:
         if not self.parts:
             raise ValueError("the trace has no GPU samples")
         cols = [np.concatenate([p[i] for p in self.parts]) for i in range(5)]
-        first: dict[int, float] = {}
-        last: dict[int, float] = {}
-        for sl, t in zip(cols[0].tolist(), cols[1].tolist(), strict=True):
-            first[sl] = min(first.get(sl, t), t)
-            last[sl] = max(last.get(sl, t), t)
-        gpu_days = sum(last[s] - first[s] + hop_s for s in first) / 86400.0
+        gpu_days = covered_gpu_days(hop_extent(cols[0], cols[1]), hop_s)
         scores = HopScores(keys, cols[0], cols[1], cols[2], cols[3], cols[4],
                            np.vstack([p[5] for p in self.parts]), gpu_days)
         if self.kept:

@@ -139,6 +139,22 @@ def hop_chunks(source: RawSamples | Iterable[Mapping[str, Any]], windows: GpuFea
     yield windows.flush_arrays()
 
 
+def hop_extent(slots: np.ndarray, ts: np.ndarray) -> dict[int, tuple[float, float]]:
+    """Each GPU slot's first and last hop end, from closed hops (slot, hop end) in any order."""
+    if len(slots) == 0:
+        return {}
+    order = np.lexsort((ts, slots))
+    s, t = np.asarray(slots)[order], np.asarray(ts)[order]
+    start = np.r_[0, np.flatnonzero(np.diff(s)) + 1]
+    end = np.r_[start[1:] - 1, len(s) - 1]
+    return {int(a): (float(b), float(c)) for a, b, c in zip(s[start], t[start], t[end], strict=True)}
+
+
+def covered_gpu_days(extent: Mapping[int, tuple[float, float]], hop_s: float) -> float:
+    """GPU-days the hops cover: per GPU, from its first hop's start to its last hop's end."""
+    return sum(last - first + hop_s for first, last in extent.values()) / 86400.0
+
+
 def bad_field(exc: Exception) -> str:
     """What a record lacked or got wrong, from the error reading it."""
     return f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
@@ -175,12 +191,7 @@ def compute_features_raw(raw: RawSamples, hop_s: float = 600.0, chunk: int = 20_
     feats = np.vstack([p[2] for p in parts])
     order = np.lexsort((slots, ts))
     slots, ts, feats = slots[order], ts[order], feats[order]
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    for sl, t in zip(slots.tolist(), ts.tolist(), strict=True):
-        first.setdefault(sl, t)
-        last[sl] = t
-    gpu_days = sum(last[s] - first[s] + hop_s for s in first) / 86400.0
+    gpu_days = covered_gpu_days(hop_extent(slots, ts), hop_s)
     meta = [windows.slot_meta(i) for i in range(len(windows.keys()))]
     keys = [(meta[s]["node"], int(meta[s]["gpu"])) for s in slots.tolist()]
     models = [meta[s]["model"] for s in slots.tolist()]
