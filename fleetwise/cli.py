@@ -1998,15 +1998,21 @@ def backtest_cmd(
                                      "(Unix seconds or RFC 3339 with an offset): the held-out part of a "
                                      "fleet's history split by time."),
     until: str | None = typer.Option(None, "--until", help="Read only records before this time."),
+    model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Score the model's "
+                                             "alerts beside the rules, or the rules alone (default: as "
+                                             "the model's policy says)."),
 ) -> None:
     """Score failure and straggler predictions over TRACE against LABELS."""
+    from dataclasses import replace
+
     from fleetwise.predictors.backtest import StepStream, backtest_trace, metrics_rows
     from fleetwise.predictors.failure import FailurePredictor, FeatureSchemaError
 
     _existing([trace, labels], "file")
     window = _time_window(since, until)
-    if choose and (policy or report):
-        fail("--choose-policy replays its own grid of policies: leave out --policy and --report")
+    if choose and (policy or report or model_alerts is not None):
+        fail("--choose-policy replays its own grid of the model's policies: leave out --policy, --report "
+             "and --model-alerts / --rules-only")
     if not choose and grid:
         fail("--grid is the sweep of --choose-policy: give both")
     try:
@@ -2017,6 +2023,10 @@ def backtest_cmd(
         _choose_policy(trace, _operator_labels(labels), predictor, budget, grid, as_json, window)
         return
     chosen = _parse_policy(policy, predictor.policy)
+    if model_alerts is not None:
+        if policy and not model_alerts:
+            fail("--policy sets the model's thresholds; --rules-only leaves the model out: give one")
+        chosen = replace(chosen or predictor.policy, model_alerts=model_alerts)
     if chosen is not None:
         predictor = FailurePredictor(predictor.model, chosen)
     label_list = _operator_labels(labels)

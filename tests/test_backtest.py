@@ -114,6 +114,38 @@ def test_backtest_cli_scores_a_simulated_trace(tmp_path) -> None:
     assert missing.exit_code == 2 and "not found" in missing.output
 
 
+def test_backtest_rules_only_leaves_the_model_out(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+    from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
+
+    config = SimConfig(gpus="h100-sxm:16", days=1.0, seed=3, failure_rate_per_1000_gpu_days=400.0)
+    sim = FleetSimulator(config)
+    trace, labels = tmp_path / "t.jsonl.gz", tmp_path / "l.jsonl"
+    write_trace(sim, trace)
+    write_labels(sim, labels)
+    runner = CliRunner()
+    base = ["backtest", "--trace", str(trace), "--labels", str(labels), "--json"]
+
+    def metrics(*extra: str) -> dict:
+        out = runner.invoke(app, [*base, *extra])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout[out.stdout.index("{"):])["failure"]
+
+    default, rules = metrics(), metrics("--rules-only")
+    assert default["alert_episodes"] > default["rule_only_alerts"] > 0  # the model raises one GPU here
+    assert rules["alert_episodes"] == rules["rule_only_alerts"] == default["rule_only_alerts"]
+    assert metrics("--model-alerts") == default  # the packaged policy already lets the model raise
+    assert metrics("--policy", "0.3,1,1")["alert_episodes"] > default["alert_episodes"]
+    for extra, why in ((["--policy", "0.3,1,1", "--rules-only"], "give one"),
+                       (["--choose-policy", "--rules-only"], "--choose-policy replays")):
+        out = runner.invoke(app, [*base, *extra])
+        assert out.exit_code == 2 and why in " ".join(out.output.split()), out.output
+
+
 def test_backtest_scores_what_the_stream_processors_emit() -> None:
     """backtest_trace scores hops chunk by chunk, replays the policy over their probabilities and
     runs the straggler detector on step records as they are read (StepStream); the metrics must
