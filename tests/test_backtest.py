@@ -146,6 +146,46 @@ def test_backtest_rules_only_leaves_the_model_out(tmp_path) -> None:
         assert out.exit_code == 2 and why in " ".join(out.output.split()), out.output
 
 
+def test_backtest_learns_each_rank_gpu_model_from_the_samples(tmp_path) -> None:
+    """Step records as DESIGN.md specifies them carry no GPU model: the backtest learns it from
+    the trace's GPU samples, as the control plane does, so a rank slow from its first record
+    (only a catalog speed can tell it) is found, and found as with `model` in every record."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fleetwise.cli import app
+
+    slow_rank, n_ranks, steps, h100 = 3, 8, 240, "NVIDIA H100 80GB HBM3"
+    records: list[dict] = []
+    for i in range(steps):
+        ts = T0 + i * 2.0
+        if i % 30 == 0:
+            records += [{"ts": ts, "node": "n1", "gpu": g, "uuid": f"GPU-{g}", "model": h100,
+                         "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60, "DCGM_FI_DEV_POWER_USAGE": 500.0}}
+                        for g in range(n_ranks)]
+        jitter = 1.0 + 0.01 * ((i * 7) % 5 - 2) / 2
+        compute = [1.5 * jitter * (1.25 if r == slow_rank else 1.0) for r in range(n_ranks)]
+        records += [{"ts": ts + 1.9, "job": "j", "rank": r, "node": "n1", "gpu": r, "step": i,
+                     "step_time_s": max(compute) + 0.1, "compute_s": compute[r], "micro_batch": 4,
+                     "samples": 32}
+                    for r in range(n_ranks)]
+    labels = tmp_path / "l.jsonl"
+    labels.write_text(json.dumps({"kind": "straggler", "job": "j", "rank": slow_rank, "start_ts": T0,
+                                  "end_ts": T0 + steps * 2.0, "factor": 0.8}) + "\n")
+    runner = CliRunner()
+    found = []
+    for with_model in (False, True):
+        trace = tmp_path / f"t{with_model}.jsonl"
+        trace.write_text("".join(json.dumps(r | ({"model": h100} if with_model and "job" in r else {})) + "\n"
+                                 for r in records))
+        out = runner.invoke(app, ["backtest", "--trace", str(trace), "--labels", str(labels), "--json"])
+        assert out.exit_code == 0, out.output
+        metrics = json.loads(out.stdout[out.stdout.index("{"):])["straggler"]
+        found.append((metrics["detected"], metrics["detected_on_time"], metrics["false_flags"]))
+    assert found[0] == found[1] == (1, 1, 0)
+
+
 def test_backtest_scores_what_the_stream_processors_emit() -> None:
     """backtest_trace scores hops chunk by chunk, replays the policy over their probabilities and
     runs the straggler detector on step records as they are read (StepStream); the metrics must

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -332,6 +333,20 @@ class StepStream:
         self._rank = array("i")
         self._ts = array("d")
         self._span: dict[str, list[float]] = {}
+        self._models: dict[tuple[Any, Any], Any] = {}
+
+    def learn_models(self, samples: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+        """Pass GPU samples through, teaching the detector each GPU's model on the way (as the
+        control plane does from telemetry): step records as DESIGN.md specifies them carry none,
+        and a backtest must judge ranks as the worker would."""
+        models = self._models
+        for sample in samples:
+            key, model = (sample.get("node"), sample.get("gpu")), sample.get("model")
+            if model and models.get(key) != model:
+                models[key] = model
+                with suppress(TypeError, ValueError):  # a bad gpu field: the sample reader names it
+                    self.detector.learn_models([(str(key[0]), int(key[1]), str(model))])
+            yield sample
 
     def append(self, record: Mapping[str, Any]) -> None:
         from fleetwise.predictors.training import bad_field, record_where
@@ -380,8 +395,9 @@ def backtest_trace(
 ) -> BacktestRun:
     """Score the failure predictor (every GPU-hop) and the straggler detector over a trace.
 
-    `samples` may be a generator that appends to `steps` as it goes (one pass over a file: the
-    straggler detector runs on the step records as they come). The samples are scored chunk by
+    `samples` (GPU sample dicts) may be a generator that appends to `steps` as it goes (one pass
+    over a file: the straggler detector runs on the step records as they come, knowing the GPU
+    models of the samples read so far). The samples are scored chunk by
     chunk and dropped (`policy_choice.score_hops`), and the alert policy is replayed over
     the hops' probabilities, so memory follows the hops, not the samples; only the failing
     GPUs' hops keep their features, for the report.
@@ -390,7 +406,7 @@ def backtest_trace(
     from fleetwise.predictors.training import FeatureTable, label_rows
 
     failing = {(str(lab["node"]), int(lab["gpu"])) for lab in labels if lab.get("kind") == "failure"}
-    scores = score_hops(samples, predictor, keep_keys=failing)
+    scores = score_hops(steps.learn_models(samples), predictor, keep_keys=failing)
     horizon = predictor.model.horizon_h
     hops = FeatureTable([scores.keys[s] for s in scores.slots.tolist()], scores.ts, np.zeros((0, 0)))
     lab = label_rows(hops, labels, horizon)
