@@ -380,6 +380,49 @@ def test_a_silent_rank_leaves_the_group_after_stale_s():
     assert 2 in early.state("llm")["expected"]
 
 
+def _restarted(records: list[dict], rank: int, gone: float, back: float,
+               warm_up: tuple[float, ...]) -> list[dict]:
+    """`rank`'s process restarts: silent in [gone, back) while the job goes on, its first steps
+    back slower by `warm_up` (each group's step time follows its slowest rank)."""
+    kept = [dict(r) for r in records if r["rank"] != rank or not gone <= r["ts"] < back]
+    steps = sorted({r["step"] for r in kept if r["rank"] == rank and r["ts"] >= back})[:len(warm_up)]
+    for step, slow in zip(steps, warm_up, strict=True):
+        group = [r for r in kept if r["step"] == step]
+        mine = next(r for r in group if r["rank"] == rank)
+        mine["compute_s"] *= slow
+        for r in group:
+            r["step_time_s"] = max(r["step_time_s"], mine["compute_s"] + 0.4)
+    return kept
+
+
+def test_a_rank_back_from_a_restart_warms_up_before_it_is_judged():
+    # One record per step every 10 s; rank 3 restarts for five minutes and its first five steps
+    # back are 15-40% slow (CUDA and NCCL set-up, a cold data loader): not a straggler.
+    records = make_steps(["h100-sxm"] * 8, hours=1.0, seed=21, interval_s=10.0)
+    gone, back = T0 + 1200.0, T0 + 1500.0
+    warm = _restarted(records, 3, gone, back, (1.4, 1.3, 1.3, 1.3, 1.15))
+    assert rank_alerts(run(warm)) == []
+    # A checkpoint that pauses every rank alike is no restart: a rank slow right after it is found.
+    paused = [dict(r, ts=r["ts"] + (300.0 if r["ts"] >= back else 0.0)) for r in records]
+    slow_after = _restarted(paused, 3, back, back, (1.3,) * 40)  # nothing removed: 40 slow steps
+    found = rank_alerts(run(slow_after))
+    assert [p.rank for p in found] == [3] and found[0].ts - (back + 300.0) <= 60.0
+    # A rank that comes back slow for good is found once its warm-up is over.
+    stays_slow = _restarted(records, 3, gone, back, (1.3,) * 40)
+    found = rank_alerts(run(stays_slow))
+    cfg = StragglerConfig()
+    assert [p.rank for p in found] == [3]
+    assert found[0].ts - back <= (cfg.rejoin_records + cfg.find_within_records + 1) * 10.0
+    # Saved and restored mid-warm-up, the detector gives what it gives in one go.
+    cut = next(i for i, r in enumerate(warm) if r["ts"] >= back and r["rank"] == 3) + 6  # its group closed
+    first = StragglerDetector()
+    part = first.process(warm[:cut])
+    second = StragglerDetector()
+    second.restore("llm", json.loads(json.dumps(first.state("llm"))))
+    rest = second.process(warm[cut:]) + second.flush()
+    assert [r.model_dump() for r in part + rest] == [r.model_dump() for r in run(warm)]
+
+
 def test_a_job_silent_for_retire_s_is_retired_and_starts_over():
     retire_s = StragglerConfig().retire_s
     first = make_steps(["h100-sxm"] * 6, hours=1.0, seed=15, job="a", slow={2: (600.0, 3600.0, 0.85)})

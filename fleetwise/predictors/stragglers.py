@@ -155,6 +155,15 @@ class StragglerConfig:
     # families with close models (bench/stragglers.py, docs/benchmarks.md).
     alike_tolerance: float = 0.06
     base_records: int = 5  # records whose median is an unknown-model rank's own baseline
+    # A rank that (re)joins a running job (its process restarted, or it moved to another GPU)
+    # computes slowly for its first steps (CUDA and NCCL set-up, cold caches and data loader):
+    # its first `rejoin_records` records back are measured, not judged. It rejoined when the job
+    # judged step groups without it for more than `rejoin_groups` of its step intervals (a
+    # checkpoint or an evaluation pauses every rank alike: that is no rejoin). Chosen a priori
+    # (a few steps of warm-up); checked on an independent step generator's rank restarts
+    # (docs/benchmarks.md, "An independent generator").
+    rejoin_records: int = 5
+    rejoin_groups: float = 3.0
     base_alpha: float = 0.005  # per healthy record, how far the own baseline follows the rank
     baseline_groups: int = 30  # healthy step groups in the job's rolling baseline
     min_baseline: int = 5  # groups needed before job-wide judgements
@@ -454,6 +463,13 @@ class StragglerDetector:
                 rs = None
             if rs is None:
                 rs = ranks[rank] = _RankState.new(row, self._keep_recent)
+                if job.group_ts is not None:  # a rank joining a running job warms up
+                    rs.warm = cfg.rejoin_records
+            elif job.interval and job.group_ts - rs.ts > cfg.rejoin_groups * job.interval:
+                # The job went on without this rank: it restarted. Its evidence from before
+                # the gap (CUSUM, last deficit) says nothing about the process now running.
+                rs.warm, rs.cusum, rs.deficit = cfg.rejoin_records, 0.0, None
+                rs.run.clear()
             model = row.model or (gpu_models.get((row.node, row.gpu)) if gpu_models else None) or rs.model
             rs.model = model
             cap = rs.cap = capabilities[model] if model in capabilities else self._capability(model)
@@ -549,6 +565,13 @@ class StragglerDetector:
                 rs.open_window(start)
             rs.win_step.append(row.step_time_s)
             rs.win_compute.append(row.compute_s)
+            if rs.warm:  # warming up after (re)joining: measured, not judged, not in its baseline
+                rs.warm -= 1
+                if factor is not None:
+                    rs.win_factor.append(factor)
+                if cost:
+                    rs.win_cost.append(cost)
+                continue
             if factor is None:
                 if cost:
                     rs.win_cost.append(cost)
@@ -687,8 +710,10 @@ class StragglerDetector:
         n_ranks = len(ranks)
         caps = [self._capability(rs.model) for rs in states]
         if (n_ranks < cfg.min_ranks or not all(caps) or job.jobwide.get("basis", "cap") != "cap"
-                or any(rs.noise is None or rs.deficit is None for rs in states)):
+                or any(rs.noise is None or rs.deficit is None or rs.warm for rs in states)):
             return 0
+        if job.interval and any(job.group_ts - rs.ts > cfg.rejoin_groups * job.interval for rs in states):
+            return 0  # a rank rejoins: one by one starts its warm-up
         gpu_models = self._gpu_models
         if gpu_models and any(gpu_models.get((rs.node, rs.gpu), rs.model) != rs.model for rs in states):
             return 0  # a rank's GPU model was learned anew: one by one takes it up
@@ -1045,7 +1070,7 @@ class _RankState:
 
     __slots__ = ("node", "gpu", "model", "cap", "ts", "cost", "deficit", "noise", "cusum", "run", "recent",
                  "alert", "clear_run", "ref", "win_start", "win_step", "win_compute", "win_factor",
-                 "win_cost", "prev_cost", "ucost", "base", "base_acc")
+                 "win_cost", "prev_cost", "ucost", "base", "base_acc", "warm")
 
     @classmethod
     def new(cls, row: Any, keep_recent: int) -> _RankState:
@@ -1062,6 +1087,7 @@ class _RankState:
         # GPU model unknown: cost per sample, own baseline, the records it is the median of
         rs.ucost = rs.base = None
         rs.base_acc = []
+        rs.warm = 0  # records left of its warm-up after (re)joining a running job
         return rs
 
     def open_window(self, start: float) -> None:
@@ -1083,7 +1109,7 @@ class _RankState:
                 "cost": self.cost, "deficit": self.deficit, "noise": self.noise, "cusum": self.cusum,
                 "run": list(self.run), "recent": list(self.recent), "alert": self.alert,
                 "clear_run": self.clear_run, "ref": self.ref, "win": win, "prev_cost": self.prev_cost,
-                "ucost": self.ucost, "base": self.base, "base_acc": list(self.base_acc)}
+                "ucost": self.ucost, "base": self.base, "base_acc": list(self.base_acc), "warm": self.warm}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], keep_recent: int) -> _RankState:
@@ -1102,6 +1128,7 @@ class _RankState:
         # (a state saved before ranks of unknown model were judged has none of these)
         rs.ucost, rs.base = state.get("ucost"), state.get("base")
         rs.base_acc = list(state.get("base_acc", []))
+        rs.warm = state.get("warm", 0)
         return rs
 
 
