@@ -1852,7 +1852,10 @@ def predictor_train(
                                       help="Configuration family of fleetwise.sim.randomize ('train'), or "
                                       "'none' for the plain simulator."),
     trace: list[Path] = typer.Option([], "--trace", help="Your own telemetry (.jsonl[.gz] of GPU samples); "
-                                     "repeat for several. Replaces the simulator."),
+                                     "repeat for several. Replaces the simulator (see --with-simulator)."),
+    with_simulator: bool = typer.Option(False, "--with-simulator", help="With --trace: fit on your traces "
+                                        "and on the simulator's (--seeds, --family ...) together, for a "
+                                        "fleet with few failures of its own."),
     labels: list[Path] = typer.Option([], "--labels", help="Failure records for each --trace, in order "
                                       "(docs/predictors.md: labels file)."),
     policy: str | None = typer.Option(None, "--policy", help="Alert policy 'hi,k,k_memory[,hi_memory]' "
@@ -1883,6 +1886,8 @@ def predictor_train(
     chosen = _parse_policy(policy)
     if (since or until) and not trace:
         fail("--since / --until select part of your own --trace; the simulator's traces are whole")
+    if with_simulator and not trace:
+        fail("--with-simulator adds the simulator's traces to your --trace files: give --trace and --labels")
     window = _time_window(since, until)
     if len(trace) != len(labels):
         fail(f"give one --labels file per --trace ({len(trace)} traces, {len(labels)} labels files)")
@@ -1904,7 +1909,7 @@ def predictor_train(
         fail(f"--interval must be comma-separated numbers of seconds, got {intervals!r}")
     if not interval_list or min(interval_list) < 0 or (not family and min(interval_list) <= 0):
         fail(f"--interval must be positive seconds, got {intervals!r}")
-    if not trace and not seed_list:
+    if (with_simulator or not trace) and not seed_list:
         fail("need at least one seed (or --trace with --labels)")
     xs, ys, hours, groups = [], [], [], []
     offset, started, n_fail = 0, time.time(), 0
@@ -1928,10 +1933,9 @@ def predictor_train(
         console.print(f"{what}: {rows.samples:,} samples, {rows.hops:,} GPU-hops, "
                       f"{int(rows.y.sum())} positive hops used")
 
-    if trace:
-        for tr, lb in zip(trace, labels, strict=True):
-            add(_trace_samples(tr, window=window), _operator_labels(lb), f"{tr.name} ({lb.name})")
-    else:
+    for tr, lb in zip(trace, labels, strict=True):
+        add(_trace_samples(tr, window=window), _operator_labels(lb), f"{tr.name} ({lb.name})")
+    if with_simulator or not trace:
         for i, seed in enumerate(seed_list):
             mix = mix_list[i % len(mix_list)]
             interval = interval_list[i % len(interval_list)]
@@ -1946,19 +1950,24 @@ def predictor_train(
 
     from fleetwise.predictors.failure import MODEL_FEATURES, feature_schema_hash
 
-    if trace:
+    if trace and not with_simulator:
         command = ("fleetwise predictor train --out-dir {} {}".format(out_dir, " ".join(
             f"--trace {t} --labels {lb}" for t, lb in zip(trace, labels, strict=True))))
-        command += (f" --since {since}" if since else "") + (f" --until {until}" if until else "")
     else:
         command = (f"fleetwise predictor train --out-dir {out_dir} --seeds {seeds} "
                    f"--family {family or 'none'} " + (f"--mixes '{mixes}' " if mixes else "")
                    + f"--days {days} --failure-rate {failure_rate} "
                    + (f"--interval {intervals} " if intervals else "") + f"--fit-seed {fit_seed}")
+        if trace:
+            command += " --with-simulator " + " ".join(
+                f"--trace {t} --labels {lb}" for t, lb in zip(trace, labels, strict=True))
+    if trace:
+        command += (f" --since {since}" if since else "") + (f" --until {until}" if until else "")
     if policy:
         command += f" --policy {policy}"
     meta = {"version": f"1.1+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
-            "training_command": command, "seeds": [] if trace else seed_list, "family": family,
+            "training_command": command, "seeds": seed_list if with_simulator or not trace else [],
+            "family": family,
             "mixes": mix_list, "days": days, "failure_rate_per_1000_gpu_days": failure_rate,
             "sample_interval_s": interval_list, "traces": [str(t) for t in trace],
             "fit_seed": fit_seed, "failures_in_training": n_fail, "sklearn": sklearn.__version__}

@@ -138,6 +138,22 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     assert res.exit_code == 0, res.output
     meta = json.loads((tmp_path / "first-day" / "failure_model.json").read_text())
     assert meta["training_command"].endswith(f"--until {mid}")
+    # With --with-simulator the fit reads the fleet's rows and the simulator's: their sum.
+    sim_only, both = tmp_path / "sim-only", tmp_path / "both"
+    sim_args = ["--seeds", "0", "--days", "1", "--interval", "300", "--failure-rate", "200"]
+    res = runner.invoke(app, ["predictor", "train", "--out-dir", str(sim_only), *sim_args])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["predictor", "train", "--trace", str(trace), "--labels", str(labels),
+                              "--out-dir", str(both), "--with-simulator", *sim_args, "--until", mid])
+    assert res.exit_code == 0, res.output
+    rows = {d: json.loads((tmp_path / d / "failure_model.json").read_text())["rows"]
+            for d in ("first-day", "sim-only", "both")}
+    assert rows["both"] == rows["first-day"] + rows["sim-only"] > rows["sim-only"] > 0
+    meta = json.loads((both / "failure_model.json").read_text())
+    assert meta["seeds"] == [0] and meta["traces"] == [str(trace)]
+    assert "--with-simulator --trace" in meta["training_command"]
+    res = runner.invoke(app, ["predictor", "train", "--out-dir", str(tmp_path / "y"), "--with-simulator"])
+    assert res.exit_code == 2 and "give --trace and --labels" in " ".join(res.output.split())
     res = runner.invoke(app, [*common, "--since", mid, "--json"])
     assert res.exit_code == 0, res.output
     held = json.loads(res.output[res.output.index("{"):])["failure"]
@@ -154,7 +170,7 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     res = runner.invoke(app, [*common, "--choose-policy", "--grid", "0.9;6"])
     assert res.exit_code != 0 and "--grid: a policy is 'hi,k,k_memory[,hi_memory]'" in res.output
     res = runner.invoke(app, [*common, "--choose-policy", "--policy", "0.9,6,6"])
-    assert res.exit_code != 0 and "leave out --policy" in res.output
+    assert res.exit_code != 0 and "leave out --policy" in " ".join(res.output.split())
     # A labels file the operator got wrong names the record.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"event": "rma", "node": "n1", "gpu": 0}\n')
