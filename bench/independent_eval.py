@@ -1,0 +1,130 @@
+"""The predictors on traces from generators written apart from the project's simulator.
+
+`bench/independent_fleet.py` (GPU telemetry with labelled failures and traps) and
+`bench/independent_steps.py` (step records with labelled stragglers, job-wide slowdowns and
+traps) were each written by someone who had read only DESIGN.md's record formats, REFERENCE.md
+and the shared data, not the simulator or the predictors, so their precursor shapes, noise and
+traps are their own. This script generates seeded traces of them and scores the shipped
+failure model and straggler detector on them with `fleetwise backtest --json` (the operator's
+command), pooled over the seeds:
+
+    .venv/bin/python bench/independent_eval.py --fleet-seeds 10 11 12 13 --step-seeds 10 11 12 13
+    .venv/bin/python bench/independent_eval.py --fleet-seeds 0 1 --model-dir /tmp/candidate --rules-only
+
+Seeds 0-3 of both generators were looked at while changing the detectors (the development
+seeds); seeds 10 and up were run once per change, after it (docs/benchmarks.md, "An independent
+generator").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+FLEETWISE = [sys.executable, "-m", "fleetwise.cli"]
+BUCKETS = ("recall_long_precursor_12h", "recall_with_precursor_30min", "recall_all_30min")
+
+
+def generate(kind: str, seed: int, cache: Path, **options: Any) -> Path:
+    """The seeded trace of `kind` ('fleet' or 'steps') under `cache` (generated once)."""
+    out = cache / f"{kind}-{seed}" / "-".join(f"{k}{v}" for k, v in sorted(options.items()))
+    if not (out / "labels.jsonl").exists():
+        args = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+                for k, v in options.items() if v is not False]
+        subprocess.run([sys.executable, str(BENCH / f"independent_{kind}.py"), "--out", str(out),
+                        "--seed", str(seed), *args], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def backtest(trace_dir: Path, extra: list[str]) -> dict[str, Any]:
+    out = subprocess.run([*FLEETWISE, "backtest", "--trace", str(trace_dir / "trace.jsonl.gz"),
+                          "--labels", str(trace_dir / "labels.jsonl"), "--json", *extra],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out[out.index("{"):])
+
+
+def fleet_rows(seeds: list[int], cache: Path, extra: list[str], gpus: int, days: float,
+               rate: float) -> dict[str, Any]:
+    pooled: dict[str, Any] = {"gpu_days": 0.0, "failures": 0, "true": 0, "false": 0, "hot": 0,
+                              "hot_flagged": 0, **{b: [0, 0] for b in BUCKETS}}
+    for seed in seeds:
+        d = generate("fleet", seed, cache, gpus=gpus, days=days, interval=300,
+                     failures_per_1000_gpu_days=rate)
+        f = backtest(d, extra)["failure"]
+        pooled["gpu_days"] += f["gpu_days"]
+        pooled["failures"] += f["failures"]
+        pooled["true"] += f["true_alerts"]
+        pooled["false"] += f["false_alerts"]
+        pooled["hot"] += f["hot_healthy_gpus"]
+        pooled["hot_flagged"] += round((f["hot_healthy_flagged_share"] or 0.0) * f["hot_healthy_gpus"])
+        for b in BUCKETS:
+            pooled[b][0] += f[b]["caught"]
+            pooled[b][1] += f[b]["n"]
+        print(f"fleet seed {seed}: {f['failures']} failures, {f['false_alerts']} false alarms, "
+              + ", ".join(f"{b} {f[b]['caught']}/{f[b]['n']}" for b in BUCKETS), flush=True)
+    return pooled
+
+
+def step_rows(seeds: list[int], cache: Path, hours: float) -> dict[str, dict[str, float]]:
+    pooled: dict[str, dict[str, float]] = {}
+    for with_model in (False, True):
+        p = pooled.setdefault("with model" if with_model else "without model",
+                              {"injected": 0, "on_time": 0, "found": 0, "false": 0, "job_hours": 0.0,
+                               "slowdowns": 0, "slowdowns_found": 0, "job_wide_false": 0})
+        for seed in seeds:
+            d = generate("steps", seed, cache, hours=hours, with_model=with_model,
+                         without_model=not with_model)
+            s = backtest(d, [])["straggler"]
+            p["injected"] += s["injected"] - s["too_short"]
+            p["found"] += s["detected"]
+            p["on_time"] += s["detected_on_time_reached"]
+            p["false"] += s["false_flags"]
+            p["job_hours"] += s["job_hours"]
+            p["slowdowns"] += s["job_slowdowns"]
+            p["slowdowns_found"] += s["job_slowdowns_found"]
+            p["job_wide_false"] += s["job_wide_false_alerts"]
+    return pooled
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fleet-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
+    ap.add_argument("--step-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
+    ap.add_argument("--gpus", type=int, default=256)
+    ap.add_argument("--days", type=float, default=14.0)
+    ap.add_argument("--failure-rate", type=float, default=30.0, help="per 1,000 GPU-days")
+    ap.add_argument("--hours", type=float, default=8.0, help="of each step trace (4 jobs)")
+    ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--policy", default=None, help="'hi,k,k_memory[,hi_memory]' (backtest --policy)")
+    ap.add_argument("--rules-only", action="store_true")
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-independent"))
+    args = ap.parse_args()
+    extra = (["--model-dir", str(args.model_dir)] if args.model_dir else []) + (
+        ["--policy", args.policy] if args.policy else []) + (["--rules-only"] if args.rules_only else [])
+    if args.fleet_seeds:
+        p = fleet_rows(args.fleet_seeds, args.cache, extra, args.gpus, args.days, args.failure_rate)
+        alerts = p["true"] + p["false"]
+        print(f"\nfailure model ({' '.join(extra) or 'packaged'}), fleet seeds {args.fleet_seeds}: "
+              f"{p['gpu_days']:,.0f} GPU-days, {p['failures']} failures")
+        print(f"  false alarms {p['false']} ({1000 * p['false'] / p['gpu_days']:.2f} per 1,000 GPU-days), "
+              f"precision {p['true'] / alerts if alerts else float('nan'):.2f} ({p['true']}/{alerts}), "
+              f"hot-but-healthy flagged {p['hot_flagged']}/{p['hot']}")
+        for b in BUCKETS:
+            caught, n = p[b]
+            print(f"  {b}: {caught}/{n} ({caught / n if n else float('nan'):.2f})")
+    if args.step_seeds:
+        for name, p in step_rows(args.step_seeds, args.cache, args.hours).items():
+            print(f"\nstraggler detector, step seeds {args.step_seeds}, {name}: "
+                  f"{p['on_time']}/{p['injected']} found within 60 s of reaching 5% "
+                  f"({p['found']} found at all), {p['false']} false episodes in {p['job_hours']:.0f} "
+                  f"job-hours ({16 * p['false'] / p['job_hours']:.2f} per 16 job-hours); job-wide "
+                  f"{p['slowdowns_found']}/{p['slowdowns']} found, {p['job_wide_false']} false")
+
+
+if __name__ == "__main__":
+    main()
