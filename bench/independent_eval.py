@@ -4,11 +4,15 @@
 `bench/independent_steps.py` (step records with labelled stragglers, job-wide slowdowns and
 traps) were each written by someone who had read only DESIGN.md's record formats, REFERENCE.md
 and the shared data, not the simulator or the predictors, so their precursor shapes, noise and
-traps are their own. This script generates seeded traces of them and scores the shipped
+traps are their own. `bench/blind_fleet.py` is a second GPU-telemetry generator by a third
+author who read neither the simulator nor `independent_fleet.py` (2-minute scrapes on each
+node's own clock, two sites, other models, classes and traps); no model or threshold was ever
+fitted or chosen on it. This script generates seeded traces of them and scores the shipped
 failure model and straggler detector on them with `fleetwise backtest --json` (the operator's
 command), pooled over the seeds:
 
     .venv/bin/python bench/independent_eval.py --fleet-seeds 10 11 12 13 --step-seeds 10 11 12 13
+    .venv/bin/python bench/independent_eval.py --blind-seeds 0 1 2 3 --fleet-seeds --step-seeds
     .venv/bin/python bench/independent_eval.py --fleet-seeds 0 1 --model-dir /tmp/candidate --rules-only
 
 Seeds 0-3 of both generators were looked at while changing the detectors (the development
@@ -30,13 +34,16 @@ FLEETWISE = [sys.executable, "-m", "fleetwise.cli"]
 BUCKETS = ("recall_long_precursor_12h", "recall_with_precursor_30min", "recall_all_30min")
 
 
+SCRIPTS = {"fleet": "independent_fleet.py", "steps": "independent_steps.py", "blind": "blind_fleet.py"}
+
+
 def generate(kind: str, seed: int, cache: Path, **options: Any) -> Path:
-    """The seeded trace of `kind` ('fleet' or 'steps') under `cache` (generated once)."""
+    """The seeded trace of `kind` ('fleet', 'steps' or 'blind') under `cache` (generated once)."""
     out = cache / f"{kind}-{seed}" / "-".join(f"{k}{v}" for k, v in sorted(options.items()))
     if not (out / "labels.jsonl").exists():
         args = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
                 for k, v in options.items() if v is not False]
-        subprocess.run([sys.executable, str(BENCH / f"independent_{kind}.py"), "--out", str(out),
+        subprocess.run([sys.executable, str(BENCH / SCRIPTS[kind]), "--out", str(out),
                         "--seed", str(seed), *args], check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -48,12 +55,12 @@ def backtest(trace_dir: Path, extra: list[str]) -> dict[str, Any]:
     return json.loads(out[out.index("{"):])
 
 
-def fleet_rows(seeds: list[int], cache: Path, extra: list[str], gpus: int, days: float,
+def fleet_rows(kind: str, seeds: list[int], cache: Path, extra: list[str], gpus: int, days: float,
                rate: float) -> dict[str, Any]:
     pooled: dict[str, Any] = {"gpu_days": 0.0, "failures": 0, "true": 0, "false": 0, "hot": 0,
                               "hot_flagged": 0, **{b: [0, 0] for b in BUCKETS}}
     for seed in seeds:
-        d = generate("fleet", seed, cache, gpus=gpus, days=days, interval=300,
+        d = generate(kind, seed, cache, gpus=gpus, days=days, interval=300 if kind == "fleet" else 120,
                      failures_per_1000_gpu_days=rate)
         f = backtest(d, extra)["failure"]
         pooled["gpu_days"] += f["gpu_days"]
@@ -65,7 +72,7 @@ def fleet_rows(seeds: list[int], cache: Path, extra: list[str], gpus: int, days:
         for b in BUCKETS:
             pooled[b][0] += f[b]["caught"]
             pooled[b][1] += f[b]["n"]
-        print(f"fleet seed {seed}: {f['failures']} failures, {f['false_alerts']} false alarms, "
+        print(f"{kind} seed {seed}: {f['failures']} failures, {f['false_alerts']} false alarms, "
               + ", ".join(f"{b} {f[b]['caught']}/{f[b]['n']}" for b in BUCKETS), flush=True)
     return pooled
 
@@ -95,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleet-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
     ap.add_argument("--step-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
+    ap.add_argument("--blind-seeds", type=int, nargs="*", default=[0, 1, 2, 3])
     ap.add_argument("--gpus", type=int, default=256)
     ap.add_argument("--days", type=float, default=14.0)
     ap.add_argument("--failure-rate", type=float, default=30.0, help="per 1,000 GPU-days")
@@ -106,10 +114,12 @@ def main() -> None:
     args = ap.parse_args()
     extra = (["--model-dir", str(args.model_dir)] if args.model_dir else []) + (
         ["--policy", args.policy] if args.policy else []) + (["--rules-only"] if args.rules_only else [])
-    if args.fleet_seeds:
-        p = fleet_rows(args.fleet_seeds, args.cache, extra, args.gpus, args.days, args.failure_rate)
+    for kind, seeds in (("fleet", args.fleet_seeds), ("blind", args.blind_seeds)):
+        if not seeds:
+            continue
+        p = fleet_rows(kind, seeds, args.cache, extra, args.gpus, args.days, args.failure_rate)
         alerts = p["true"] + p["false"]
-        print(f"\nfailure model ({' '.join(extra) or 'packaged'}), fleet seeds {args.fleet_seeds}: "
+        print(f"\nfailure model ({' '.join(extra) or 'packaged'}), {kind} seeds {seeds}: "
               f"{p['gpu_days']:,.0f} GPU-days, {p['failures']} failures")
         print(f"  false alarms {p['false']} ({1000 * p['false'] / p['gpu_days']:.2f} per 1,000 GPU-days), "
               f"precision {p['true'] / alerts if alerts else float('nan'):.2f} ({p['true']}/{alerts}), "
