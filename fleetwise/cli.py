@@ -1965,7 +1965,7 @@ def predictor_train(
         command += (f" --since {since}" if since else "") + (f" --until {until}" if until else "")
     if policy:
         command += f" --policy {policy}"
-    meta = {"version": f"1.1+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
+    meta = {"version": f"1.2+{feature_schema_hash(MODEL_FEATURES)[:8]}.s{fit_seed}",
             "training_command": command, "seeds": seed_list if with_simulator or not trace else [],
             "family": family,
             "mixes": mix_list, "days": days, "failure_rate_per_1000_gpu_days": failure_rate,

