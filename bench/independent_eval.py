@@ -16,8 +16,8 @@ command), pooled over the seeds:
     .venv/bin/python bench/independent_eval.py --fleet-seeds 0 1 --model-dir /tmp/candidate --rules-only
 
 Seeds 0-3 of both generators were looked at while changing the detectors (the development
-seeds); seeds 10 and up were run once per change, after it (docs/benchmarks.md, "An independent
-generator").
+seeds); seeds 10 and up were run once per change, after it (docs/benchmarks.md, "Generators
+written apart from the simulator").
 """
 
 from __future__ import annotations

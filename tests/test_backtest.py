@@ -87,19 +87,26 @@ def test_long_precursor_bucket_uses_the_visible_part_of_the_precursor() -> None:
     assert raw["recall_long_precursor_12h"] == {"n": 2, "caught": 1, "recall": 0.5}
 
 
+def _simulated_trace(tmp_path, days: float, seed: int, rate: float):  # noqa: ANN202
+    """A 16-GPU simulated trace and its labels, written as files: (trace, labels, simulator)."""
+    from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
+
+    config = SimConfig(gpus="h100-sxm:16", days=days, seed=seed, failure_rate_per_1000_gpu_days=rate)
+    sim = FleetSimulator(config)
+    trace, labels = tmp_path / "t.jsonl.gz", tmp_path / "l.jsonl"
+    write_trace(sim, trace)
+    write_labels(sim, labels)
+    return trace, labels, sim
+
+
 def test_backtest_cli_scores_a_simulated_trace(tmp_path) -> None:
     import json
 
     from typer.testing import CliRunner
 
     from fleetwise.cli import app
-    from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
 
-    config = SimConfig(gpus="h100-sxm:16", days=0.5, seed=5, failure_rate_per_1000_gpu_days=300.0)
-    sim = FleetSimulator(config)
-    trace, labels = tmp_path / "t.jsonl.gz", tmp_path / "l.jsonl"
-    write_trace(sim, trace)
-    write_labels(sim, labels)
+    trace, labels, sim = _simulated_trace(tmp_path, days=0.5, seed=5, rate=300.0)
     injected = sum(1 for r in sim.labels() if r["kind"] == "failure")
     runner = CliRunner()
     out = runner.invoke(app, ["backtest", "--trace", str(trace), "--labels", str(labels), "--json",
@@ -120,13 +127,8 @@ def test_backtest_rules_only_leaves_the_model_out(tmp_path) -> None:
     from typer.testing import CliRunner
 
     from fleetwise.cli import app
-    from fleetwise.sim import FleetSimulator, SimConfig, write_labels, write_trace
 
-    config = SimConfig(gpus="h100-sxm:16", days=1.0, seed=3, failure_rate_per_1000_gpu_days=400.0)
-    sim = FleetSimulator(config)
-    trace, labels = tmp_path / "t.jsonl.gz", tmp_path / "l.jsonl"
-    write_trace(sim, trace)
-    write_labels(sim, labels)
+    trace, labels, _ = _simulated_trace(tmp_path, days=1.0, seed=3, rate=400.0)
     runner = CliRunner()
     base = ["backtest", "--trace", str(trace), "--labels", str(labels), "--json"]
 

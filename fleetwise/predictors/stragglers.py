@@ -161,7 +161,7 @@ class StragglerConfig:
     # judged step groups without it for more than `rejoin_groups` of its step intervals (a
     # checkpoint or an evaluation pauses every rank alike: that is no rejoin). Chosen a priori
     # (a few steps of warm-up); checked on an independent step generator's rank restarts
-    # (docs/benchmarks.md, "An independent generator").
+    # (docs/benchmarks.md, "Generators written apart from the simulator").
     rejoin_records: int = 5
     rejoin_groups: float = 3.0
     base_alpha: float = 0.005  # per healthy record, how far the own baseline follows the rank
