@@ -170,6 +170,12 @@ class StragglerConfig:
     dtype: str = "bf16"
 
 
+def _rejoined(cfg: StragglerConfig, job: _JobState, rs: _RankState) -> bool:
+    """The job judged step groups without this rank for more than `rejoin_groups` of its step
+    intervals: the rank restarted (a pause of every rank is no rejoin)."""
+    return bool(job.interval) and job.group_ts - rs.ts > cfg.rejoin_groups * job.interval
+
+
 def _slack_floor(cfg: StragglerConfig, interval: float | None) -> float:
     """The CUSUM slack floor for a job whose step groups come every ``interval`` seconds."""
     if interval is None:
@@ -465,7 +471,7 @@ class StragglerDetector:
                 rs = ranks[rank] = _RankState.new(row, self._keep_recent)
                 if job.group_ts is not None:  # a rank joining a running job warms up
                     rs.warm = cfg.rejoin_records
-            elif job.interval and job.group_ts - rs.ts > cfg.rejoin_groups * job.interval:
+            elif _rejoined(cfg, job, rs):
                 # The job went on without this rank: it restarted. Its evidence from before
                 # the gap (CUSUM, last deficit) says nothing about the process now running.
                 rs.warm, rs.cusum, rs.deficit = cfg.rejoin_records, 0.0, None
@@ -712,7 +718,7 @@ class StragglerDetector:
         if (n_ranks < cfg.min_ranks or not all(caps) or job.jobwide.get("basis", "cap") != "cap"
                 or any(rs.noise is None or rs.deficit is None or rs.warm for rs in states)):
             return 0
-        if job.interval and any(job.group_ts - rs.ts > cfg.rejoin_groups * job.interval for rs in states):
+        if any(_rejoined(cfg, job, rs) for rs in states):
             return 0  # a rank rejoins: one by one starts its warm-up
         gpu_models = self._gpu_models
         if gpu_models and any(gpu_models.get((rs.node, rs.gpu), rs.model) != rs.model for rs in states):
