@@ -18,7 +18,7 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4" (shifted and far members, two 512-GPU x 21-day traces each):
+"judge3", "judge4", "judge5" (shifted and far members, two 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -260,6 +260,16 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-19", "", 10, 19, 40, 300, "far"),
         TraceSpec("far-20", "", 10, 20, 40, 300, "far"),
         TraceSpec("far-21", "h200:192,b200:128,b100:128,v100-sxm2-32gb:64", 21, 21, 9, 300, "far"),
+    ],
+    # Drawn (2026-12-05, nineteenth session) before anything ran on them: the judgement of the
+    # model trained with a second independent generator's traces, and of the default beside it.
+    "judge5": [
+        TraceSpec("shifted-31", "", 10, 31, 40, 300, "shifted"),
+        TraceSpec("shifted-32", "", 10, 32, 40, 300, "shifted"),
+        TraceSpec("shifted-33", "b200:192,h100-sxm:128,h20:128,v100-sxm2-32gb:64", 21, 33, 9, 300, "shifted"),
+        TraceSpec("far-22", "", 10, 22, 40, 300, "far"),
+        TraceSpec("far-23", "", 10, 23, 40, 300, "far"),
+        TraceSpec("far-24", "b300:192,h200:128,b100:128,a100-sxm-80gb:64", 21, 24, 9, 300, "far"),
     ],
 }
 

@@ -538,13 +538,18 @@ def ramped(records: list[dict], rank: int, start_s: float, ramp_s: float, speed:
     return out
 
 
-def test_simulated_stragglers_are_found_without_model_in_the_step_records():
+@pytest.fixture(scope="module")
+def simulated_day():
     from fleetwise.sim import FleetSimulator, SimConfig
 
     sim = FleetSimulator(SimConfig(gpus="h100-sxm:32,a100-sxm-80gb:32,b200:16", days=1.0, seed=41,
                                    straggler_rate_per_1000_gpu_days=400.0,
                                    job_slowdown_rate_per_1000_job_hours=60.0))
-    steps = [s for tick in sim.ticks() for s in tick.steps]
+    return sim, [s for tick in sim.ticks() for s in tick.steps]
+
+
+def test_simulated_stragglers_are_found_without_model_in_the_step_records(simulated_day):
+    sim, steps = simulated_day
     hours = sum(max(s["ts"] for s in steps if s["job"] == j) - min(s["ts"] for s in steps if s["job"] == j)
                 for j in {s["job"] for s in steps}) / 3600.0
     det = StragglerDetector()
@@ -556,6 +561,19 @@ def test_simulated_stragglers_are_found_without_model_in_the_step_records():
     assert score["false_flags"] <= hours / 16.0  # <= 1 false episode per 16 job-hours
     assert any(p.reason == "slower than its own history and its alike ranks (GPU model unknown)"
                for p in rank_alerts(out))
+
+
+def test_the_rejoin_warm_up_changes_nothing_where_no_rank_restarts(simulated_day):
+    # The simulator's jobs keep every rank from start to end (checkpoint pauses included): the
+    # warm-up must not engage, so the outputs equal a detector's without it, record for record.
+    _, steps = simulated_day
+    outputs = []
+    for cfg in (StragglerConfig(), StragglerConfig(rejoin_records=0)):
+        det = StragglerDetector(config=cfg)
+        outputs.append([json.loads(o.to_json_bytes()) for o in det.process(steps) + det.flush()])
+    assert len(outputs[0]) > 1000
+    assert sum(1 for o in outputs[0] if o.get("alert") and o.get("rank") is not None) >= 20  # found
+    assert outputs[0] == outputs[1]
 
 
 def test_a_job_whose_ranks_are_all_unknown_still_finds_its_straggler():
