@@ -7,13 +7,17 @@ and the shared data, not the simulator or the predictors, so their precursor sha
 traps are their own. `bench/blind_fleet.py` is a second GPU-telemetry generator by a third
 author who read neither the simulator nor `independent_fleet.py` (2-minute scrapes on each
 node's own clock, two sites, other models, classes and traps); no model or threshold was ever
-fitted or chosen on it. This script generates seeded traces of them and scores the shipped
+fitted or chosen on it. `bench/liquid_fleet.py` is a third, by a fourth author who read none
+of the others (a liquid-cooled Hopper/Blackwell fleet: coolant rows, GB200 trays, rollout
+waves, its own classes and traps). This script generates seeded traces of them and scores the shipped
 failure model and straggler detector on them with `fleetwise backtest --json` (the operator's
 command), pooled over the seeds:
 
     .venv/bin/python bench/independent_eval.py --fleet-seeds 10 11 12 13 --step-seeds 10 11 12 13
     .venv/bin/python bench/independent_eval.py --blind-seeds 0 1 2 3 --fleet-seeds --step-seeds
     .venv/bin/python bench/independent_eval.py --fleet-seeds 0 1 --model-dir /tmp/candidate --rules-only
+    .venv/bin/python bench/independent_eval.py --liquid-seeds 10 11 12 13 --fleet-seeds --blind-seeds \
+        --step-seeds
 
 Seeds 0-3 of both generators were looked at while changing the detectors (the development
 seeds); seeds 10 and up were run once per change, after it (docs/benchmarks.md, "Generators
@@ -34,11 +38,13 @@ FLEETWISE = [sys.executable, "-m", "fleetwise.cli"]
 BUCKETS = ("recall_long_precursor_12h", "recall_with_precursor_30min", "recall_all_30min")
 
 
-SCRIPTS = {"fleet": "independent_fleet.py", "steps": "independent_steps.py", "blind": "blind_fleet.py"}
+SCRIPTS = {"fleet": "independent_fleet.py", "steps": "independent_steps.py", "blind": "blind_fleet.py",
+           "liquid": "liquid_fleet.py"}
+INTERVAL_S = {"fleet": 300, "blind": 120, "liquid": 120}  # each fleet generator's scrape interval here
 
 
 def generate(kind: str, seed: int, cache: Path, **options: Any) -> Path:
-    """The seeded trace of `kind` ('fleet', 'steps' or 'blind') under `cache` (generated once)."""
+    """The seeded trace of `kind` (a key of SCRIPTS) under `cache` (generated once)."""
     out = cache / f"{kind}-{seed}" / "-".join(f"{k}{v}" for k, v in sorted(options.items()))
     if not (out / "labels.jsonl").exists():
         args = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
@@ -60,7 +66,7 @@ def fleet_rows(kind: str, seeds: list[int], cache: Path, extra: list[str], gpus:
     pooled: dict[str, Any] = {"gpu_days": 0.0, "failures": 0, "true": 0, "false": 0, "hot": 0,
                               "hot_flagged": 0, **{b: [0, 0] for b in BUCKETS}}
     for seed in seeds:
-        d = generate(kind, seed, cache, gpus=gpus, days=days, interval=300 if kind == "fleet" else 120,
+        d = generate(kind, seed, cache, gpus=gpus, days=days, interval=INTERVAL_S[kind],
                      failures_per_1000_gpu_days=rate)
         f = backtest(d, extra)["failure"]
         pooled["gpu_days"] += f["gpu_days"]
@@ -103,6 +109,7 @@ def main() -> None:
     ap.add_argument("--fleet-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
     ap.add_argument("--step-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
     ap.add_argument("--blind-seeds", type=int, nargs="*", default=[0, 1, 2, 3])
+    ap.add_argument("--liquid-seeds", type=int, nargs="*", default=[])
     ap.add_argument("--gpus", type=int, default=256)
     ap.add_argument("--days", type=float, default=14.0)
     ap.add_argument("--failure-rate", type=float, default=30.0, help="per 1,000 GPU-days")
@@ -114,7 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     extra = (["--model-dir", str(args.model_dir)] if args.model_dir else []) + (
         ["--policy", args.policy] if args.policy else []) + (["--rules-only"] if args.rules_only else [])
-    for kind, seeds in (("fleet", args.fleet_seeds), ("blind", args.blind_seeds)):
+    for kind, seeds in (("fleet", args.fleet_seeds), ("blind", args.blind_seeds),
+                        ("liquid", args.liquid_seeds)):
         if not seeds:
             continue
         p = fleet_rows(kind, seeds, args.cache, extra, args.gpus, args.days, args.failure_rate)
