@@ -9,18 +9,23 @@ author who read neither the simulator nor `independent_fleet.py` (2-minute scrap
 node's own clock, two sites, other models, classes and traps); no model or threshold was ever
 fitted or chosen on it. `bench/liquid_fleet.py` is a third, by a fourth author who read none
 of the others (a liquid-cooled Hopper/Blackwell fleet: coolant rows, GB200 trays, rollout
-waves, its own classes and traps). This script generates seeded traces of them and scores the shipped
-failure model and straggler detector on them with `fleetwise backtest --json` (the operator's
-command), pooled over the seeds:
+waves, its own classes and traps), and `bench/cloud_fleet.py` a fourth, by a fifth (a
+public-cloud region: tenants come and go, driver reloads reset counters, halls scraped at
+different intervals, chiller trips); no model was trained or tuned on it. This script
+generates seeded traces of them and scores the shipped failure model and straggler detector on
+them with `fleetwise backtest --json` (the operator's command), pooled over the seeds:
 
     .venv/bin/python bench/independent_eval.py --fleet-seeds 10 11 12 13 --step-seeds 10 11 12 13
     .venv/bin/python bench/independent_eval.py --blind-seeds 0 1 2 3 --fleet-seeds --step-seeds
     .venv/bin/python bench/independent_eval.py --fleet-seeds 0 1 --model-dir /tmp/candidate --rules-only
     .venv/bin/python bench/independent_eval.py --liquid-seeds 10 11 12 13 --fleet-seeds --blind-seeds \
         --step-seeds
+    .venv/bin/python bench/independent_eval.py --cloud-seeds 0 1 2 3 --fleet-seeds --blind-seeds \
+        --step-seeds
 
-Seeds 0-3 of both generators were looked at while changing the detectors (the development
-seeds); seeds 10 and up were run once per change, after it (docs/benchmarks.md, "Generators
+Seeds 0-3 of gen A (`independent_fleet.py`), gen C (`liquid_fleet.py`) and the step generator
+were looked at while changing the detectors or trained on (the development seeds); seeds 10 and
+up were run once per change, after it (docs/benchmarks.md, "Generators
 written apart from the simulator").
 """
 
@@ -39,8 +44,8 @@ BUCKETS = ("recall_long_precursor_12h", "recall_with_precursor_30min", "recall_a
 
 
 SCRIPTS = {"fleet": "independent_fleet.py", "steps": "independent_steps.py", "blind": "blind_fleet.py",
-           "liquid": "liquid_fleet.py"}
-INTERVAL_S = {"fleet": 300, "blind": 120, "liquid": 120}  # each fleet generator's scrape interval here
+           "liquid": "liquid_fleet.py", "cloud": "cloud_fleet.py"}
+INTERVAL_S = {"fleet": 300, "blind": 120, "liquid": 120, "cloud": 120}  # each generator's scrape interval
 
 
 def generate(kind: str, seed: int, cache: Path, **options: Any) -> Path:
@@ -110,6 +115,7 @@ def main() -> None:
     ap.add_argument("--step-seeds", type=int, nargs="*", default=[10, 11, 12, 13])
     ap.add_argument("--blind-seeds", type=int, nargs="*", default=[0, 1, 2, 3])
     ap.add_argument("--liquid-seeds", type=int, nargs="*", default=[])
+    ap.add_argument("--cloud-seeds", type=int, nargs="*", default=[])
     ap.add_argument("--gpus", type=int, default=256)
     ap.add_argument("--days", type=float, default=14.0)
     ap.add_argument("--failure-rate", type=float, default=30.0, help="per 1,000 GPU-days")
@@ -122,7 +128,7 @@ def main() -> None:
     extra = (["--model-dir", str(args.model_dir)] if args.model_dir else []) + (
         ["--policy", args.policy] if args.policy else []) + (["--rules-only"] if args.rules_only else [])
     for kind, seeds in (("fleet", args.fleet_seeds), ("blind", args.blind_seeds),
-                        ("liquid", args.liquid_seeds)):
+                        ("liquid", args.liquid_seeds), ("cloud", args.cloud_seeds)):
         if not seeds:
             continue
         p = fleet_rows(kind, seeds, args.cache, extra, args.gpus, args.days, args.failure_rate)

@@ -1,5 +1,5 @@
 """Traces from the generators written apart from the simulator (bench/independent_*.py,
-blind_fleet.py, liquid_fleet.py) go through `replay` and `backtest` as any operator's would:
+blind_fleet.py, liquid_fleet.py, cloud_fleet.py) go through `replay` and `backtest` as any operator's would:
 every line read, nothing refused, every labelled failure and straggler scored."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _json(output: str) -> dict:
 
 
 @pytest.mark.parametrize(("generator", "interval_s"), [("independent_fleet", 300.0), ("blind_fleet", 120.0),
-                                                         ("liquid_fleet", 60.0)])
+                                                         ("liquid_fleet", 60.0), ("cloud_fleet", 60.0)])
 def test_an_independent_fleet_trace_replays_and_backtests(tmp_path: Path, generator: str,
                                                            interval_s: float) -> None:
     _bench(generator).generate(tmp_path, seed=5, gpus=24, days=2.0, interval_s=interval_s, failure_rate=150.0)
