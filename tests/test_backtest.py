@@ -280,6 +280,9 @@ def test_a_bad_record_is_a_clear_error_not_a_traceback(tmp_path) -> None:
     cases = [
         ([sample, new_gpu], "GPU sample 2 (n1/1 at ts", "no 'model' field"),
         ([sample, {**sample, "ts": "soon"}], "GPU sample 2", "could not convert string to float"),
+        ([sample, {**sample, "gpu": 1, "model": "NVIDIA A10G"}], "GPU sample 2 (n1/1 at ts",
+         "model: unknown GPU 'NVIDIA A10G': closest known ids: a10, a40, a30 (a site adds a catalog row: "
+         "FLEETWISE_CATALOG_EXTRA"),
         ([sample, {k: v for k, v in step.items() if k != "job"}], "step record 1 (?/0 at ts",
          "no 'job' field"),
     ]

@@ -144,6 +144,11 @@ class UnknownGpuError(KeyError):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def record_reason(self) -> str:
+        """Why a record naming this GPU is refused, and what a site does about it."""
+        return f"model: {self.message} (a site adds a catalog row: FLEETWISE_CATALOG_EXTRA, docs/deploy.md)"
+
 
 class UnsupportedDtypeError(ValueError):
     """A GPU has no hardware support for a dtype (peak 0), or the dtype is unknown."""

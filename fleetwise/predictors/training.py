@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetwise.catalog import UnknownGpuError
 from fleetwise.predictors.failure import MODEL_FEATURES, AlertPolicy, FailureModel
 from fleetwise.predictors.features import FEATURE_NAMES, N_INPUT, GpuFeatureWindows, sample_row
 from fleetwise.schemas import parse_timestamp
@@ -157,6 +158,8 @@ def covered_gpu_days(extent: Mapping[int, tuple[float, float]], hop_s: float) ->
 
 def bad_field(exc: Exception) -> str:
     """What a record lacked or got wrong, from the error reading it."""
+    if isinstance(exc, UnknownGpuError):  # a KeyError too, but of a value, not of a field
+        return exc.record_reason
     return f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
 
 

@@ -173,8 +173,7 @@ class ControlPlane:
             try:
                 lookup(sample.model)
             except UnknownGpuError as exc:
-                reason = (f"model: {exc.args[0] if exc.args else exc} (a site adds a catalog row: "
-                          "FLEETWISE_CATALOG_EXTRA, docs/deploy.md)")
+                reason = exc.record_reason
             return self.dead_letter(source, reason, json.dumps(raw, default=str), sample.ts)
         return sample
 
