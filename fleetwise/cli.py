@@ -893,8 +893,9 @@ def replay(
                                        "Default: each file in turn, line by line."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the model's policy says; the packaged model's: both, the "
-                                             "model's after 6 h at p >= 0.97)."),
+                                             "as the model's policy says; the packaged model's: the rules "
+                                             "alone; --model-alerts adds the model's, after 6 h at p >= "
+                                             "0.97)."),
     trends: Path | None = typer.Option(None, "--trends", help="Also write thermal headroom and "
                                        "utilisation per rack and site, per event-time hour (JSON lines; "
                                        "the report shows them whenever --report is given)."),
@@ -1863,8 +1864,8 @@ def predictor_train(
                                       "--choose-policy`)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Store a policy "
                                              "in which the model raises alerts beside the rules, or the "
-                                             "rules alone (default: both, at --policy or the packaged "
-                                             "thresholds)."),
+                                             "rules alone (default: both with a --policy, else the rules "
+                                             "alone, until a backtest on your fleet shows the model pays)."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
@@ -2157,8 +2158,9 @@ def worker(
                                        help="Operator policy file (YAML)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the model's policy says; the packaged model's: both, the "
-                                             "model's after 6 h at p >= 0.97)."),
+                                             "as the model's policy says; the packaged model's: the rules "
+                                             "alone; --model-alerts adds the model's, after 6 h at p >= "
+                                             "0.97)."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka.
 

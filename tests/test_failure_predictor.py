@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -271,10 +272,11 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
 
 
 def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:
-    """The packaged default: the model raises only after 6 h (36 hops) at p >= hi; an episode of
+    """The packaged hold: the model raises only after 6 h (36 hops) at p >= hi; an episode of
     high risk that ends sooner (a benign burst, a lemon's noisy hours) raises nothing."""
-    pol = AlertPolicy()
-    assert pol.model_alerts and pol.k_raise == pol.k_raise_memory == 36
+    assert not AlertPolicy().model_alerts  # the rules alone by default; the hold, once turned on:
+    pol = replace(AlertPolicy(), model_alerts=True)
+    assert pol.k_raise == pol.k_raise_memory == 36
     burst = [0.99] * 35 + [0.1] * 10
     assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst), len(burst)))
     sustained = [0.1] * 5 + [0.99] * 40

@@ -43,7 +43,8 @@ def predictor() -> FailurePredictor:
 
 def test_replay_raises_after_the_hold(predictor: FailurePredictor) -> None:
     scores, labels = _scores(gpu_days=2.0)
-    m, preds = replay_policy(scores, labels, predictor, AlertPolicy(hi=0.97, k_raise=6, k_raise_memory=6))
+    m, preds = replay_policy(scores, labels, predictor, AlertPolicy(hi=0.97, k_raise=6, k_raise_memory=6,
+                                                                       model_alerts=True))
     raises = sorted((p["node"], p["ts"]) for p in preds if p["alert"])
     # One hour at >= 0.97: the failing GPU 19 h ahead and the burst after an hour of it.
     assert raises == [("n0", T_FAIL - 19 * HOUR), ("n1", 11 * HOUR)]
