@@ -126,11 +126,13 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=8.0, help="of each step trace (4 jobs)")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--policy", default=None, help="'hi,k,k_memory[,hi_memory]' (backtest --policy)")
-    ap.add_argument("--rules-only", action="store_true")
+    ap.add_argument("--rules-only", action="store_true",
+                    help="the rules alone (the packaged default); otherwise the model's alerts too")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-independent"))
     args = ap.parse_args()
     extra = (["--model-dir", str(args.model_dir)] if args.model_dir else []) + (
-        ["--policy", args.policy] if args.policy else []) + (["--rules-only"] if args.rules_only else [])
+        ["--policy", args.policy] if args.policy else []) + (["--rules-only"] if args.rules_only else
+                                                             ["--model-alerts"])
     for kind, seeds in (("fleet", args.fleet_seeds), ("blind", args.blind_seeds),
                         ("liquid", args.liquid_seeds), ("cloud", args.cloud_seeds)):
         if not seeds:
