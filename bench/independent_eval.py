@@ -11,7 +11,8 @@ fitted or chosen on it. `bench/liquid_fleet.py` is a third, by a fourth author w
 of the others (a liquid-cooled Hopper/Blackwell fleet: coolant rows, GB200 trays, rollout
 waves, its own classes and traps), and `bench/cloud_fleet.py` a fourth, by a fifth (a
 public-cloud region: tenants come and go, driver reloads reset counters, halls scraped at
-different intervals, chiller trips); no model was trained or tuned on it. This script
+different intervals, chiller trips), which no model was trained or tuned on (gen C's seeds 0-3
+trained a candidate that was not shipped, model 1.3). This script
 generates seeded traces of them and scores the shipped failure model and straggler detector on
 them with `fleetwise backtest --json` (the operator's command), pooled over the seeds:
 
@@ -25,8 +26,8 @@ them with `fleetwise backtest --json` (the operator's command), pooled over the 
 
 Seeds 0-3 of gen A (`independent_fleet.py`), gen C (`liquid_fleet.py`) and the step generator
 were looked at while changing the detectors or trained on (the development seeds); seeds 10 and
-up were run once per change, after it (docs/benchmarks.md, "Generators
-written apart from the simulator").
+up were run once per change, after it (docs/benchmarks.md, "Generators written apart from the
+simulator"). The model's alerts are scored (`backtest --model-alerts`) unless `--rules-only`.
 """
 
 from __future__ import annotations

@@ -105,10 +105,10 @@ class AlertPolicy:
     # 0.50 (row- and hall-wide heat read as each GPU's own rise; GPUs back from a GSP-hang
     # repair), where the rules alone made none; on the simulator's shifted and far families and
     # the other generator it held (0.11, 0.04) (docs/benchmarks.md, "A third and a fourth
-    # generator"). A fleet it was not built from is the common
-    # case, so, as issue 16 asks, the rules are the default; True (`--model-alerts` on replay /
-    # worker / predictor train, or a `--policy` chosen by `backtest --choose-policy` on your own
-    # fleet) adds the model's alerts. Its probabilities and signals go to the watch list either way.
+    # generator"). A fleet it was not built from is the common case, so, as issue 16 asks, the
+    # rules are the default; True (`--model-alerts` on replay / worker / backtest / predictor
+    # train, or a `--policy` chosen by `backtest --choose-policy` on your own fleet) adds the
+    # model's alerts. Its probabilities and signals go to the watch list either way.
     model_alerts: bool = False
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
 
