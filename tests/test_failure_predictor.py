@@ -210,6 +210,62 @@ def test_policy_replay_with_memory_driven_rows_matches_the_stream() -> None:
     assert raises and any(prob[i] < pol.hi for i in raises)
 
 
+def test_thermal_risk_does_not_raise_while_the_nodes_other_gpus_run_warm_too() -> None:
+    """Heat the node shares (>= shared_heat_peers other GPUs warm) holds back a thermal-driven
+    raise and says why; the GPU's own heat, memory-driven risk and a policy with the check off
+    raise as before."""
+    from fleetwise.predictors.failure import THERMAL_PREFIXES
+
+    assert RISK.startswith(THERMAL_PREFIXES)  # the stub's probability column is a thermal signal
+    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=True)  # shared_heat_peers 2
+    high = [0.9] * 6
+
+    def alerts(peers: list[float], policy: AlertPolicy = pol, extra: dict | None = None) -> list[bool]:
+        out = run(FailurePredictor(stub_model(policy)), high, {"node_warm_peers_1h": peers, **(extra or {})})
+        return alert_series(out, len(high))
+
+    assert alerts([0] * 6) == alerts([1] * 6) == [False, True, True, True, True, True]
+    assert alerts([3] * 6) == [False] * 6
+    # the peers cool at hop 3: the GPU's own heat raises after k_raise hops of it
+    assert alerts([3, 3, 3, 0, 0, 0]) == [False] * 4 + [True, True]
+    assert alerts([3] * 6, replace(pol, shared_heat_peers=0)) == [False, True, True, True, True, True]
+    held = run(FailurePredictor(stub_model(pol)), high, {"node_warm_peers_1h": [3] * 6})
+    assert held and all(p.reason.endswith("heat shared with >= 2 GPUs of the node") for p in held)
+    # memory-driven risk is not thermal: raised with warm peers around it
+    model = stub_model(pol)
+    model.importance = np.zeros(len(MODEL_FEATURES))
+    model.importance[MODEL_FEATURES.index("sbe_vol_1h")] = 1.0
+    out = run(FailurePredictor(model), high, {"node_warm_peers_1h": [3] * 6, "sbe_vol_1h": [50.0] * 6})
+    assert alert_series(out, 6) == [False, True, True, True, True, True]
+
+
+def test_policy_replay_with_shared_heat_matches_the_stream() -> None:
+    """Stored scores (the rows at or above the watch floor, as float32, like HopScores) replayed
+    with `risk_drivers` raise where process_arrays does, warm node peers included."""
+    from fleetwise.predictors.policy_choice import WATCH_FLOOR
+
+    rng = np.random.default_rng(12)
+    n = 900
+    keys = [("n1", i % 3) for i in range(n)]
+    ts = 1764547200.0 + 600.0 * (np.arange(n) // 3 + 1)
+    f = np.zeros((n, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(RISK)] = np.clip(np.cumsum(rng.normal(0, 0.12, n)) % 1.1, 0, 1)
+    f[:, FEATURE_NAMES.index("node_warm_peers_1h")] = np.where((np.arange(n) // 60) % 3 == 0, 2.0, 0.0)
+    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=3, m_clear=3, model_alerts=True)
+    stream, prob = FailurePredictor(stub_model(pol)).process_arrays(keys, ts, f)
+    replayer = FailurePredictor(stub_model(pol))
+    watch = np.flatnonzero(prob >= WATCH_FLOOR)
+    memory, shared = np.zeros(n, bool), np.zeros(n, bool)
+    memory[watch], shared[watch] = replayer.risk_drivers(f[watch].astype(np.float32), prob[watch])
+    rows, states = replayer.advance_policy(keys, ts, prob, memory, [[] for _ in range(n)], shared)
+    replayed = [(keys[i], ts[i], alert) for i, (alert, _, _) in zip(rows, states, strict=True)]
+    assert [((p.node, p.gpu), p.ts, p.alert) for p in stream] == replayed
+    assert shared.any() and any(a for *_, a in replayed)
+    # and the shared heat changed something: without it the stream raises elsewhere
+    unchecked, _ = FailurePredictor(stub_model(replace(pol, shared_heat_peers=0))).process_arrays(keys, ts, f)
+    assert [p.alert for p in unchecked] != [p.alert for p in stream]
+
+
 def test_a_model_stored_before_the_memory_threshold_keeps_its_meaning(tmp_path) -> None:
     """k_raise_memory in older metadata meant hops at hi: loading it sets hi_memory = hi."""
     model = stub_model(AlertPolicy(hi=0.9, k_raise=3, k_raise_memory=12))

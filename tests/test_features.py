@@ -16,6 +16,7 @@ from fleetwise.predictors.features import (
     F_UTIL,
     F_XID,
     FEATURE_NAMES,
+    WARM_RESIDUAL_C,
     GpuFeatureWindows,
 )
 from fleetwise.schemas import GpuSample, NodeBatch
@@ -554,6 +555,71 @@ def test_dropping_other_nodes_slots_keeps_a_nodes_peer_context() -> None:
     got = [o for o in got if o.node == "n1"] + fw.process_dicts(arrivals[cut:]) + fw.flush()
     assert peer_values(got) == peer_values(expected)
     assert any(v["node_nvl_streak_peers_1h"] for v in peer_values(got).values())
+
+
+def heat_trace(seed: int) -> list[dict]:
+    """Two nodes of four GPUs, 60 s samples for 12 h, load varying: from hour 4 every GPU of n1
+    runs 8 C warmer at the same power (heat its row shares), and n2/0 alone does (its own
+    cooling); n2/2's samples of some ticks arrive first."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(720):
+        tick = []
+        for node in ("n1", "n2"):
+            for g in range(4):
+                power = 350.0 + 150.0 * math.sin(i / 37.0 + g) + rng.normal(0, 10)
+                warm = 8.0 if i >= 240 and (node == "n1" or g == 0) else 0.0
+                temp = 30.0 + 45.0 * power / 700.0 + warm + rng.normal(0, 0.5)
+                s = sample(i, gpu=g, **{F_TEMP: temp, F_POWER: power})
+                s["node"] = node
+                tick.append(s)
+        if i % 29 == 3:
+            tick.sort(key=lambda s: (s["node"], s["gpu"]) != ("n2", 2))
+        out += tick
+    return out
+
+
+def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their_power() -> None:
+    fw = windows()
+    got = {(o.node, o.gpu, o.ts): o.values for o in fw.process_dicts(heat_trace(1)) + fw.flush()}
+    before, late = T0 + 4 * 3600.0, T0 + 11 * 3600.0
+    assert all(v["node_warm_peers_1h"] == 0 for (_n, _g, ts), v in got.items() if ts <= before)
+    # the row's heat: each GPU of n1 sees its three peers warm, as does n2's healthy GPUs n2/0
+    assert [got["n1", g, late]["node_warm_peers_1h"] for g in range(4)] == [3, 3, 3, 3]
+    assert [got["n2", g, late]["node_warm_peers_1h"] for g in range(4)] == [0, 1, 1, 1]
+    assert all(got[n, g, late]["temp_residual_6h"] >= WARM_RESIDUAL_C for n, g in (("n1", 1), ("n2", 0)))
+    assert got["n2", 1, late]["temp_residual_6h"] < 1.0
+
+
+def test_node_warm_peers_do_not_depend_on_how_the_samples_were_split() -> None:
+    arrivals = heat_trace(2)
+    results = []
+    for size in (len(arrivals), 1, 7, 250):
+        fw = windows()
+        out = []
+        for k in range(0, len(arrivals), size):
+            out += fw.process_dicts(arrivals[k:k + size])
+        out += fw.flush()
+        results.append(peer_values(out))  # (the gauges' float sums differ in the last bits)
+    assert all(r == results[0] for r in results[1:])
+    assert any(v["node_warm_peers_1h"] for v in results[0].values())
+
+
+def test_state_saved_before_the_warm_peer_column_restores_as_never_warm() -> None:
+    arrivals = heat_trace(3)
+    cut = 8 * 240  # hour 4, a hop boundary: nothing warm yet
+    ref = windows()
+    expected = ref.process_dicts(arrivals) + ref.flush()
+    fw = windows()
+    got = fw.process_dicts(arrivals[:cut])
+    saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
+    for state in saved.values():  # as the code before the warm column saved it
+        state["peer_end"] = state["peer_end"][:-1]
+    restarted = windows()
+    for k, state in saved.items():
+        restarted.restore(k, state)
+    got += restarted.process_dicts(arrivals[cut:]) + restarted.flush()
+    assert [o.values for o in got] == [o.values for o in expected]
 
 
 def test_hops_closed_together_at_a_flush_do_not_count_each_other() -> None:

@@ -4,10 +4,13 @@ in tests/test_operator_retrain.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from fleetwise.predictors.failure import AlertPolicy, FailurePredictor
+from fleetwise.predictors.features import FEATURE_NAMES
 from fleetwise.predictors.policy_choice import (
     HopScores,
     choose_policy,
@@ -49,6 +52,30 @@ def test_replay_raises_after_the_hold(predictor: FailurePredictor) -> None:
     # One hour at >= 0.97: the failing GPU 19 h ahead and the burst after an hour of it.
     assert raises == [("n0", T_FAIL - 19 * HOUR), ("n1", 11 * HOUR)]
     assert (m["true_alerts"], m["false_alerts"]) == (1, 1)
+
+
+def test_replay_holds_back_heat_the_node_shares(predictor: FailurePredictor) -> None:
+    """The burst GPU's watched rows read as thermal risk (its 6 h temperature residual far off
+    the model's healthy baseline, nothing else) with two warm GPUs beside it: the replay does not
+    raise it, as the stream would not; with no warm peer it raises as before."""
+    scores, labels = _scores(gpu_days=2.0)
+    model = predictor.model
+    watch = np.flatnonzero(scores.prob >= 0.2)
+    row = np.zeros(len(FEATURE_NAMES))
+    row[model.cols] = model.baseline_median
+    resid = FEATURE_NAMES.index("temp_residual_6h")
+    row[resid] += 1000.0 * model.baseline_scale[model.feature_names.index("temp_residual_6h")]
+    pol = AlertPolicy(hi=0.97, k_raise=6, k_raise_memory=6, model_alerts=True)
+
+    def raised(warm_peers: float) -> list[tuple[str, float]]:
+        x = np.tile(row, (len(watch), 1))
+        x[:, FEATURE_NAMES.index("node_warm_peers_1h")] = np.where(scores.slots[watch] == 1, warm_peers, 0.0)
+        stored = replace(scores, watch=watch, watch_x=x.astype(np.float32))
+        _, preds = replay_policy(stored, labels, predictor, pol)
+        return sorted((p["node"], p["ts"]) for p in preds if p["alert"])
+
+    assert raised(0.0) == [("n0", T_FAIL - 19 * HOUR), ("n1", 11 * HOUR)]
+    assert raised(2.0) == [("n0", T_FAIL - 19 * HOUR)]
 
 
 def test_choice_keeps_the_budget_then_calls_the_most(predictor: FailurePredictor) -> None:

@@ -21,8 +21,9 @@ Semantics (event time only):
   delta is 0, never negative; resets are counted as a feature.
 - DCGM_FI_DEV_XID_ERRORS holds the last XID, so an event is a change to a new non-zero
   value; events are counted by class.
-- node-peer columns (`node_*`) count the other GPUs of the node with recent link errors, as
-  of the hops closed before this one in arrival order (`_peer_context`).
+- node-peer columns (`node_*`) count the other GPUs of the node with recent link errors, or
+  running warm against their own power fit, as of the hops closed before this one in arrival
+  order (`_peer_context`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ SURPRISE_MAX = 30.0
 PEER_GROUPS = ("nvl", "pcie")
 PEER_WINDOW_S = 3600.0  # a peer counts when its last erring hop ended within this before
 PEER_STREAK_HOPS = 3  # ... and as streaking when that hop ended a run of >= this many
+# Thermal node-peer context: a GPU whose 6 h temperature residual (against its own power fit)
+# is at least this runs warm. Heat a node shares (a coolant excursion in its row, a chiller trip
+# in its hall, a node fan) warms several GPUs of it at once; one GPU's own cooling fault warms
+# it alone. 3 C: healthy GPUs' 6 h residual stays under 1.3 C in 99% of hops and under 3 C in
+# 99.7% on the training family's tuning members (val-dr; docs/benchmarks.md, "Shared heat").
+WARM_RESIDUAL_C = 3.0
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
 # the same mechanism (HBM/GDDR sparing), so the model sees them merged.
 REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
@@ -244,6 +251,7 @@ def _feature_names() -> list[str]:
     names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
     names += ["temp_residual_24h", "temp_residual_cool_24h"]
     names += [f"node_{g}_{kind}_1h" for g in PEER_GROUPS for kind in ("peers", "streak_peers")]
+    names += ["node_warm_peers_1h"]  # other GPUs of the node running warm (WARM_RESIDUAL_C)
     # How hot the GPU would run at full power now (its 6 h temperature-on-power fit at power =
     # TDP, carried over the fit's lag) and how fast that rises (the 6 h fit against the 72 h
     # fit): the thermal headroom's load-independent part and its drift (predictors.trends).
@@ -299,10 +307,11 @@ class GpuFeatureWindows:
         self._job: list[str | None] = []  # job and rank of the GPU's last sample in its hop
         self._rank: list[int | None] = []
         # Node-peer context: each slot's node index, each node's slots, and per node the end of
-        # the latest hop of any of its GPUs with new link errors (which closes need a look).
+        # the latest hop of any of its GPUs with new link errors or running warm (which closes
+        # need a look).
         self._node_index: dict[str, int] = {}
         self._node_slots: list[list[int]] = []
-        self._node_err_end = np.full(16, -np.inf)
+        self._node_mark_end = np.full(16, -np.inf)
         self._cap = 0
         self._grow(capacity)
         self.dropped_late = 0
@@ -334,8 +343,8 @@ class GpuFeatureWindows:
         nid = self._node_index.setdefault(node, len(self._node_index))
         if nid == len(self._node_slots):
             self._node_slots.append([])
-            if nid >= len(self._node_err_end):
-                self._node_err_end = np.r_[self._node_err_end, np.full(len(self._node_err_end), -np.inf)]
+            if nid >= len(self._node_mark_end):
+                self._node_mark_end = np.r_[self._node_mark_end, np.full(len(self._node_mark_end), -np.inf)]
         self._node_slots[nid].append(slot)
         self.node_of[slot] = nid
 
@@ -451,7 +460,7 @@ class GpuFeatureWindows:
     def restore(self, key: str, state: dict) -> None:
         slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
         for name in STATE_ARRAYS:
-            getattr(self, name)[slot] = _from_json(state[name])
+            getattr(self, name)[slot] = _fit_state(name, _from_json(state[name]))
         self._note_node_errors([slot])
 
     def forget(self, key: str) -> None:
@@ -482,15 +491,15 @@ class GpuFeatureWindows:
                 f"feature state arrays {sorted(arrays)} differ from this code's {sorted(STATE_ARRAYS)}")
         slots = [self._restore_slot(k, m, j, r) for k, m, (j, r) in zip(keys, metas, job_ranks, strict=True)]
         for name in STATE_ARRAYS:
-            getattr(self, name)[slots] = arrays[name]
+            getattr(self, name)[slots] = _fit_state(name, arrays[name])
         self._note_node_errors(slots)
 
     def _note_node_errors(self, slots: Sequence[int]) -> None:
-        """Restored slots' latest erring hops into their nodes' (a superset is harmless: it
+        """Restored slots' latest marked hops into their nodes' (a superset is harmless: it
         only decides which closes are looked at)."""
         if len(slots):
             idx = np.asarray(slots, dtype=np.int64)
-            np.maximum.at(self._node_err_end, self.node_of[idx], self.peer_end[idx].max(axis=1))
+            np.maximum.at(self._node_mark_end, self.node_of[idx], self.peer_end[idx].max(axis=1))
 
     def _restore_slot(self, key: str, meta: dict, job: str | None, rank: int | None) -> int:
         slot = self._slot.get(key)
@@ -525,7 +534,7 @@ class GpuFeatureWindows:
         self._slot = {f"{m['node']}/{m['gpu']}": i for i, m in enumerate(self._meta)}
         self._slot_by_gpu = {(m["node"], m["gpu"]): i for i, m in enumerate(self._meta)}
         self._node_index, self._node_slots = {}, []
-        self._node_err_end = np.full(16, -np.inf)
+        self._node_mark_end = np.full(16, -np.inf)
         self.node_of[:] = -1
         for slot, m in enumerate(self._meta):
             self._join_node(slot, m["node"])
@@ -709,22 +718,24 @@ class GpuFeatureWindows:
     ) -> None:
         """Fill the node-peer columns of closed hops (`slots`, hop `ends`, features `f`, each
         closed by the sample of arrival index `closed_by`; inf: at a flush) and note each
-        hop's link errors for its peers.
+        hop's link errors and warmth for its peers.
 
         A hop sees a peer's hops that were closed before it, in arrival order: a node's samples
         arrive in one order whether replayed or read from its Kafka partition, so the result
         does not depend on how they were split into calls (closes of one call are taken in
-        arrival order, not in the order this code closed them). Only closes on a node with
-        link errors in the last window are looked at; the rest read 0."""
+        arrival order, not in the order this code closed them). Only closes on a node with a
+        marked hop (link errors, warm) in the last window are looked at; the rest read 0."""
         cols = [_FI[f"node_{g}_{kind}_1h"] for kind in ("peers", "streak_peers") for g in PEER_GROUPS]
+        cols.append(_FI["node_warm_peers_1h"])
         f[:, cols] = 0.0
         if len(slots) == 0:
             return
         hops = np.stack([f[:, _FI[f"{g}_streak_h"]] for g in PEER_GROUPS], axis=1) * (3600.0 / self.hop_s)
-        # What each close tells its peers, in `peer_end`'s column order: erring, then streaking.
-        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5], axis=1)
+        # What each close tells its peers, in `peer_end`'s column order: erring, streaking, warm.
+        warm = f[:, _FI["temp_residual_6h"]] >= WARM_RESIDUAL_C  # NaN: not warm
+        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5, warm[:, None]], axis=1)
         nodes = self.node_of[slots]
-        look = self._node_err_end[nodes] >= ends - PEER_WINDOW_S
+        look = self._node_mark_end[nodes] >= ends - PEER_WINDOW_S
         marked = marks.any(axis=1)
         if marked.any():
             look |= np.isin(nodes, nodes[marked])
@@ -767,7 +778,7 @@ class GpuFeatureWindows:
         # What the peers of later closes see of these.
         rows, cols_j = np.nonzero(marks)
         np.maximum.at(self.peer_end, (slots[rows], cols_j), ends[rows])
-        np.maximum.at(self._node_err_end, nodes[rows], ends[rows])
+        np.maximum.at(self._node_mark_end, nodes[rows], ends[rows])
 
     def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
                    job_ranks: Sequence[tuple[str | None, int | None]]) -> None:
@@ -1108,9 +1119,19 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     "last_xid": ((), np.nan), "open_hop": ((), -1.0), "closed_hop": ((), -1.0),
     "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
     # end of the GPU's latest hop with new errors, then of its latest streaking hop, per
-    # PEER_GROUPS group (what its node's peers see of it)
-    "peer_end": ((2 * len(PEER_GROUPS),), -np.inf),
+    # PEER_GROUPS group, then of its latest warm hop (what its node's peers see of it)
+    "peer_end": ((2 * len(PEER_GROUPS) + 1,), -np.inf),
 }
+
+
+def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
+    """A saved state array in this code's width: `peer_end` saved before the warm column
+    (2026-12-05) gains it as never warm, so a worker's checkpoints outlive the upgrade."""
+    width = _FRESH_STATE.get(name, ((),))[0]
+    if name == "peer_end" and value.shape[-1] < width[0]:
+        pad = np.full((*value.shape[:-1], width[0] - value.shape[-1]), _FRESH_STATE[name][1])
+        return np.concatenate([value, pad], axis=-1)
+    return value
 
 
 def _ew_lag_h(age_s: np.ndarray, tau_s: float) -> np.ndarray:

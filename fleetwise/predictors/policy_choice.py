@@ -136,10 +136,12 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
     metrics and the raise / clear predictions (each with the `row` of its hop)."""
     if policy.model_alerts and min(policy.hi, policy.hi_memory) < WATCH_FLOOR:
         raise ValueError(f"a policy replayed over hop scores needs hi >= {WATCH_FLOOR} (got {policy.hi:g})")
+    replayer = FailurePredictor(predictor.model, policy)
     memory = np.zeros(len(scores.prob), dtype=bool)
+    shared_heat = np.zeros(len(scores.prob), dtype=bool)
     if len(scores.watch):
-        wx = scores.watch_x[:, predictor.model.cols].astype(np.float64)
-        memory[scores.watch] = predictor.model.memory_share(wx) >= 0.5
+        memory[scores.watch], shared_heat[scores.watch] = replayer.risk_drivers(
+            scores.watch_x, scores.prob[scores.watch])
     # GPUs that never reach hi (or hi_memory) and hit no rule never alert: skip them (same result).
     can = np.zeros(len(scores.keys), dtype=bool)
     can[scores.slots[(scores.prob >= min(policy.hi, policy.hi_memory)) | (scores.rules > 0)]] = True
@@ -147,8 +149,8 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
     rows = rows[np.lexsort((scores.ts[rows], scores.slots[rows]))]
     keys = [scores.keys[s] for s in scores.slots[rows].tolist()]
     hits = [rule_names_of(b) for b in scores.rules[rows].tolist()]
-    emit, states = FailurePredictor(predictor.model, policy).advance_policy(
-        keys, scores.ts[rows], scores.prob[rows], memory[rows], hits)
+    emit, states = replayer.advance_policy(
+        keys, scores.ts[rows], scores.prob[rows], memory[rows], hits, shared_heat[rows])
     preds = []
     for j, (alert, source, was) in zip(emit, states, strict=True):
         if alert != was:  # raises and clears are all an episode needs
