@@ -239,6 +239,32 @@ def test_thermal_risk_does_not_raise_while_the_nodes_other_gpus_run_warm_too() -
     assert alert_series(out, 6) == [False, True, True, True, True, True]
 
 
+def test_single_bit_risk_does_not_raise_while_the_nodes_other_gpus_log_them_too() -> None:
+    """shared_sbe_peers: risk driven by single-bit errors, with that many other GPUs of the node
+    logging them in 6 h, holds back both tiers."""
+    pol = AlertPolicy(hi=0.8, lo=0.3, k_raise=2, hi_memory=0.5, k_raise_memory=2, m_clear=3,
+                      model_alerts=True, shared_sbe_peers=2)
+    model = stub_model(pol)
+    model.importance = np.zeros(len(MODEL_FEATURES))
+    model.importance[MODEL_FEATURES.index("sbe_active_6h")] = 1.0
+
+    def alerts(probs: list[float], peers: list[float], policy: AlertPolicy = pol) -> list[bool]:
+        model.policy = policy
+        extra = {"node_sbe_peers_6h": peers, "sbe_active_6h": [0.5] * len(probs)}
+        out = run(FailurePredictor(model), probs, extra)
+        return alert_series(out, len(probs))
+
+    for probs in ([0.9] * 5, [0.6] * 5):  # the general tier and the memory tier
+        assert alerts(probs, [1] * 5) == [False, True, True, True, True]
+        assert alerts(probs, [2] * 5) == [False] * 5
+        assert alerts(probs, [2, 2, 0, 0, 0]) == [False, False, False, True, True]
+        assert alerts(probs, [2] * 5, replace(pol, shared_sbe_peers=0)) == [False, True, True, True, True]
+    model.policy = pol
+    held = run(FailurePredictor(model), [0.9] * 3, {"node_sbe_peers_6h": [3] * 3, "sbe_active_6h": [0.5] * 3})
+    assert held and all(p.reason.endswith("single-bit errors shared with >= 2 GPUs of the node")
+                        for p in held)
+
+
 def test_policy_replay_with_shared_heat_matches_the_stream() -> None:
     """Stored scores (the rows at or above the watch floor, as float32, like HopScores) replayed
     with `risk_drivers` raise where process_arrays does, warm node peers included."""

@@ -579,6 +579,28 @@ def heat_trace(seed: int) -> list[dict]:
     return out
 
 
+def sbe_trace() -> list[dict]:
+    """Two nodes of four GPUs, 60 s samples for 16 h: GPUs 1-3 of n1 (a cause the node shares)
+    and n2/0 alone log a single-bit error at minutes 200, 320 and 440 (+10 per GPU index); the
+    ticks of some minutes arrive in reverse."""
+    sbe = {(n, g): 0.0 for n in ("n1", "n2") for g in range(4)}
+    out = []
+    for i in range(960):
+        tick = []
+        for node in ("n1", "n2"):
+            for g in range(4):
+                erring = (node == "n1" and g > 0) or (node, g) == ("n2", 0)
+                if erring and i - 10 * g in (200, 320, 440):
+                    sbe[node, g] += 1
+                s = sample(i, gpu=g, **{SBE: sbe[node, g]})
+                s["node"] = node
+                tick.append(s)
+        if i % 31 == 2:
+            tick.reverse()
+        out += tick
+    return out
+
+
 def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their_power() -> None:
     fw = windows()
     got = {(o.node, o.gpu, o.ts): o.values for o in fw.process_dicts(heat_trace(1)) + fw.flush()}
@@ -591,8 +613,10 @@ def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their
     assert got["n2", 1, late]["temp_residual_6h"] < 1.0
 
 
-def test_node_warm_peers_do_not_depend_on_how_the_samples_were_split() -> None:
-    arrivals = heat_trace(2)
+@pytest.mark.parametrize("trace, column", [(lambda: heat_trace(2), "node_warm_peers_1h"),
+                                           (sbe_trace, "node_sbe_peers_6h")])
+def test_node_warm_and_sbe_peers_do_not_depend_on_how_the_samples_were_split(trace, column) -> None:
+    arrivals = trace()
     results = []
     for size in (len(arrivals), 1, 7, 250):
         fw = windows()
@@ -602,10 +626,24 @@ def test_node_warm_peers_do_not_depend_on_how_the_samples_were_split() -> None:
         out += fw.flush()
         results.append(peer_values(out))  # (the gauges' float sums differ in the last bits)
     assert all(r == results[0] for r in results[1:])
-    assert any(v["node_warm_peers_1h"] for v in results[0].values())
+    assert any(v[column] for v in results[0].values())
 
 
-def test_state_saved_before_the_warm_peer_column_restores_as_never_warm() -> None:
+def test_node_sbe_peers_count_the_other_gpus_of_the_node_with_single_bit_errors_in_6_hours() -> None:
+    fw = windows()
+    got = peer_values(fw.process_dicts(sbe_trace()) + fw.flush())
+    h = 3600.0
+    # before the first error (its hop ends at 3.5 h) no GPU has an erring peer
+    assert all(v["node_sbe_peers_6h"] == 0 for (_n, _g, ts), v in got.items() if ts <= T0 + 12000)
+    for ts in (T0 + 9 * h, T0 + 13 * h):  # the last errors' hops end at 7.67, 7.83 and 8 h
+        assert [got["n1", g, ts]["node_sbe_peers_6h"] for g in range(4)] == [3, 2, 2, 2]
+        assert [got["n2", g, ts]["node_sbe_peers_6h"] for g in range(4)] == [0, 1, 1, 1]
+    # 6 h after each peer's last erring hop it no longer counts
+    assert got["n1", 0, T0 + 13 * h + 3000]["node_sbe_peers_6h"] == 2  # n1/1's ended at 7.67 h
+    assert all(v["node_sbe_peers_6h"] == 0 for (_n, _g, ts), v in got.items() if ts > T0 + 14 * h)
+
+
+def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_marked() -> None:
     arrivals = heat_trace(3)
     cut = 8 * 240  # hour 4, a hop boundary: nothing warm yet
     ref = windows()
@@ -613,8 +651,8 @@ def test_state_saved_before_the_warm_peer_column_restores_as_never_warm() -> Non
     fw = windows()
     got = fw.process_dicts(arrivals[:cut])
     saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
-    for state in saved.values():  # as the code before the warm column saved it
-        state["peer_end"] = state["peer_end"][:-1]
+    for state in saved.values():  # as the code before the warm and single-bit columns saved it
+        state["peer_end"] = state["peer_end"][:4]
     restarted = windows()
     for k, state in saved.items():
         restarted.restore(k, state)

@@ -51,8 +51,13 @@ MODEL_FEATURES: list[str] = [
 ]
 # Feature families whose contributions mark a risk as memory-driven (AlertPolicy.hi_memory).
 MEMORY_PREFIXES = ("sbe_", "dbe_", "mem_repair", "xid_mem_", "remap_")
-# ... and as thermal (AlertPolicy.shared_heat_peers): how hot the GPU runs for its power.
+# ... as thermal (AlertPolicy.shared_heat_peers): how hot the GPU runs for its power; and as
+# single-bit driven (AlertPolicy.shared_sbe_peers).
 THERMAL_PREFIXES = ("temp_", "rth_", "mem_minus_gpu_temp", "thermal_duty", "thr_sw_thermal", "thr_hw_thermal")
+SBE_PREFIXES = ("sbe_",)
+# Why a hop's risk is held back (`FailurePredictor.risk_drivers`): the node shares its cause.
+SHARED_NONE, SHARED_HEAT, SHARED_SBE = 0, 1, 2
+_SHARED_REASON = {SHARED_HEAT: "heat", SHARED_SBE: "single-bit errors"}
 _FEATURE_INDEX = {n: i for i, n in enumerate(FEATURE_NAMES)}
 RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
     "remap_failure": "remap_failure",
@@ -100,6 +105,11 @@ class AlertPolicy:
     # warms them all, one GPU's own cooling fault warms it alone. 0: off. Why, and what it
     # costs: docs/benchmarks.md ("Shared heat").
     shared_heat_peers: int = 2
+    # The same for single-bit ECC errors: a hop whose risk is driven by them (sbe_* features
+    # carry >= half of its signal) does not count toward either tier while >= this many other
+    # GPUs of the node logged new ones within 6 h (`node_sbe_peers_6h`). 0: off (the default
+    # until judged: docs/benchmarks.md, "Shared single-bit errors").
+    shared_sbe_peers: int = 0
     rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
@@ -165,6 +175,7 @@ class FailureModel:
         self.cols = np.array([_FEATURE_INDEX[n] for n in self.feature_names], dtype=np.int64)
         self.memory_mask = np.array([n.startswith(MEMORY_PREFIXES) for n in self.feature_names], dtype=bool)
         self.thermal_mask = np.array([n.startswith(THERMAL_PREFIXES) for n in self.feature_names], dtype=bool)
+        self.sbe_mask = np.array([n.startswith(SBE_PREFIXES) for n in self.feature_names], dtype=bool)
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """Calibrated probability of failing within horizon_h, per row of `feature_names`."""
@@ -187,13 +198,13 @@ class FailureModel:
         """Share of each row's contribution that comes from memory-error features."""
         return self.family_shares(x)[0]
 
-    def family_shares(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Shares of each row's contribution from memory-error and from thermal features."""
+    def family_shares(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Shares of each row's contribution from memory-error, thermal and single-bit features."""
         c = self.contributions(x)
         total = c.sum(axis=1)
         denom = np.where(total > 0, total, 1.0)
         return tuple(np.where(total > 0, c[:, mask].sum(axis=1) / denom, 0.0)  # type: ignore[return-value]
-                     for mask in (self.memory_mask, self.thermal_mask))
+                     for mask in (self.memory_mask, self.thermal_mask, self.sbe_mask))
 
     # ---- persistence ----
     def save(self, directory: Path, extra_metadata: dict[str, Any] | None = None) -> tuple[Path, Path]:
@@ -315,41 +326,46 @@ class FailurePredictor:
         prob = self.model.predict_proba(x)
         bits = rule_hits(features)
         rule_hit = [rule_names_of(b) for b in bits.tolist()]
-        memory_driven, shared_heat = self.risk_drivers(features, prob)
-        emit_rows, states = self.advance_policy(keys, ts, prob, memory_driven, rule_hit, shared_heat)
+        memory_driven, shared = self.risk_drivers(features, prob)
+        emit_rows, states = self.advance_policy(keys, ts, prob, memory_driven, rule_hit, shared)
         if not emit_rows:
             return [], prob
-        return self._emit(keys, ts, x, prob, emit_rows, states, rule_hit, job_ranks, shared_heat), prob
+        return self._emit(keys, ts, x, prob, emit_rows, states, rule_hit, job_ranks, shared), prob
 
     def risk_drivers(self, features: np.ndarray, prob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row of a FEATURE_NAMES matrix (or of its rows kept at a watch floor) and its
-        probability: whether its risk is memory-driven (AlertPolicy.hi_memory), and whether it
-        is thermal-driven heat the node shares (AlertPolicy.shared_heat_peers). Only rows that
-        could raise (p >= min(hi, hi_memory)) are looked at; the rest read False."""
+        probability: whether its risk is memory-driven (AlertPolicy.hi_memory), and whether its
+        cause is one the node shares (SHARED_HEAT, SHARED_SBE; AlertPolicy.shared_heat_peers,
+        shared_sbe_peers) or not (SHARED_NONE). Only rows that could raise (p >= min(hi,
+        hi_memory)) are looked at; the rest read False / SHARED_NONE."""
         pol = self.policy
         memory_driven = np.zeros(len(prob), dtype=bool)
-        shared_heat = np.zeros(len(prob), dtype=bool)
+        shared = np.full(len(prob), SHARED_NONE, dtype=np.int8)
         high = np.flatnonzero(prob >= min(pol.hi, pol.hi_memory))
         if len(high):
-            memory, thermal = self.model.family_shares(features[high][:, self.model.cols].astype(np.float64))
+            x = features[high][:, self.model.cols].astype(np.float64)
+            memory, thermal, sbe = self.model.family_shares(x)
             memory_driven[high] = (memory >= 0.5) & (prob[high] >= pol.hi_memory)
-            if pol.shared_heat_peers > 0:
-                warm_peers = np.nan_to_num(features[high, _FEATURE_INDEX["node_warm_peers_1h"]])
-                shared_heat[high] = (thermal >= 0.5) & (warm_peers >= pol.shared_heat_peers)
-        return memory_driven, shared_heat
+            for kind, share, column, peers in (
+                    (SHARED_HEAT, thermal, "node_warm_peers_1h", pol.shared_heat_peers),
+                    (SHARED_SBE, sbe, "node_sbe_peers_6h", pol.shared_sbe_peers)):
+                if peers > 0:
+                    hit = (share >= 0.5) & (np.nan_to_num(features[high, _FEATURE_INDEX[column]]) >= peers)
+                    shared[high[hit]] = kind
+        return memory_driven, shared
 
     def advance_policy(
         self, keys: Sequence[tuple[str, int]], ts: np.ndarray, prob: np.ndarray,
-        memory_driven: np.ndarray, rule_hit: Sequence[Sequence[str]], shared_heat: np.ndarray | None = None,
+        memory_driven: np.ndarray, rule_hit: Sequence[Sequence[str]], shared: np.ndarray | None = None,
     ) -> tuple[list[int], list[tuple[bool, str, bool]]]:
-        """Advance the alert policy over scored rows (event-time order per GPU); `shared_heat`
-        rows (`risk_drivers`) do not count toward raising.
+        """Advance the alert policy over scored rows (event-time order per GPU); rows whose cause
+        the node shares (`shared` != SHARED_NONE, from `risk_drivers`) do not count toward raising.
 
         Returns the rows to emit and, per emitted row, (alert, source, was alerting before).
         Public so a policy sweep can replay stored probabilities without the features."""
         pol = self.policy
-        if shared_heat is None:
-            shared_heat = np.zeros(len(keys), dtype=bool)
+        if shared is None:
+            shared = np.zeros(len(keys), dtype=np.int8)
         emit_rows: list[int] = []
         states: list[tuple[bool, str, bool]] = []
         for i, (node, gpu) in enumerate(keys):
@@ -359,8 +375,9 @@ class FailurePredictor:
                 st = self._gpu[key] = _GpuAlert()
             p = prob[i]
             was = st.alerting
-            st.high = st.high + 1 if (p >= pol.hi and not shared_heat[i]) else 0
-            st.high_memory = st.high_memory + 1 if (memory_driven[i] and p >= pol.hi_memory) else 0
+            own = shared[i] == SHARED_NONE
+            st.high = st.high + 1 if (p >= pol.hi and own) else 0
+            st.high_memory = st.high_memory + 1 if (memory_driven[i] and p >= pol.hi_memory and own) else 0
             st.low = st.low + 1 if p < pol.lo else 0
             if rule_hit[i]:
                 st.rule_left = pol.rule_hold_hops
@@ -390,7 +407,7 @@ class FailurePredictor:
     def _emit(
         self, keys: Sequence[tuple[str, int]], ts: np.ndarray, x: np.ndarray, prob: np.ndarray,
         emit_rows: list[int], states: list[tuple[bool, str, bool]], rule_hit: Sequence[Sequence[str]],
-        job_ranks: Sequence[tuple[str | None, int | None]] | None, shared_heat: np.ndarray,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None, shared: np.ndarray,
     ) -> list[Prediction]:
         """Predictions for the emitted rows: lead time, top signals, job and rank."""
         rows = np.array(emit_rows)
@@ -411,8 +428,10 @@ class FailurePredictor:
             for name in rule_hit[i]:
                 signals.append(Signal(name=f"rule:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
-            if shared_heat[i] and not alert:
-                reason += f": heat shared with >= {self.policy.shared_heat_peers} GPUs of the node"
+            if shared[i] != SHARED_NONE and not alert:
+                pol = self.policy
+                peers = pol.shared_heat_peers if shared[i] == SHARED_HEAT else pol.shared_sbe_peers
+                reason += f": {_SHARED_REASON[int(shared[i])]} shared with >= {peers} GPUs of the node"
             out.append(Prediction(
                 id=f"failure:{node}/{gpu}:{int(ts[i])}", type="failure", ts=float(ts[i]),
                 node=node, gpu=int(gpu), job=job, rank=rank,

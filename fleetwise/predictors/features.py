@@ -21,9 +21,9 @@ Semantics (event time only):
   delta is 0, never negative; resets are counted as a feature.
 - DCGM_FI_DEV_XID_ERRORS holds the last XID, so an event is a change to a new non-zero
   value; events are counted by class.
-- node-peer columns (`node_*`) count the other GPUs of the node with recent link errors, or
-  running warm against their own power fit, as of the hops closed before this one in arrival
-  order (`_peer_context`).
+- node-peer columns (`node_*`) count the other GPUs of the node with recent link errors or
+  single-bit ECC errors, or running warm against their own power fit, as of the hops closed
+  before this one in arrival order (`_peer_context`).
 """
 
 from __future__ import annotations
@@ -139,6 +139,16 @@ PEER_STREAK_HOPS = 3  # ... and as streaking when that hop ended a run of >= thi
 # it alone. 3 C: healthy GPUs' 6 h residual stays under 1.3 C in 99% of hops and under 3 C in
 # 99.7% on the training family's tuning members (val-dr; docs/benchmarks.md, "Shared heat").
 WARM_RESIDUAL_C = 3.0
+# Memory node-peer context: other GPUs of the node with new single-bit ECC errors in the last
+# 6 h (the window of the GPU's own recent SBE rate, `sbe_accel`, `sbe_active_6h`). One GPU's
+# HBM degrading errs alone; a cause the node shares (heat, power, a host event) raises several.
+PEER_SBE_WINDOW_S = 6 * 3600.0
+# The node-peer columns in `peer_end`'s column order (what each close marks: erring and
+# streaking per PEER_GROUPS group, warm, erring single-bit), and how long a mark counts.
+PEER_COLUMNS = (
+    *(f"node_{g}_peers_1h" for g in PEER_GROUPS), *(f"node_{g}_streak_peers_1h" for g in PEER_GROUPS),
+    "node_warm_peers_1h", "node_sbe_peers_6h")
+PEER_WINDOWS_S = np.array([PEER_WINDOW_S] * (len(PEER_COLUMNS) - 1) + [PEER_SBE_WINDOW_S])
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
 # the same mechanism (HBM/GDDR sparing), so the model sees them merged.
 REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
@@ -251,7 +261,7 @@ def _feature_names() -> list[str]:
     names += ["mem_repairs_6h", "mem_repairs_24h", "mem_repairs_7d", "mem_repair_pending"]
     names += ["temp_residual_24h", "temp_residual_cool_24h"]
     names += [f"node_{g}_{kind}_1h" for g in PEER_GROUPS for kind in ("peers", "streak_peers")]
-    names += ["node_warm_peers_1h"]  # other GPUs of the node running warm (WARM_RESIDUAL_C)
+    names += ["node_warm_peers_1h", "node_sbe_peers_6h"]  # running warm; erring single-bit
     # How hot the GPU would run at full power now (its 6 h temperature-on-power fit at power =
     # TDP, carried over the fit's lag) and how fast that rises (the 6 h fit against the 72 h
     # fit): the thermal headroom's load-independent part and its drift (predictors.trends).
@@ -306,12 +316,12 @@ class GpuFeatureWindows:
         self._meta: list[dict[str, Any]] = []  # node, gpu, model id, rack, site per slot
         self._job: list[str | None] = []  # job and rank of the GPU's last sample in its hop
         self._rank: list[int | None] = []
-        # Node-peer context: each slot's node index, each node's slots, and per node the end of
-        # the latest hop of any of its GPUs with new link errors or running warm (which closes
-        # need a look).
+        # Node-peer context: each slot's node index, each node's slots, and per node and
+        # PEER_COLUMNS mark the end of the latest hop of any of its GPUs so marked (which
+        # closes need a look).
         self._node_index: dict[str, int] = {}
         self._node_slots: list[list[int]] = []
-        self._node_mark_end = np.full(16, -np.inf)
+        self._node_mark_end = np.full((16, len(PEER_COLUMNS)), -np.inf)
         self._cap = 0
         self._grow(capacity)
         self.dropped_late = 0
@@ -344,7 +354,8 @@ class GpuFeatureWindows:
         if nid == len(self._node_slots):
             self._node_slots.append([])
             if nid >= len(self._node_mark_end):
-                self._node_mark_end = np.r_[self._node_mark_end, np.full(len(self._node_mark_end), -np.inf)]
+                grown = np.full_like(self._node_mark_end, -np.inf)
+                self._node_mark_end = np.vstack([self._node_mark_end, grown])
         self._node_slots[nid].append(slot)
         self.node_of[slot] = nid
 
@@ -499,7 +510,7 @@ class GpuFeatureWindows:
         only decides which closes are looked at)."""
         if len(slots):
             idx = np.asarray(slots, dtype=np.int64)
-            np.maximum.at(self._node_mark_end, self.node_of[idx], self.peer_end[idx].max(axis=1))
+            np.maximum.at(self._node_mark_end, self.node_of[idx], self.peer_end[idx])
 
     def _restore_slot(self, key: str, meta: dict, job: str | None, rank: int | None) -> int:
         slot = self._slot.get(key)
@@ -534,7 +545,7 @@ class GpuFeatureWindows:
         self._slot = {f"{m['node']}/{m['gpu']}": i for i, m in enumerate(self._meta)}
         self._slot_by_gpu = {(m["node"], m["gpu"]): i for i, m in enumerate(self._meta)}
         self._node_index, self._node_slots = {}, []
-        self._node_mark_end = np.full(16, -np.inf)
+        self._node_mark_end = np.full((16, len(PEER_COLUMNS)), -np.inf)
         self.node_of[:] = -1
         for slot, m in enumerate(self._meta):
             self._join_node(slot, m["node"])
@@ -718,24 +729,25 @@ class GpuFeatureWindows:
     ) -> None:
         """Fill the node-peer columns of closed hops (`slots`, hop `ends`, features `f`, each
         closed by the sample of arrival index `closed_by`; inf: at a flush) and note each
-        hop's link errors and warmth for its peers.
+        hop's marks (link and single-bit errors, warmth) for its peers.
 
         A hop sees a peer's hops that were closed before it, in arrival order: a node's samples
         arrive in one order whether replayed or read from its Kafka partition, so the result
         does not depend on how they were split into calls (closes of one call are taken in
         arrival order, not in the order this code closed them). Only closes on a node with a
-        marked hop (link errors, warm) in the last window are looked at; the rest read 0."""
-        cols = [_FI[f"node_{g}_{kind}_1h"] for kind in ("peers", "streak_peers") for g in PEER_GROUPS]
-        cols.append(_FI["node_warm_peers_1h"])
+        marked hop in its column's window are looked at; the rest read 0."""
+        cols = [_FI[c] for c in PEER_COLUMNS]
         f[:, cols] = 0.0
         if len(slots) == 0:
             return
         hops = np.stack([f[:, _FI[f"{g}_streak_h"]] for g in PEER_GROUPS], axis=1) * (3600.0 / self.hop_s)
-        # What each close tells its peers, in `peer_end`'s column order: erring, streaking, warm.
+        # What each close tells its peers, in PEER_COLUMNS order.
         warm = f[:, _FI["temp_residual_6h"]] >= WARM_RESIDUAL_C  # NaN: not warm
-        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5, warm[:, None]], axis=1)
+        sbe = f[:, _FI["sbe_streak_h"]] > 0  # new single-bit errors in this hop
+        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5, warm[:, None], sbe[:, None]],
+                               axis=1)
         nodes = self.node_of[slots]
-        look = self._node_mark_end[nodes] >= ends - PEER_WINDOW_S
+        look = (self._node_mark_end[nodes] >= ends[:, None] - PEER_WINDOWS_S).any(axis=1)
         marked = marks.any(axis=1)
         if marked.any():
             look |= np.isin(nodes, nodes[marked])
@@ -771,14 +783,14 @@ class GpuFeatureWindows:
             hit = q >= 0
             hit[hit] = slots[rows[q[hit]]] == pair_p[hit]
             latest[hit, j] = np.maximum(latest[hit, j], ends[rows[q[hit]]])
-        recent = latest >= (ends[pair_c] - PEER_WINDOW_S)[:, None]
+        recent = latest >= ends[pair_c][:, None] - PEER_WINDOWS_S
         counts = np.zeros((len(slots), marks.shape[1]))
         np.add.at(counts, pair_c, recent.astype(np.float64))
         f[idx[:, None], cols] = counts[idx]
         # What the peers of later closes see of these.
         rows, cols_j = np.nonzero(marks)
         np.maximum.at(self.peer_end, (slots[rows], cols_j), ends[rows])
-        np.maximum.at(self._node_mark_end, nodes[rows], ends[rows])
+        np.maximum.at(self._node_mark_end, (nodes[rows], cols_j), ends[rows])
 
     def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
                    job_ranks: Sequence[tuple[str | None, int | None]]) -> None:
@@ -1118,15 +1130,14 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER,), np.nan),
     "last_xid": ((), np.nan), "open_hop": ((), -1.0), "closed_hop": ((), -1.0),
     "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
-    # end of the GPU's latest hop with new errors, then of its latest streaking hop, per
-    # PEER_GROUPS group, then of its latest warm hop (what its node's peers see of it)
-    "peer_end": ((2 * len(PEER_GROUPS) + 1,), -np.inf),
+    # end of the GPU's latest hop with each PEER_COLUMNS mark (what its node's peers see of it)
+    "peer_end": ((len(PEER_COLUMNS),), -np.inf),
 }
 
 
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
-    """A saved state array in this code's width: `peer_end` saved before the warm column
-    (2026-12-05) gains it as never warm, so a worker's checkpoints outlive the upgrade."""
+    """A saved state array in this code's width: `peer_end` saved before the warm and single-bit
+    columns (2026-12-05) gains them as never marked, so a worker's checkpoints outlive the upgrade."""
     width = _FRESH_STATE.get(name, ((),))[0]
     if name == "peer_end" and value.shape[-1] < width[0]:
         pad = np.full((*value.shape[:-1], width[0] - value.shape[-1]), _FRESH_STATE[name][1])

@@ -138,9 +138,9 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
         raise ValueError(f"a policy replayed over hop scores needs hi >= {WATCH_FLOOR} (got {policy.hi:g})")
     replayer = FailurePredictor(predictor.model, policy)
     memory = np.zeros(len(scores.prob), dtype=bool)
-    shared_heat = np.zeros(len(scores.prob), dtype=bool)
+    shared = np.zeros(len(scores.prob), dtype=np.int8)
     if len(scores.watch):
-        memory[scores.watch], shared_heat[scores.watch] = replayer.risk_drivers(
+        memory[scores.watch], shared[scores.watch] = replayer.risk_drivers(
             scores.watch_x, scores.prob[scores.watch])
     # GPUs that never reach hi (or hi_memory) and hit no rule never alert: skip them (same result).
     can = np.zeros(len(scores.keys), dtype=bool)
@@ -150,7 +150,7 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
     keys = [scores.keys[s] for s in scores.slots[rows].tolist()]
     hits = [rule_names_of(b) for b in scores.rules[rows].tolist()]
     emit, states = replayer.advance_policy(
-        keys, scores.ts[rows], scores.prob[rows], memory[rows], hits, shared_heat[rows])
+        keys, scores.ts[rows], scores.prob[rows], memory[rows], hits, shared[rows])
     preds = []
     for j, (alert, source, was) in zip(emit, states, strict=True):
         if alert != was:  # raises and clears are all an episode needs
