@@ -18,7 +18,7 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5" (shifted and far members, two 512-GPU x 21-day traces each):
+"judge3", "judge4", "judge5", "judge6" (shifted and far members, two 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -270,6 +270,16 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-22", "", 10, 22, 40, 300, "far"),
         TraceSpec("far-23", "", 10, 23, 40, 300, "far"),
         TraceSpec("far-24", "b300:192,h200:128,b100:128,a100-sxm-80gb:64", 21, 24, 9, 300, "far"),
+    ],
+    # Drawn (2026-12-05, twentieth session) after judge5 had judged the single-bit node-peer hold
+    # once (rule 2 in docs/benchmarks.md, "Shared single-bit errors"), before anything ran on them.
+    "judge6": [
+        TraceSpec("shifted-34", "", 10, 34, 40, 300, "shifted"),
+        TraceSpec("shifted-35", "", 10, 35, 40, 300, "shifted"),
+        TraceSpec("shifted-36", "h200:192,b200:128,a100-sxm-40gb:128,h20:64", 21, 36, 9, 300, "shifted"),
+        TraceSpec("far-25", "", 10, 25, 40, 300, "far"),
+        TraceSpec("far-26", "", 10, 26, 40, 300, "far"),
+        TraceSpec("far-27", "b200:192,h100-sxm:128,b300:128,v100-sxm2-32gb:64", 21, 27, 9, 300, "far"),
     ],
 }
 

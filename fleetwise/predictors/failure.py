@@ -107,9 +107,10 @@ class AlertPolicy:
     shared_heat_peers: int = 2
     # The same for single-bit ECC errors: a hop whose risk is driven by them (sbe_* features
     # carry >= half of its signal) does not count toward either tier while >= this many other
-    # GPUs of the node logged new ones within 6 h (`node_sbe_peers_6h`). 0: off (the default
-    # until judged: docs/benchmarks.md, "Shared single-bit errors").
-    shared_sbe_peers: int = 0
+    # GPUs of the node logged new ones within 6 h (`node_sbe_peers_6h`): one GPU's HBM degrading
+    # errs alone. 0: off. Judged on fresh members of every family (docs/benchmarks.md, "Shared
+    # single-bit errors").
+    shared_sbe_peers: int = 2
     rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin

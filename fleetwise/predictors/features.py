@@ -472,7 +472,7 @@ class GpuFeatureWindows:
         slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
         for name in STATE_ARRAYS:
             getattr(self, name)[slot] = _fit_state(name, _from_json(state[name]))
-        self._note_node_errors([slot])
+        self._note_node_marks([slot])
 
     def forget(self, key: str) -> None:
         """Back to the state of a GPU never seen (its slot, model and TDP stay): for a worker
@@ -503,9 +503,9 @@ class GpuFeatureWindows:
         slots = [self._restore_slot(k, m, j, r) for k, m, (j, r) in zip(keys, metas, job_ranks, strict=True)]
         for name in STATE_ARRAYS:
             getattr(self, name)[slots] = _fit_state(name, arrays[name])
-        self._note_node_errors(slots)
+        self._note_node_marks(slots)
 
-    def _note_node_errors(self, slots: Sequence[int]) -> None:
+    def _note_node_marks(self, slots: Sequence[int]) -> None:
         """Restored slots' latest marked hops into their nodes' (a superset is harmless: it
         only decides which closes are looked at)."""
         if len(slots):
@@ -549,7 +549,7 @@ class GpuFeatureWindows:
         self.node_of[:] = -1
         for slot, m in enumerate(self._meta):
             self._join_node(slot, m["node"])
-        self._note_node_errors(range(len(self._meta)))
+        self._note_node_marks(range(len(self._meta)))
 
     def slot_meta(self, slot: int) -> dict[str, Any]:
         return self._meta[slot]
@@ -1138,10 +1138,9 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
     """A saved state array in this code's width: `peer_end` saved before the warm and single-bit
     columns (2026-12-05) gains them as never marked, so a worker's checkpoints outlive the upgrade."""
-    width = _FRESH_STATE.get(name, ((),))[0]
-    if name == "peer_end" and value.shape[-1] < width[0]:
-        pad = np.full((*value.shape[:-1], width[0] - value.shape[-1]), _FRESH_STATE[name][1])
-        return np.concatenate([value, pad], axis=-1)
+    missing = len(PEER_COLUMNS) - value.shape[-1] if name == "peer_end" else 0
+    if missing > 0:
+        return np.concatenate([value, np.full((*value.shape[:-1], missing), -np.inf)], axis=-1)
     return value
 
 
