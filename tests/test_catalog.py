@@ -445,6 +445,7 @@ def site_catalog():
     yield
     gpus_mod._IN_USE.clear()
     gpus_mod._resolve.cache_clear()
+    gpus_mod._suggest.cache_clear()
     from fleetwise.predictors import stragglers
 
     stragglers._model_id.cache_clear()
@@ -453,6 +454,9 @@ def site_catalog():
 def test_a_sites_rows_join_the_catalog_and_resolve_by_every_name(site_catalog) -> None:
     with pytest.raises(UnknownGpuError):
         lookup("NVIDIA TX1 80GB HBM3")
+    with pytest.raises(UnknownGpuError) as before_rows:
+        lookup("Testco TX1")  # unknown before and after; its closest ids follow the catalog
+    assert "tx1-80gb" not in before_rows.value.suggestions
     before = len(all_gpus())
     added = add_gpus(_site_csv(_SITE_ROW), "site.csv")
     assert [s.id for s in added] == ["tx1-80gb"]
@@ -460,6 +464,9 @@ def test_a_sites_rows_join_the_catalog_and_resolve_by_every_name(site_catalog) -
     for name in ("NVIDIA TX1 80GB HBM3", "NVIDIA-TX1-80GB-HBM3-SHARED", "tx1", "Testco TX1 80GB"):
         assert lookup(name).id == "tx1-80gb", name
     assert lookup("tx1").tdp_w == 650 and lookup("h100-sxm").id == "h100-sxm"
+    with pytest.raises(UnknownGpuError) as after_rows:
+        lookup("Testco TX1")
+    assert after_rows.value.suggestions[0] == "tx1-80gb"
     assert add_gpus(_site_csv(_SITE_ROW), "site.csv") == ()  # the same file again: nothing new
 
 
