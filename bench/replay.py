@@ -277,9 +277,11 @@ def trace_main(path: str, floor_lines: int) -> None:
     from itertools import islice
     from pathlib import Path
 
+    from fleetwise.cli import load_site_catalog
     from fleetwise.streams.embedded import read_text_blocks, replay, replay_process
     from fleetwise.streams.pipeline import ControlPlane, ControlPlaneConfig
 
+    load_site_catalog()  # FLEETWISE_CATALOG_EXTRA, as `fleetwise replay` reads it
     control = ControlPlane(ControlPlaneConfig(publish_features=False))
     with replay_process():  # as `fleetwise replay`
         wall, cpu = time.perf_counter(), time.process_time()

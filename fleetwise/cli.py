@@ -33,7 +33,7 @@ CATALOG_EXTRA_ENV = "FLEETWISE_CATALOG_EXTRA"
 
 
 @app.callback()
-def _site_catalog() -> None:
+def load_site_catalog() -> None:
     """Before any verb: a site's GPU rows, from the CSV files in FLEETWISE_CATALOG_EXTRA
     (`os.pathsep`-separated; docs/deploy.md), join the catalog, so telemetry of GPUs the
     package lacks is read rather than dead-lettered as an unknown model."""
