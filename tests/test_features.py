@@ -656,8 +656,16 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     restarted = windows()
     for k, state in saved.items():
         restarted.restore(k, state)
-    got += restarted.process_dicts(arrivals[cut:]) + restarted.flush()
-    assert [o.values for o in got] == [o.values for o in expected]
+    after = restarted.process_dicts(arrivals[cut:]) + restarted.flush()
+    assert [o.values for o in got + after] == [o.values for o in expected]
+    # the worker's binary checkpoints (export_state / import_state) the same
+    keys = fw.keys()
+    metas, job_ranks, arrays = fw.export_state(keys)
+    arrays["peer_end"] = arrays["peer_end"][:, :4]
+    imported = windows()
+    imported.import_state(keys, metas, job_ranks, arrays)
+    assert [o.values for o in imported.process_dicts(arrivals[cut:]) + imported.flush()] == [
+        o.values for o in after]
 
 
 def test_hops_closed_together_at_a_flush_do_not_count_each_other() -> None:
