@@ -6,8 +6,10 @@ temperature residual. This reads the decisions of `fleetwise replay --model-aler
 trace's labels, and counts each model-raised alert (the hop an episode starts) as true (the GPU
 fails within 48 h) or false, and whether a veto would have held it back: its top signal is
 thermal (`temp_*`, `rth_ratio`) and at least `--peers` other GPUs of its node had a thermal
-prediction at p >= 0.9 within an hour of it. A what-if over decisions, not the detector: a real
-veto must see only the peer hops closed before it in arrival order (docs/predictors.md).
+prediction at p >= 0.9 within an hour of it. A what-if over decisions, not the detector; the hold
+it led to, which sees only the peer hops closed before it in arrival order, is
+`AlertPolicy.shared_heat_peers` (docs/benchmarks.md, "Shared heat"). Over decisions made with
+that hold on, this counts what a looser veto would still remove.
 
     FLEETWISE_CATALOG_EXTRA=bench/cloud_site_gpus.csv fleetwise replay T/trace.jsonl.gz \
         --out d.jsonl --model-alerts

@@ -479,7 +479,7 @@ def _resolve(name: str) -> str | None:
 
 
 # An unknown model comes once per sample of every GPU of that model (each a dead letter), and a
-# suggestion is a fuzzy match over every indexed name: ~1 ms, which made a replay of a fleet
+# suggestion is a fuzzy match over every indexed name: ~3 ms, which made a replay of a fleet
 # with one model missing from the catalog run minutes instead of seconds.
 @lru_cache(maxsize=1024)
 def _suggest(name: str) -> tuple[str, ...]:
