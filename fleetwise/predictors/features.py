@@ -136,8 +136,8 @@ PEER_STREAK_HOPS = 3  # ... and as streaking when that hop ended a run of >= thi
 # Thermal node-peer context: a GPU whose 6 h temperature residual (against its own power fit)
 # is at least this runs warm. Heat a node shares (a coolant excursion in its row, a chiller trip
 # in its hall, a node fan) warms several GPUs of it at once; one GPU's own cooling fault warms
-# it alone. 3 C: healthy GPUs' 6 h residual stays under 1.3 C in 99% of hops and under 3 C in
-# 99.7% on the training family's tuning members (val-dr; docs/benchmarks.md, "Shared heat").
+# it alone. 3 C: the 6 h residual stays under 1.3 C in 99% of hops (all GPUs) and under 3 C in
+# >= 99.67% on the training family's tuning members (val-dr; docs/benchmarks.md, "Shared heat").
 WARM_RESIDUAL_C = 3.0
 # Memory node-peer context: other GPUs of the node with new single-bit ECC errors in the last
 # 6 h (the window of the GPU's own recent SBE rate, `sbe_accel`, `sbe_active_6h`). One GPU's
