@@ -18,7 +18,7 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5", "judge6" (shifted and far members, two 512-GPU x 21-day traces each):
+"judge3", "judge4", "judge5", "judge6", "judge7" (shifted and far members, two 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+import fleetwise.predictors.features as feature_code
 from fleetwise.predictors.backtest import LEAD_12H, LEAD_30MIN_H, score_failures
 from fleetwise.predictors.failure import (
     RULE_NAMES,
@@ -281,6 +282,16 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-26", "", 10, 26, 40, 300, "far"),
         TraceSpec("far-27", "b200:192,h100-sxm:128,b300:128,v100-sxm2-32gb:64", 21, 27, 9, 300, "far"),
     ],
+    # Drawn (2026-12-05, twenty-first session) for the judgement of the restart of a GPU's
+    # feature history after its failure (rule 4 in docs/benchmarks.md), before anything ran on them.
+    "judge7": [
+        TraceSpec("shifted-37", "", 10, 37, 40, 300, "shifted"),
+        TraceSpec("shifted-38", "", 10, 38, 40, 300, "shifted"),
+        TraceSpec("shifted-39", "b300:192,h200:128,a100-sxm-80gb:128,h20:64", 21, 39, 9, 300, "shifted"),
+        TraceSpec("far-28", "", 10, 28, 40, 300, "far"),
+        TraceSpec("far-29", "", 10, 29, 40, 300, "far"),
+        TraceSpec("far-30", "h100-sxm:192,b200:128,b100:128,a100-sxm-40gb:64", 21, 30, 9, 300, "far"),
+    ],
 }
 
 
@@ -350,14 +361,17 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
 STAGGER_HOPS = False
 
 def _model_tag(predictor: FailurePredictor) -> str:
-    """Identifies the fitted model (not its policy) and the rules, so cached scores follow both."""
+    """Identifies the fitted model (not its policy), the rules and the feature code, so cached
+    scores follow all three."""
     import hashlib
 
     meta = {k: v for k, v in predictor.model.metadata.items() if k != "policy"}
     probe = predictor.model.predict_proba(np.zeros((1, len(predictor.model.feature_names))))
     # The rules' bits are stored with the scores: a change of rules is a change of tag.
+    # The rows' columns and how they are computed: a change to the feature code rescores.
+    code = hashlib.sha256(Path(feature_code.__file__).read_bytes()).hexdigest()
     text = (json.dumps(meta, sort_keys=True, default=str) + repr(probe.tolist()) + repr(RULE_NAMES)
-            + feature_schema_hash(FEATURE_NAMES))  # the stored rows' columns
+            + feature_schema_hash(FEATURE_NAMES) + code)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

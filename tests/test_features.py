@@ -67,6 +67,28 @@ def test_missing_counter_values_carry_the_base() -> None:
     assert out[0].values["sbe_vol_hop"] == 2
 
 
+@pytest.mark.parametrize("xid, silence_min, restarts", [
+    (119, 120, True),  # a GSP hang, two hours out of service: its history is spent
+    (79, 80, True),  # off the bus, back after 80 minutes
+    (119, 40, False),  # a gap shorter than an hour: a reset in place or a scrape gap
+    (13, 120, False),  # an application XID is no failure, however long the GPU was away
+])
+def test_a_gpu_back_from_a_failure_starts_without_its_history(xid: int, silence_min: int,
+                                                              restarts: bool) -> None:
+    # six hours with a single-bit error every hop, then the XID, one more minute, the silence
+    before = [sample(i, **{SBE: i // 10, F_XID: 0}) for i in range(360)]
+    failed = [sample(i, **{SBE: 35, F_XID: xid}) for i in (360, 361)]
+    back = [sample(i, **{SBE: 0, F_XID: 0}) for i in range(362 + silence_min, 382 + silence_min)]
+    fw = windows()
+    out = fw.process_dicts(before + failed + back) + fw.flush()
+    last = out[-1].values
+    cls = {119: "gsp", 79: "bus", 13: "app"}[xid]
+    if restarts:
+        assert last[f"xid_{cls}_7d"] == 0 and last["sbe_vol_24h"] == 0 and last["sbe_active_6h"] == 0
+    else:
+        assert last[f"xid_{cls}_7d"] > 0.9 and last["sbe_vol_24h"] > 25
+
+
 def test_xid_counts_changes_by_class_not_repeats() -> None:
     fw = windows()
     xids = [0, 13, 13, 13, 79, 79, 0, 48]  # app, then off-bus, then DBE: three events

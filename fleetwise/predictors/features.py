@@ -21,6 +21,9 @@ Semantics (event time only):
   delta is 0, never negative; resets are counted as a feature.
 - DCGM_FI_DEV_XID_ERRORS holds the last XID, so an event is a change to a new non-zero
   value; events are counted by class.
+- a GPU's history (every EW sum) starts afresh on a new board (a persistent counter went
+  down) and when the GPU comes back from a failure: a failure-class XID, then an hour or
+  more without a sample (`RETURN_SILENCE_S`).
 - node-peer columns (`node_*`) count the other GPUs of the node with recent link errors or
   single-bit ECC errors, or running warm against their own power fit, as of the hops closed
   before this one in arrival order (`_peer_context`).
@@ -202,6 +205,16 @@ E_RESID24 = E_ACTIVE + len(ACTIVE_TAUS) * (len(ACTIVE_GROUPS) + 1)  # num, den (
 E_RESID_COOL = E_RESID24 + 2  # num, den (24 h, hops without thermal throttling)
 E_STREAK = E_RESID_COOL + 2  # consecutive hops with new errors, per active group
 N_EW = E_STREAK + len(ACTIVE_GROUPS)
+# A GPU back from a failure starts its history afresh, as a replaced board does: the failure
+# consumed the evidence before it, and a model fed that history raises the repaired GPU again
+# for days on the XIDs of the failure itself. "Back from a failure": a failure-class XID
+# (REFERENCE.md "XIDs": fatal memory, off the bus, GSP) counted within ~4 h of the GPU's last
+# hop (6 h EW count >= 0.5), then at least an hour without a sample (the shortest window:
+# a reset in place or a scrape gap is shorter; a repair is longer).
+FAILURE_XID_CLASSES = ("mem_fatal", "bus", "gsp")
+RETURN_SILENCE_S = 3600.0
+_E_FAILURE_XID_6H = np.array([E_COUNT + list(COUNT_TAUS).index("6h") * N_EVENT + N_COUNTER
+                              + XID_CLASS_NAMES.index(c) for c in FAILURE_XID_CLASSES])
 
 _BLANK_VALUES = np.array(sorted(DCGM_BLANKS))
 
@@ -852,9 +865,11 @@ class GpuFeatureWindows:
         ew = self.ew[slots]
         hop = self.open_hop[slots]
         prev = self.closed_hop[slots]
-        new_board = a[:, A_REPLACED] > 0
-        gap = np.where((prev >= 0) & ~new_board, (hop - prev) * self.hop_s, np.inf)
-        ew[new_board] = 0.0  # a replaced board starts without history
+        silence = (hop - prev - 1) * self.hop_s  # whole hops without a sample before this one
+        returned = (prev >= 0) & (silence >= RETURN_SILENCE_S) & (ew[:, _E_FAILURE_XID_6H].sum(axis=1) >= 0.5)
+        fresh = (a[:, A_REPLACED] > 0) | returned
+        gap = np.where((prev >= 0) & ~fresh, (hop - prev) * self.hop_s, np.inf)
+        ew[fresh] = 0.0  # a replaced board, or one back from its failure, starts without history
 
         def decay(tau: float) -> np.ndarray:
             return np.exp(-gap / tau)[:, None]
