@@ -18,7 +18,7 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5", "judge6", "judge7" (shifted and far members, two 512-GPU x 21-day traces each):
+"judge3", "judge4", "judge5", "judge6", "judge7", "judge8" (shifted and far members, two 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -291,6 +291,16 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-28", "", 10, 28, 40, 300, "far"),
         TraceSpec("far-29", "", 10, 29, 40, 300, "far"),
         TraceSpec("far-30", "h100-sxm:192,b200:128,b100:128,a100-sxm-40gb:64", 21, 30, 9, 300, "far"),
+    ],
+    # Drawn (2026-12-05, twenty-first session) after rule 4 had shipped, for rule 5 (the XIDs
+    # after which an outage restarts a GPU's history), before anything ran on them.
+    "judge8": [
+        TraceSpec("shifted-40", "", 10, 40, 40, 300, "shifted"),
+        TraceSpec("shifted-41", "", 10, 41, 40, 300, "shifted"),
+        TraceSpec("shifted-42", "h100-sxm:192,b300:128,a100-sxm-40gb:128,h20:64", 21, 42, 9, 300, "shifted"),
+        TraceSpec("far-31", "", 10, 31, 40, 300, "far"),
+        TraceSpec("far-32", "", 10, 32, 40, 300, "far"),
+        TraceSpec("far-33", "b200:192,h200:128,b100:128,v100-sxm2-32gb:64", 21, 33, 9, 300, "far"),
     ],
 }
 
