@@ -18,7 +18,7 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5", "judge6", "judge7", "judge8" (shifted and far members, two
+"judge3", "judge4", "judge5", "judge6", "judge7", "judge8", "judge9" (shifted and far members, two
 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
@@ -302,6 +302,16 @@ SETS: dict[str, list[TraceSpec]] = {
         TraceSpec("far-31", "", 10, 31, 40, 300, "far"),
         TraceSpec("far-32", "", 10, 32, 40, 300, "far"),
         TraceSpec("far-33", "b200:192,h200:128,b100:128,v100-sxm2-32gb:64", 21, 33, 9, 300, "far"),
+    ],
+    # Drawn (2026-12-05, twenty-first session) after rule 5's result, for rule 6 (trends scaled
+    # by the time observed), before anything ran on them.
+    "judge9": [
+        TraceSpec("shifted-43", "", 10, 43, 40, 300, "shifted"),
+        TraceSpec("shifted-44", "", 10, 44, 40, 300, "shifted"),
+        TraceSpec("shifted-45", "b200:192,h100-sxm:128,a100-sxm-80gb:128,h20:64", 21, 45, 9, 300, "shifted"),
+        TraceSpec("far-34", "", 10, 34, 40, 300, "far"),
+        TraceSpec("far-35", "", 10, 35, 40, 300, "far"),
+        TraceSpec("far-36", "h200:192,b300:128,b100:128,a100-sxm-40gb:64", 21, 36, 9, 300, "far"),
     ],
 }
 
