@@ -104,6 +104,16 @@ class TraceSpec:
 
 
 
+def _judgement(shifted: tuple[int, int, int], shifted_mix: str, far: tuple[int, int, int],
+               far_mix: str) -> list[TraceSpec]:
+    """A judgement set: per family ("shifted", "far") two 10-day members of the family's own
+    fleet and one 21-day member of 512 GPUs (the private hold-out's size) with the given mix."""
+    return [spec for family, seeds, mix in (("shifted", shifted, shifted_mix), ("far", far, far_mix))
+            for spec in (TraceSpec(f"{family}-{seeds[0]}", "", 10, seeds[0], 40, 300, family),
+                         TraceSpec(f"{family}-{seeds[1]}", "", 10, seeds[1], 40, 300, family),
+                         TraceSpec(f"{family}-{seeds[2]}", mix, 21, seeds[2], 9, 300, family))]
+
+
 SETS: dict[str, list[TraceSpec]] = {
     "val": [
         TraceSpec("val-201", "b200:64,h100-sxm:32,v100-sxm2-32gb:32", 7, 201, 40, 60),
@@ -220,99 +230,43 @@ SETS: dict[str, list[TraceSpec]] = {
     ],
     # Drawn (2026-12-04) after every set above had been looked at, once the long-persistence
     # policy (0.97 held 36 hops) had been chosen on the shifted sets before: its one judgement.
-    "judge": [
-        TraceSpec("shifted-19", "", 10, 19, 40, 300, "shifted"),
-        TraceSpec("shifted-20", "", 10, 20, 40, 300, "shifted"),
-        TraceSpec("shifted-21", "h200:192,b100:128,h20:128,a100-sxm-40gb:64", 21, 21, 9, 300, "shifted"),
-        TraceSpec("far-6", "", 10, 6, 40, 300, "far"),
-        TraceSpec("far-7", "", 10, 7, 40, 300, "far"),
-        TraceSpec("far-12", "b200:128,b300:128,h20:128,v100-sxm2-32gb:64,a100-sxm-40gb:64", 21, 12, 9, 300,
-                  "far"),
-    ],
+    "judge": _judgement((19, 20, 21), "h200:192,b100:128,h20:128,a100-sxm-40gb:64",
+                        (6, 7, 12), "b200:128,b300:128,h20:128,v100-sxm2-32gb:64,a100-sxm-40gb:64"),
     # Drawn (2026-12-04, sixteenth session) after "judge" had been run three times: a second
     # judgement of the default (0.97 held 36 hops), run once, nothing chosen on it
     # (docs/benchmarks.md, "A second judgement").
-    "judge2": [
-        TraceSpec("shifted-22", "", 10, 22, 40, 300, "shifted"),
-        TraceSpec("shifted-23", "", 10, 23, 40, 300, "shifted"),
-        TraceSpec("shifted-24", "b300:192,h100-sxm:128,b100:128,a100-sxm-80gb:64", 21, 24, 9, 300, "shifted"),
-        TraceSpec("far-13", "", 10, 13, 40, 300, "far"),
-        TraceSpec("far-14", "", 10, 14, 40, 300, "far"),
-        TraceSpec("far-15", "h200:128,b200:128,h20:128,v100-sxm2-32gb:64,a100-sxm-80gb:64", 21, 15, 9, 300,
-                  "far"),
-    ],
+    "judge2": _judgement((22, 23, 24), "b300:192,h100-sxm:128,b100:128,a100-sxm-80gb:64",
+                        (13, 14, 15), "h200:128,b200:128,h20:128,v100-sxm2-32gb:64,a100-sxm-80gb:64"),
     # Drawn (2026-12-04, sixteenth session) before the full-power-drift candidate with a shorter
     # hold was looked at anywhere: that candidate's one judgement, and the default's beside it
     # (docs/benchmarks.md, "Tried and dropped: the full-power drift with a hold").
-    "judge3": [
-        TraceSpec("shifted-25", "", 10, 25, 40, 300, "shifted"),
-        TraceSpec("shifted-26", "", 10, 26, 40, 300, "shifted"),
-        TraceSpec("shifted-27", "h100-sxm:192,b200:128,h20:128,v100-sxm2-32gb:64", 21, 27, 9, 300, "shifted"),
-        TraceSpec("far-16", "", 10, 16, 40, 300, "far"),
-        TraceSpec("far-17", "", 10, 17, 40, 300, "far"),
-        TraceSpec("far-18", "b100:192,h200:128,b300:128,a100-sxm-40gb:64", 21, 18, 9, 300, "far"),
-    ],
+    "judge3": _judgement((25, 26, 27), "h100-sxm:192,b200:128,h20:128,v100-sxm2-32gb:64",
+                        (16, 17, 18), "b100:192,h200:128,b300:128,a100-sxm-40gb:64"),
     # Drawn (2026-12-05, eighteenth session) before anything ran on them: the judgement of the
     # model trained with an independent generator's traces beside the simulator's, and of the
     # default beside it (docs/benchmarks.md, "Generators written apart from the simulator").
-    "judge4": [
-        TraceSpec("shifted-28", "", 10, 28, 40, 300, "shifted"),
-        TraceSpec("shifted-29", "", 10, 29, 40, 300, "shifted"),
-        TraceSpec("shifted-30", "h100-sxm:192,b300:128,h20:128,a100-sxm-80gb:64", 21, 30, 9, 300, "shifted"),
-        TraceSpec("far-19", "", 10, 19, 40, 300, "far"),
-        TraceSpec("far-20", "", 10, 20, 40, 300, "far"),
-        TraceSpec("far-21", "h200:192,b200:128,b100:128,v100-sxm2-32gb:64", 21, 21, 9, 300, "far"),
-    ],
+    "judge4": _judgement((28, 29, 30), "h100-sxm:192,b300:128,h20:128,a100-sxm-80gb:64",
+                        (19, 20, 21), "h200:192,b200:128,b100:128,v100-sxm2-32gb:64"),
     # Drawn (2026-12-05, nineteenth session) before anything ran on them: the judgement of the
     # model trained with a second independent generator's traces, and of the default beside it.
-    "judge5": [
-        TraceSpec("shifted-31", "", 10, 31, 40, 300, "shifted"),
-        TraceSpec("shifted-32", "", 10, 32, 40, 300, "shifted"),
-        TraceSpec("shifted-33", "b200:192,h100-sxm:128,h20:128,v100-sxm2-32gb:64", 21, 33, 9, 300, "shifted"),
-        TraceSpec("far-22", "", 10, 22, 40, 300, "far"),
-        TraceSpec("far-23", "", 10, 23, 40, 300, "far"),
-        TraceSpec("far-24", "b300:192,h200:128,b100:128,a100-sxm-80gb:64", 21, 24, 9, 300, "far"),
-    ],
+    "judge5": _judgement((31, 32, 33), "b200:192,h100-sxm:128,h20:128,v100-sxm2-32gb:64",
+                        (22, 23, 24), "b300:192,h200:128,b100:128,a100-sxm-80gb:64"),
     # Drawn (2026-12-05, twentieth session) after judge5 had judged the single-bit node-peer hold
     # once (rule 2 in docs/benchmarks.md, "Shared single-bit errors"), before anything ran on them.
-    "judge6": [
-        TraceSpec("shifted-34", "", 10, 34, 40, 300, "shifted"),
-        TraceSpec("shifted-35", "", 10, 35, 40, 300, "shifted"),
-        TraceSpec("shifted-36", "h200:192,b200:128,a100-sxm-40gb:128,h20:64", 21, 36, 9, 300, "shifted"),
-        TraceSpec("far-25", "", 10, 25, 40, 300, "far"),
-        TraceSpec("far-26", "", 10, 26, 40, 300, "far"),
-        TraceSpec("far-27", "b200:192,h100-sxm:128,b300:128,v100-sxm2-32gb:64", 21, 27, 9, 300, "far"),
-    ],
+    "judge6": _judgement((34, 35, 36), "h200:192,b200:128,a100-sxm-40gb:128,h20:64",
+                        (25, 26, 27), "b200:192,h100-sxm:128,b300:128,v100-sxm2-32gb:64"),
     # Drawn (2026-12-05, twenty-first session) for the judgement of the restart of a GPU's
     # feature history after its failure (rule 4 in docs/benchmarks.md), before anything ran on them.
-    "judge7": [
-        TraceSpec("shifted-37", "", 10, 37, 40, 300, "shifted"),
-        TraceSpec("shifted-38", "", 10, 38, 40, 300, "shifted"),
-        TraceSpec("shifted-39", "b300:192,h200:128,a100-sxm-80gb:128,h20:64", 21, 39, 9, 300, "shifted"),
-        TraceSpec("far-28", "", 10, 28, 40, 300, "far"),
-        TraceSpec("far-29", "", 10, 29, 40, 300, "far"),
-        TraceSpec("far-30", "h100-sxm:192,b200:128,b100:128,a100-sxm-40gb:64", 21, 30, 9, 300, "far"),
-    ],
+    "judge7": _judgement((37, 38, 39), "b300:192,h200:128,a100-sxm-80gb:128,h20:64",
+                        (28, 29, 30), "h100-sxm:192,b200:128,b100:128,a100-sxm-40gb:64"),
     # Drawn (2026-12-05, twenty-first session) after rule 4 had shipped, for rule 5 (the XIDs
     # after which an outage restarts a GPU's history), before anything ran on them.
-    "judge8": [
-        TraceSpec("shifted-40", "", 10, 40, 40, 300, "shifted"),
-        TraceSpec("shifted-41", "", 10, 41, 40, 300, "shifted"),
-        TraceSpec("shifted-42", "h100-sxm:192,b300:128,a100-sxm-40gb:128,h20:64", 21, 42, 9, 300, "shifted"),
-        TraceSpec("far-31", "", 10, 31, 40, 300, "far"),
-        TraceSpec("far-32", "", 10, 32, 40, 300, "far"),
-        TraceSpec("far-33", "b200:192,h200:128,b100:128,v100-sxm2-32gb:64", 21, 33, 9, 300, "far"),
-    ],
+    "judge8": _judgement((40, 41, 42), "h100-sxm:192,b300:128,a100-sxm-40gb:128,h20:64",
+                        (31, 32, 33), "b200:192,h200:128,b100:128,v100-sxm2-32gb:64"),
     # Drawn (2026-12-05, twenty-first session) after rule 5's result, for rule 6 (trends scaled
     # by the time observed), before anything ran on them.
-    "judge9": [
-        TraceSpec("shifted-43", "", 10, 43, 40, 300, "shifted"),
-        TraceSpec("shifted-44", "", 10, 44, 40, 300, "shifted"),
-        TraceSpec("shifted-45", "b200:192,h100-sxm:128,a100-sxm-80gb:128,h20:64", 21, 45, 9, 300, "shifted"),
-        TraceSpec("far-34", "", 10, 34, 40, 300, "far"),
-        TraceSpec("far-35", "", 10, 35, 40, 300, "far"),
-        TraceSpec("far-36", "h200:192,b300:128,b100:128,a100-sxm-40gb:64", 21, 36, 9, 300, "far"),
-    ],
+    "judge9": _judgement((43, 44, 45), "b200:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
+                        (34, 35, 36), "h200:192,b300:128,b100:128,a100-sxm-40gb:64"),
 }
 
 
