@@ -18,7 +18,7 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5", "judge6", "judge7", "judge8", "judge9" (shifted and far members, two
+"judge3", "judge4", "judge5", "judge6", "judge7", "judge8", "judge9", "judge10" (shifted and far members, two
 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
@@ -267,6 +267,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # by the time observed), before anything ran on them.
     "judge9": _judgement((43, 44, 45), "b200:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
                         (34, 35, 36), "h200:192,b300:128,b100:128,a100-sxm-40gb:64"),
+    # Drawn (2026-12-05, twenty-second session) for rule 7 (rule 6's trends with the model
+    # retrained on them), before anything ran on them.
+    "judge10": _judgement((46, 47, 48), "h200:192,b300:128,a100-sxm-80gb:128,h20:64",
+                         (37, 38, 39), "b300:192,h100-sxm:128,b200:128,v100-sxm2-32gb:64"),
 }
 
 
