@@ -18,8 +18,8 @@ members of the same family drawn later, each looked at by fewer decisions (see t
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
 judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5", "judge6", "judge7", "judge8", "judge9", "judge10" (shifted and far members, two
-512-GPU x 21-day traces each):
+"judge3", "judge4", "judge5", "judge6", "judge7", "judge8", "judge9", "judge10", "judge11",
+"judge12" (shifted and far members, two 512-GPU x 21-day traces each):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -271,6 +271,14 @@ SETS: dict[str, list[TraceSpec]] = {
     # retrained on them), before anything ran on them.
     "judge10": _judgement((46, 47, 48), "h200:192,b300:128,a100-sxm-80gb:128,h20:64",
                          (37, 38, 39), "b300:192,h100-sxm:128,b200:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-05, twenty-second session) after rule 7's result, for rule 8 (a GPU's
+    # single-bit-driven risk held while its history is short), before anything ran on them.
+    "judge11": _judgement((49, 50, 51), "b200:192,h200:128,a100-sxm-40gb:128,h20:64",
+                         (40, 41, 42), "h100-sxm:192,b300:128,b100:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-05, twenty-second session) for rule 9 (a raise streak broken by an hour
+    # below the threshold, not one hop), before anything ran on them.
+    "judge12": _judgement((52, 53, 54), "h200:192,b200:128,a100-sxm-80gb:128,h20:64",
+                         (43, 44, 45), "b300:192,h200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
