@@ -108,8 +108,8 @@ def test_one_event_stream_read_at_three_intervals_raises_the_same_model_alerts(s
     # only the reads. The packaged model and hold then raise the same GPUs, each within half
     # the 6 h hold plus one read (a hop's edge moves an error into the next hop, which can
     # restart the hold). These are five of seeds 7-14 where that holds (seed 7 also, with one
-    # model alert); in seed 11 the same GPUs are raised up to 4.3 h apart, in seed 12 a failing
-    # GPU is raised at the coarser reads only (docs/predictors.md, "Domain shift"): this pins
+    # model alert); in seed 11 a third GPU is raised at 300 s reads only, in seed 12 a failing
+    # GPU at the coarser reads only (docs/predictors.md, "Domain shift"): this pins
     # the common case. (The model's alerts on, as `--model-alerts` turns them on.)
     packaged = FailurePredictor.load()
     shipped = FailurePredictor(packaged.model, replace(packaged.policy, model_alerts=True))
