@@ -17,9 +17,9 @@ the evaluation that can fail), with "shifted-fresh", "shifted-final" and "shifte
 members of the same family drawn later, each looked at by fewer decisions (see their comments
 in SETS). For a model trained on the "wide" family (`predictor train --family wide`): "val-wide"
 (its tuning set), "far" and "far-fresh" (the "far" family, beyond it on every range). The
-judgements of the six-hour hold, on members drawn after it was chosen: "judge", "judge2",
-"judge3", "judge4", "judge5", "judge6", "judge7", "judge8", "judge9", "judge10", "judge11",
-"judge12" (shifted and far members, two 512-GPU x 21-day traces each):
+judgements of the six-hour hold, on members drawn after it was chosen: "judge", then
+"judge2", "judge3", ... (shifted and far members, two 512-GPU x 21-day traces each; SETS lists
+them, each drawn for one decision):
 
     .venv/bin/python bench/failure_eval.py --tune --tune-sets val-dr   # the packaged policy's sweep
     .venv/bin/python bench/failure_eval.py --targets test-dr,shifted   # every target with 95% CIs
@@ -279,6 +279,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # below the threshold, not one hop), before anything ran on them.
     "judge12": _judgement((52, 53, 54), "h200:192,b200:128,a100-sxm-80gb:128,h20:64",
                          (43, 44, 45), "b300:192,h200:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-05, twenty-third session) for rule 10 (sustained NVLink / PCIe error surges
+    # as rules), before anything ran on them.
+    "judge13": _judgement((55, 56, 57), "b300:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
+                         (46, 47, 48), "h200:192,b200:128,b100:128,a100-sxm-80gb:64"),
 }
 
 
