@@ -283,6 +283,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # as rules), before anything ran on them.
     "judge13": _judgement((55, 56, 57), "b300:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
                          (46, 47, 48), "h200:192,b200:128,b100:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-05, twenty-third session) after rule 10's result, for rule 11 (the NVLink
+    # error surge alone), before anything ran on them.
+    "judge14": _judgement((58, 59, 60), "h100-sxm:192,h200:128,a100-sxm-80gb:128,h20:64",
+                         (49, 50, 51), "b300:192,b200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
