@@ -53,6 +53,7 @@ import fleetwise.predictors.features as feature_code
 from fleetwise.predictors.backtest import LEAD_12H, LEAD_30MIN_H, score_failures
 from fleetwise.predictors.failure import (
     RULE_NAMES,
+    SURGE_RULES,
     AlertPolicy,
     FailurePredictor,
     feature_schema_hash,
@@ -362,11 +363,12 @@ def _model_tag(predictor: FailurePredictor) -> str:
 
     meta = {k: v for k, v in predictor.model.metadata.items() if k != "policy"}
     probe = predictor.model.predict_proba(np.zeros((1, len(predictor.model.feature_names))))
-    # The rules' bits are stored with the scores: a change of rules is a change of tag.
+    # The rules' bits (and the surge levels) are stored with the scores: a change of rules is a
+    # change of tag.
     # The rows' columns and how they are computed: a change to the feature code rescores.
     code = hashlib.sha256(Path(feature_code.__file__).read_bytes()).hexdigest()
     text = (json.dumps(meta, sort_keys=True, default=str) + repr(probe.tolist()) + repr(RULE_NAMES)
-            + feature_schema_hash(FEATURE_NAMES) + code)
+            + repr(SURGE_RULES) + feature_schema_hash(FEATURE_NAMES) + code)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

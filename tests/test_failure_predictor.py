@@ -11,10 +11,13 @@ import pytest
 
 from fleetwise.predictors.failure import (
     MODEL_FEATURES,
+    SURGE_RULES,
     AlertPolicy,
     FailureModel,
     FailurePredictor,
     FeatureSchemaError,
+    rule_hits,
+    rule_names_of,
 )
 from fleetwise.predictors.features import FEATURE_NAMES
 from fleetwise.predictors.training import fit_failure_model
@@ -78,6 +81,45 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
     assert first.ts == 1764547200.0 + 600.0 * 3
     sources = {s.name: s.value for s in first.signals}
     assert sources["source"] == "rule:xid79_off_bus" and "rule:xid79_off_bus" in sources
+
+
+RULES_ONLY = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=False)
+NVL_LEVEL = SURGE_RULES["nvl_accel"][0]
+
+
+def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
+    hold = RULES_ONLY.surge_hold_hops
+    # two bursts one hop short of the hold, a dip between them: never raised
+    bursts = [NVL_LEVEL + 1] * (hold - 1) + [NVL_LEVEL - 0.1] + [NVL_LEVEL + 1] * (hold - 1) + [0.0]
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts), {"nvl_accel": bursts})
+    assert not any(p.alert for p in out)
+    sustained = [0.0] + [NVL_LEVEL + 1] * hold + [0.0]
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {"nvl_accel": sustained})
+    assert alert_series(out, len(sustained)).index(True) == hold  # the hold-th hop above raises
+    first = next(p for p in out if p.alert)
+    signals = {s.name: s.value for s in first.signals}
+    assert signals["source"] == "rule:nvlink_error_surge" and "surge:nvlink_error_surge" in signals
+    off = FailurePredictor(stub_model(replace(RULES_ONLY, surge_hold_hops=0)))
+    assert not any(p.alert for p in run(off, [0.0] * len(sustained), {"nvl_accel": sustained}))
+
+
+def test_surge_levels_count_only_above_and_not_when_missing() -> None:
+    f = np.zeros((3, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index("nvl_accel")] = [NVL_LEVEL, NVL_LEVEL + 0.01, np.nan]
+    assert [rule_names_of(b) for b in rule_hits(f).tolist()] == [[], ["nvlink_error_surge"], []]
+
+
+def test_surge_streak_survives_a_restore() -> None:
+    hold = RULES_ONLY.surge_hold_hops
+    a = FailurePredictor(stub_model(RULES_ONLY))
+    assert not any(p.alert for p in run(a, [0.0] * (hold - 1), {"nvl_accel": [NVL_LEVEL + 1] * (hold - 1)}))
+    b = FailurePredictor(stub_model(RULES_ONLY))
+    for key in a.keys():  # noqa: SIM118 - the processor contract's keys()
+        b.restore(key, json.loads(json.dumps(a.state(key))))
+    f = np.zeros((1, len(FEATURE_NAMES)))
+    f[0, FEATURE_NAMES.index("nvl_accel")] = NVL_LEVEL + 1
+    out, _ = b.process_arrays([("n1", 0)], np.array([1764547200.0 + 600.0 * hold]), f)
+    assert out and out[0].alert
 
 
 def test_model_alert_source_and_stable_ids() -> None:

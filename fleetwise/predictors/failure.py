@@ -64,7 +64,20 @@ RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
     "xid_bus_hop": "xid79_off_bus",
     "xid_mem_fatal_hop": "xid_fatal_memory",
 }
-RULE_NAMES: list[str] = list(RULES.values())
+# Error surges: feature -> (level, rule name). A hop above the level counts; the GPU is raised
+# once its hops have stayed above for AlertPolicy.surge_hold_hops. `nvl_accel` is the log of
+# the last hour's NVLink error rate (CRC, replay, recovery) against the GPU's own week (+0.1/h
+# each), so 3.8 is ~45x its own rate: a link wearing out, not its background. The level is 1.1x
+# the highest 2-hour level that any GPU which did not fail reached on the development traces
+# (the simulator's tuning members and one to two seeds of each telemetry generator written
+# apart from it). The same surge on PCIe replays (2.8) raised 45 healthy GPUs on the simulator's
+# shifted and far families, whose replay noise is burstier: left out (docs/benchmarks.md,
+# "Error surges").
+SURGE_RULES = {
+    "nvl_accel": (3.8, "nvlink_error_surge"),
+}
+SURGE_RULE_NAMES = frozenset(name for _, name in SURGE_RULES.values())
+RULE_NAMES: list[str] = [*RULES.values(), *(name for _, name in SURGE_RULES.values())]
 
 
 def feature_schema_hash(names: Sequence[str]) -> str:
@@ -112,6 +125,9 @@ class AlertPolicy:
     # single-bit errors").
     shared_sbe_peers: int = 2
     rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
+    # An error surge (SURGE_RULES) raises after this many consecutive hops above its level (2 h):
+    # a burst of link errors during a reset or a cable reseat lasts minutes. 0: surges off.
+    surge_hold_hops: int = 12
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -258,16 +274,17 @@ class FailureModel:
                    policy=AlertPolicy(**policy), metadata=meta, **bundle)
 
 
-_RULE_COLS = [FEATURE_NAMES.index(f) for f in RULES]
+_RULE_COLS = [FEATURE_NAMES.index(f) for f in (*RULES, *SURGE_RULES)]
+_RULE_LEVELS = np.array([0.0] * len(RULES) + [level for level, _ in SURGE_RULES.values()])
 
 
 def rule_hits(features: np.ndarray) -> np.ndarray:
-    """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r]
-    (a missing value hits nothing)."""
+    """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r] (an
+    event rule's feature > 0, a surge's above its level; a missing value hits nothing)."""
     f = np.nan_to_num(features[:, _RULE_COLS])
     bits = np.zeros(len(f), dtype=np.uint8)
     for r in range(len(_RULE_COLS)):
-        bits |= (f[:, r] > 0).astype(np.uint8) << r
+        bits |= (f[:, r] > _RULE_LEVELS[r]).astype(np.uint8) << r
     return bits
 
 
@@ -287,6 +304,7 @@ class _GpuAlert:
     raised_ts: float = 0.0
     peak: float = 0.0  # highest probability of the open (or last) model episode
     rearm_left: int = 0  # hops left in which a model re-raise needs p > peak + margin
+    surge: int = 0  # consecutive hops above an error-surge level
 
 
 class FailurePredictor:
@@ -380,15 +398,16 @@ class FailurePredictor:
             st.high = st.high + 1 if (p >= pol.hi and own) else 0
             st.high_memory = st.high_memory + 1 if (memory_driven[i] and p >= pol.hi_memory and own) else 0
             st.low = st.low + 1 if p < pol.lo else 0
-            if rule_hit[i]:
+            fired = _fired_rules(st, rule_hit[i], pol.surge_hold_hops)
+            if fired:
                 st.rule_left = pol.rule_hold_hops
             elif st.rule_left > 0:
                 st.rule_left -= 1
             if not st.alerting:
                 if st.rearm_left > 0:
                     st.rearm_left -= 1
-                if rule_hit[i]:
-                    st.alerting, st.source, st.raised_ts = True, "rule:" + ",".join(rule_hit[i]), float(ts[i])
+                if fired:
+                    st.alerting, st.source, st.raised_ts = True, "rule:" + ",".join(fired), float(ts[i])
                     st.peak = 0.0
                 elif (pol.model_alerts
                       and (st.high >= pol.k_raise or st.high_memory >= pol.k_raise_memory)
@@ -426,8 +445,9 @@ class FailurePredictor:
                 Signal(name=names[c], value=_num(x[i, c]), weight=round(float(contrib[j, c]), 4))
                 for c in top if contrib[j, c] > 0
             ]
-            for name in rule_hit[i]:
-                signals.append(Signal(name=f"rule:{name}", value=1.0, weight=None))
+            for name in rule_hit[i]:  # a surge hop is evidence; it raised only if `source` names it
+                kind = "surge" if name in SURGE_RULE_NAMES else "rule"
+                signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
             if shared[i] != SHARED_NONE and not alert:
                 pol = self.policy
@@ -457,6 +477,17 @@ class FailurePredictor:
 
     def forget(self, key: str) -> None:
         self._gpu.pop(key, None)
+
+
+def _fired_rules(st: _GpuAlert, hits: Sequence[str], surge_hold_hops: int) -> list[str]:
+    """The rules that raise in this hop: every event rule hit, and the surges hit once the
+    GPU's hops have stayed above a surge level for `surge_hold_hops` (advances its streak)."""
+    surges = [n for n in hits if n in SURGE_RULE_NAMES]
+    st.surge = st.surge + 1 if surges else 0
+    fired = [n for n in hits if n not in SURGE_RULE_NAMES]
+    if surges and 0 < surge_hold_hops <= st.surge:
+        fired += surges
+    return fired
 
 
 def _num(value: float) -> float | None:
