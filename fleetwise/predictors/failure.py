@@ -72,7 +72,7 @@ RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
 # (the simulator's tuning members and one to two seeds of each telemetry generator written
 # apart from it). The same surge on PCIe replays (2.8) raised 45 healthy GPUs on the simulator's
 # shifted and far families, whose replay noise is burstier: left out (docs/benchmarks.md,
-# "Error surges").
+# "Error surges as rules").
 SURGE_RULES = {
     "nvl_accel": (3.8, "nvlink_error_surge"),
 }
