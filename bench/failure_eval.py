@@ -288,6 +288,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # error surge alone), before anything ran on them.
     "judge14": _judgement((58, 59, 60), "h100-sxm:192,h200:128,a100-sxm-80gb:128,h20:64",
                          (49, 50, 51), "b300:192,b200:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-05, twenty-fourth session) for rule 12 (a 6-hour tier of NVLink / PCIe error
+    # rises), before anything ran on them.
+    "judge15": _judgement((61, 62, 63), "b200:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
+                         (52, 53, 54), "h200:192,b300:128,b100:128,a100-sxm-40gb:64"),
 }
 
 
