@@ -16,7 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_interval_invariance import HOP_S, _raises, _read_every, _samples_every_60s  # noqa: E402
+from test_interval_invariance import (  # noqa: E402
+    _raises,
+    _read_every,
+    _samples_every_60s,
+    alert_shift_allowed,
+)
 
 from fleetwise.predictors.failure import FailurePredictor  # noqa: E402
 
@@ -40,7 +45,7 @@ def main() -> None:
         same = all(r.keys() == base.keys() for r in by_read.values())
         gap = max((abs(ts - base[k]) for r in by_read.values() for k, ts in r.items() if k in base),
                   default=0.0)
-        ok = same and all(abs(ts - base[k]) <= every + 18 * HOP_S
+        ok = same and all(abs(ts - base[k]) <= alert_shift_allowed(every)
                           for every, r in by_read.items() for k, ts in r.items())
         held += ok
         print(f"seed {seed}: {'holds' if ok else 'differs'}; model alerts at {'/'.join(map(str, READS))} s: "
