@@ -84,7 +84,7 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
 
 
 RULES_ONLY = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=False)
-NVL_LEVEL = SURGE_RULES["nvl_accel"][0]
+NVL_LEVEL = next(r.level for r in SURGE_RULES if r.name == "nvlink_error_surge")
 
 
 def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
@@ -103,19 +103,44 @@ def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
     assert not any(p.alert for p in run(off, [0.0] * len(sustained), {"nvl_accel": sustained}))
 
 
-def test_surge_levels_count_only_above_and_not_when_missing() -> None:
+@pytest.mark.parametrize("rule", [r for r in SURGE_RULES if r.sustained], ids=lambda r: r.name)
+def test_sustained_surge_raises_after_its_longer_hold(rule) -> None:
+    hold = RULES_ONLY.rise_hold_hops
+    assert hold > RULES_ONLY.surge_hold_hops
+    above = rule.level + 0.05  # under every 2 h surge level: only the sustained tier can raise
+    # one hop at the level (not above) breaks the streak: two bursts one hop short never raise
+    bursts = [above] * (hold - 1) + [rule.level] + [above] * (hold - 1) + [0.0]
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts), {rule.feature: bursts})
+    assert not any(p.alert for p in out)
+    sustained = [0.0] + [above] * hold + [0.0]
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {rule.feature: sustained})
+    assert alert_series(out, len(sustained)).index(True) == hold
+    first = next(p for p in out if p.alert)
+    signals = {s.name: s.value for s in first.signals}
+    assert signals["source"] == f"rule:{rule.name}" and f"surge:{rule.name}" in signals
+    off = FailurePredictor(stub_model(replace(RULES_ONLY, rise_hold_hops=0)))
+    assert not any(p.alert for p in run(off, [0.0] * len(sustained), {rule.feature: sustained}))
+
+
+@pytest.mark.parametrize("rule", SURGE_RULES, ids=lambda r: r.name)
+def test_surge_levels_count_only_above_and_not_when_missing(rule) -> None:
     f = np.zeros((3, len(FEATURE_NAMES)))
-    f[:, FEATURE_NAMES.index("nvl_accel")] = [NVL_LEVEL, NVL_LEVEL + 0.01, np.nan]
-    assert [rule_names_of(b) for b in rule_hits(f).tolist()] == [[], ["nvlink_error_surge"], []]
+    f[:, FEATURE_NAMES.index(rule.feature)] = [rule.level, rule.level + 0.01, np.nan]
+    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+    assert hits == [False, True, False]
 
 
-def test_surge_streak_survives_a_restore() -> None:
+@pytest.mark.parametrize("saved", ["current", "before the sustained tier"])
+def test_surge_streak_survives_a_restore(saved: str) -> None:
     hold = RULES_ONLY.surge_hold_hops
     a = FailurePredictor(stub_model(RULES_ONLY))
     assert not any(p.alert for p in run(a, [0.0] * (hold - 1), {"nvl_accel": [NVL_LEVEL + 1] * (hold - 1)}))
     b = FailurePredictor(stub_model(RULES_ONLY))
     for key in a.keys():  # noqa: SIM118 - the processor contract's keys()
-        b.restore(key, json.loads(json.dumps(a.state(key))))
+        state = json.loads(json.dumps(a.state(key)))
+        if saved != "current":  # such checkpoints held the 2 h surge's streak as one number
+            state["surge"] = state["surge"][0]
+        b.restore(key, state)
     f = np.zeros((1, len(FEATURE_NAMES)))
     f[0, FEATURE_NAMES.index("nvl_accel")] = NVL_LEVEL + 1
     out, _ = b.process_arrays([("n1", 0)], np.array([1764547200.0 + 600.0 * hold]), f)

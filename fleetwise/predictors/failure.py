@@ -64,20 +64,36 @@ RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
     "xid_bus_hop": "xid79_off_bus",
     "xid_mem_fatal_hop": "xid_fatal_memory",
 }
-# Error surges: feature -> (level, rule name). A hop above the level counts; the GPU is raised
-# once its hops have stayed above for AlertPolicy.surge_hold_hops. `nvl_accel` is the log of
-# the last hour's NVLink error rate (CRC, replay, recovery) against the GPU's own week (+0.1/h
-# each), so 3.8 is ~45x its own rate: a link wearing out, not its background. The level is 1.1x
-# the highest 2-hour level that any GPU which did not fail reached on the development traces
-# (the simulator's tuning members and one to two seeds of each telemetry generator written
-# apart from it). The same surge on PCIe replays (2.8) raised 45 healthy GPUs on the simulator's
-# shifted and far families, whose replay noise is burstier: left out (docs/benchmarks.md,
-# "Error surges as rules").
-SURGE_RULES = {
-    "nvl_accel": (3.8, "nvlink_error_surge"),
-}
-SURGE_RULE_NAMES = frozenset(name for _, name in SURGE_RULES.values())
-RULE_NAMES: list[str] = [*RULES.values(), *(name for _, name in SURGE_RULES.values())]
+
+
+@dataclass(frozen=True)
+class SurgeRule:
+    """An error surge: a GPU whose `feature` stays above `level` for a hold of consecutive hops
+    (AlertPolicy.surge_hold_hops, or rise_hold_hops when `sustained`) is raised as rule `name`."""
+
+    feature: str
+    level: float
+    name: str
+    sustained: bool = False
+
+
+# `nvl_accel` / `pcie_accel` are the log of the last hour's NVLink error rate (CRC, replay,
+# recovery) / PCIe replay rate against the GPU's own week (+0.1/h each): 3.8 is ~45x its own
+# rate, a link wearing out, not its background. Each level is ~1.1x the highest level that any
+# GPU which did not fail held for the surge's hold on the development traces (the simulator's
+# tuning members and one to two seeds of each telemetry generator written apart from it;
+# `bench/surge_levels.py`). Held 2 h, PCIe replays (2.8) raised 45 healthy GPUs on the
+# simulator's shifted and far families, whose replay noise comes in bursts of hours; held 6 h
+# (the sustained tier) no healthy GPU's rose above 1.03 (docs/benchmarks.md, "Error surges as
+# rules").
+SURGE_RULES = (
+    SurgeRule("nvl_accel", 3.8, "nvlink_error_surge"),
+    SurgeRule("nvl_accel", 1.25, "nvlink_error_rise", sustained=True),
+    SurgeRule("pcie_accel", 1.15, "pcie_replay_rise", sustained=True),
+)
+_SURGE_NAMES = [rule.name for rule in SURGE_RULES]
+SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
+RULE_NAMES: list[str] = [*RULES.values(), *_SURGE_NAMES]
 
 
 def feature_schema_hash(names: Sequence[str]) -> str:
@@ -128,6 +144,8 @@ class AlertPolicy:
     # An error surge (SURGE_RULES) raises after this many consecutive hops above its level (2 h):
     # a burst of link errors during a reset or a cable reseat lasts minutes. 0: surges off.
     surge_hold_hops: int = 12
+    # The sustained surges (lower levels) after this many (6 h). 0: off.
+    rise_hold_hops: int = 36
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -274,8 +292,8 @@ class FailureModel:
                    policy=AlertPolicy(**policy), metadata=meta, **bundle)
 
 
-_RULE_COLS = [FEATURE_NAMES.index(f) for f in (*RULES, *SURGE_RULES)]
-_RULE_LEVELS = np.array([0.0] * len(RULES) + [level for level, _ in SURGE_RULES.values()])
+_RULE_COLS = [FEATURE_NAMES.index(f) for f in (*RULES, *(rule.feature for rule in SURGE_RULES))]
+_RULE_LEVELS = np.array([0.0] * len(RULES) + [rule.level for rule in SURGE_RULES])
 
 
 def rule_hits(features: np.ndarray) -> np.ndarray:
@@ -304,7 +322,7 @@ class _GpuAlert:
     raised_ts: float = 0.0
     peak: float = 0.0  # highest probability of the open (or last) model episode
     rearm_left: int = 0  # hops left in which a model re-raise needs p > peak + margin
-    surge: int = 0  # consecutive hops above an error-surge level
+    surge: tuple[int, ...] = ()  # per SURGE_RULES entry: consecutive hops above its level (() all 0)
 
 
 class FailurePredictor:
@@ -398,7 +416,7 @@ class FailurePredictor:
             st.high = st.high + 1 if (p >= pol.hi and own) else 0
             st.high_memory = st.high_memory + 1 if (memory_driven[i] and p >= pol.hi_memory and own) else 0
             st.low = st.low + 1 if p < pol.lo else 0
-            fired = _fired_rules(st, rule_hit[i], pol.surge_hold_hops)
+            fired = _fired_rules(st, rule_hit[i], pol)
             if fired:
                 st.rule_left = pol.rule_hold_hops
             elif st.rule_left > 0:
@@ -473,20 +491,30 @@ class FailurePredictor:
         return dict(vars(self._gpu[key]))
 
     def restore(self, key: str, state: dict) -> None:
-        self._gpu[key] = _GpuAlert(**state)
+        surge = state.get("surge", ())
+        if isinstance(surge, int):  # a checkpoint from before the sustained tier: the 2 h surge's streak
+            surge = (surge,) if surge else ()
+        self._gpu[key] = _GpuAlert(**{**state, "surge": tuple(surge)})
 
     def forget(self, key: str) -> None:
         self._gpu.pop(key, None)
 
 
-def _fired_rules(st: _GpuAlert, hits: Sequence[str], surge_hold_hops: int) -> list[str]:
-    """The rules that raise in this hop: every event rule hit, and the surges hit once the
-    GPU's hops have stayed above a surge level for `surge_hold_hops` (advances its streak)."""
-    surges = [n for n in hits if n in SURGE_RULE_NAMES]
-    st.surge = st.surge + 1 if surges else 0
+def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy) -> list[str]:
+    """The rules that raise in this hop: every event rule hit, and each surge hit once the GPU's
+    hops have stayed above its level for its hold (advances the GPU's surge streaks)."""
+    if not hits:
+        st.surge = ()
+        return []
     fired = [n for n in hits if n not in SURGE_RULE_NAMES]
-    if surges and 0 < surge_hold_hops <= st.surge:
-        fired += surges
+    before = st.surge
+    streaks = tuple((before[r] if r < len(before) else 0) + 1 if rule.name in hits else 0
+                    for r, rule in enumerate(SURGE_RULES))
+    st.surge = streaks if any(streaks) else ()
+    for rule, streak in zip(SURGE_RULES, streaks, strict=True):
+        hold = pol.rise_hold_hops if rule.sustained else pol.surge_hold_hops
+        if 0 < hold <= streak:
+            fired.append(rule.name)
     return fired
 
 
