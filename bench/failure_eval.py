@@ -292,6 +292,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # rises), before anything ran on them.
     "judge15": _judgement((61, 62, 63), "b200:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
                          (52, 53, 54), "h200:192,b300:128,b100:128,a100-sxm-40gb:64"),
+    # Drawn (2026-12-05, twenty-fourth session) after rule 12 shipped, for rule 13 (a single-bit
+    # error rise held a day), before anything ran on them.
+    "judge16": _judgement((64, 65, 66), "h100-sxm:192,b200:128,a100-sxm-40gb:128,h20:64",
+                         (55, 56, 57), "b300:192,h200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
