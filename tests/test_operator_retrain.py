@@ -125,11 +125,13 @@ def test_train_and_backtest_on_a_trace_with_labels_from_a_file(tmp_path: Path) -
     best = max(fit, key=lambda t: ([t[b]["caught"] for b in buckets], -t["false_alarms"]))
     assert choice["chosen"] == best["policy"]
     assert any(t["recall_all_30min"]["caught"] > 0 for t in fit)
-    # The target budget needs ~15,000 GPU-days without a false alarm: nothing is chosen, and the
-    # table says why.
+    # The target budget cannot be shown on ~48 GPU-days (with no false alarm it takes ~15,000; here
+    # the rules' NVLink rise calls a failure the operator's records lack, an XID 74 whose board is
+    # replaced after the trace ends): nothing is chosen, and the table says why (test_policy_choice
+    # pins each reason).
     res = runner.invoke(app, [*common, "--choose-policy", "--grid", ";".join(grid)])
     assert res.exit_code == 0, res.output
-    assert "14,979 GPU-days" in res.output and "--rules-only" in res.output
+    assert "chosen: no model policy" in res.output and "--rules-only" in res.output
     # The procedure's split by time, with the CLI alone: train on the first day, backtest the
     # second against the same labels file (the first day's failures are not the second's misses).
     mid = str(sim.config.start_ts + 86400)
