@@ -103,9 +103,12 @@ def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
     assert not any(p.alert for p in run(off, [0.0] * len(sustained), {"nvl_accel": sustained}))
 
 
-@pytest.mark.parametrize("rule", [r for r in SURGE_RULES if r.sustained], ids=lambda r: r.name)
+LONGER_HOLDS = [r for r in SURGE_RULES if r.hold != "surge_hold_hops"]
+
+
+@pytest.mark.parametrize("rule", LONGER_HOLDS, ids=lambda r: r.name)
 def test_sustained_surge_raises_after_its_longer_hold(rule) -> None:
-    hold = RULES_ONLY.rise_hold_hops
+    hold = getattr(RULES_ONLY, rule.hold)
     assert hold > RULES_ONLY.surge_hold_hops
     above = rule.level + 0.05  # under every 2 h surge level: only the sustained tier can raise
     # one hop at the level (not above) breaks the streak: two bursts one hop short never raise
@@ -118,7 +121,7 @@ def test_sustained_surge_raises_after_its_longer_hold(rule) -> None:
     first = next(p for p in out if p.alert)
     signals = {s.name: s.value for s in first.signals}
     assert signals["source"] == f"rule:{rule.name}" and f"surge:{rule.name}" in signals
-    off = FailurePredictor(stub_model(replace(RULES_ONLY, rise_hold_hops=0)))
+    off = FailurePredictor(stub_model(replace(RULES_ONLY, **{rule.hold: 0})))
     assert not any(p.alert for p in run(off, [0.0] * len(sustained), {rule.feature: sustained}))
 
 

@@ -69,12 +69,12 @@ RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
 @dataclass(frozen=True)
 class SurgeRule:
     """An error surge: a GPU whose `feature` stays above `level` for a hold of consecutive hops
-    (AlertPolicy.surge_hold_hops, or rise_hold_hops when `sustained`) is raised as rule `name`."""
+    (the AlertPolicy field named by `hold`) is raised as rule `name`."""
 
     feature: str
     level: float
     name: str
-    sustained: bool = False
+    hold: str = "surge_hold_hops"
 
 
 # `nvl_accel` / `pcie_accel` are the log of the last hour's NVLink error rate (CRC, replay,
@@ -88,8 +88,11 @@ class SurgeRule:
 # rules").
 SURGE_RULES = (
     SurgeRule("nvl_accel", 3.8, "nvlink_error_surge"),
-    SurgeRule("nvl_accel", 1.25, "nvlink_error_rise", sustained=True),
-    SurgeRule("pcie_accel", 1.15, "pcie_replay_rise", sustained=True),
+    SurgeRule("nvl_accel", 1.25, "nvlink_error_rise", hold="rise_hold_hops"),
+    SurgeRule("pcie_accel", 1.15, "pcie_replay_rise", hold="rise_hold_hops"),
+    # `sbe_accel`: the last 6 h's single-bit error rate against the GPU's week (+0.1/h), held a
+    # day: a benign burst or a lemon's background does not keep rising for 24 h.
+    SurgeRule("sbe_accel", 1.3, "single_bit_error_rise", hold="sbe_rise_hold_hops"),
 )
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
@@ -144,8 +147,10 @@ class AlertPolicy:
     # An error surge (SURGE_RULES) raises after this many consecutive hops above its level (2 h):
     # a burst of link errors during a reset or a cable reseat lasts minutes. 0: surges off.
     surge_hold_hops: int = 12
-    # The sustained surges (lower levels) after this many (6 h). 0: off.
+    # The sustained link-error surges (lower levels) after this many (6 h), the single-bit error
+    # rise after `sbe_rise_hold_hops` (24 h). 0: off.
     rise_hold_hops: int = 36
+    sbe_rise_hold_hops: int = 144
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -512,7 +517,7 @@ def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy) -> list[s
                     for r, rule in enumerate(SURGE_RULES))
     st.surge = streaks if any(streaks) else ()
     for rule, streak in zip(SURGE_RULES, streaks, strict=True):
-        hold = pol.rise_hold_hops if rule.sustained else pol.surge_hold_hops
+        hold = getattr(pol, rule.hold)
         if 0 < hold <= streak:
             fired.append(rule.name)
     return fired
