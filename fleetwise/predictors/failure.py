@@ -97,6 +97,8 @@ SURGE_RULES = (
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
 RULE_NAMES: list[str] = [*RULES.values(), *_SURGE_NAMES]
+if len(RULE_NAMES) > 8:  # rule_hits packs one bit per rule into a uint8 (stored with hop scores)
+    raise RuntimeError(f"{len(RULE_NAMES)} rules do not fit rule_hits' 8 bits")
 
 
 def feature_schema_hash(names: Sequence[str]) -> str:
