@@ -23,6 +23,7 @@ from fleetwise.predictors.training import compute_features_raw, raw_samples
 from fleetwise.sim import FleetSimulator, SimConfig
 
 HOP_S = 600.0
+INTERVALS = (60.0, 120.0, 300.0)
 
 
 def alert_shift_allowed(every: float) -> float:
@@ -30,7 +31,6 @@ def alert_shift_allowed(every: float) -> float:
     the 6 h hold plus one read (a hop's edge moves an error into the next hop, which can restart
     the hold)."""
     return every + 18 * HOP_S
-INTERVALS = (60.0, 120.0, 300.0)
 
 
 def _first_alerts(interval_s: float, predictor: FailurePredictor) -> dict[tuple[str, int], float]:
