@@ -296,6 +296,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # error rise held a day), before anything ran on them.
     "judge16": _judgement((64, 65, 66), "h100-sxm:192,b200:128,a100-sxm-40gb:128,h20:64",
                          (55, 56, 57), "b300:192,h200:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-05, twenty-fifth session) for link-error surges the node does not share,
+    # before anything ran on them.
+    "judge17": _judgement((67, 68, 69), "b200:192,a100-sxm-80gb:128,h100-sxm:128,h20:64",
+                         (58, 59, 60), "h200:192,b100:128,b300:128,a100-sxm-40gb:64"),
 }
 
 
