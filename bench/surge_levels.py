@@ -110,38 +110,44 @@ def main() -> None:
     for kind in ("fleet", "blind", "liquid", "cloud"):
         ap.add_argument(f"--{kind}-seeds", type=int, nargs="*", default=[])
     ap.add_argument("--holds", type=int, nargs="*", default=[12, 36], help="hops (10 min each)")
-    ap.add_argument("--levels", nargs="*", default=[], help="more levels to count, as feature=level")
+    ap.add_argument("--levels", nargs="*", default=[],
+                    help="more levels to count, as feature=level or feature|node_peer_count=level (unshared)")
     args = ap.parse_args()
     for path in SITE_GPUS.values():  # the generators' GPUs the packaged catalog lacks
         add_gpus(path.read_text("utf-8"), str(path))
-    levels: dict[str, set[float]] = defaultdict(set)
+    # Per (feature, node-peer count that must be 0 or ""): the levels to count.
+    levels: dict[tuple[str, str], set[float]] = defaultdict(set)
     for rule in SURGE_RULES:
-        levels[rule.feature].add(rule.level)
+        levels[rule.feature, rule.unshared].add(rule.level)
     for item in args.levels:
         feature, _, level = item.partition("=")
-        levels[feature].add(float(level))
-    features = sorted(levels)
-    pooled: dict[tuple[str, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+        feature, _, unshared = feature.partition("|")
+        levels[feature, unshared].add(float(level))
+    series = sorted(levels)
+    pooled: dict[tuple[tuple[str, str], int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for name, raw, labels in traces(args):
         table = compute_features_raw(raw)
         keys = [f"{node}/{gpu}" for node, gpu in table.keys]
         with_precursor, failed = failure_times(labels)
-        for feature in features:
+        for feature, unshared in series:
             x = table.features[:, FEATURE_NAMES.index(feature)]
+            if unshared:  # a hop a node peer shares holds nothing (SurgeRule.unshared)
+                x = np.where(table.features[:, FEATURE_NAMES.index(unshared)] == 0, x, np.nan)
             for hold in args.holds:
                 healthy, pre = held_levels(keys, table.ts, x, hold, with_precursor, failed)
-                pooled[feature, hold][0].extend(healthy)
-                pooled[feature, hold][1].extend(pre)
-                print(row(name, feature, hold, healthy, pre, levels[feature]), flush=True)
-    for (feature, hold), (healthy, pre) in sorted(pooled.items()):
-        print(row("pooled", feature, hold, healthy, pre, levels[feature]))
+                pooled[(feature, unshared), hold][0].extend(healthy)
+                pooled[(feature, unshared), hold][1].extend(pre)
+                print(row(name, feature, unshared, hold, healthy, pre, levels[feature, unshared]), flush=True)
+    for ((feature, unshared), hold), (healthy, pre) in sorted(pooled.items()):
+        print(row("pooled", feature, unshared, hold, healthy, pre, levels[feature, unshared]))
 
 
-def row(name: str, feature: str, hold: int, healthy: list[float], pre: list[float],
+def row(name: str, feature: str, unshared: str, hold: int, healthy: list[float], pre: list[float],
         levels: set[float]) -> str:
     top = sorted(healthy, reverse=True)[:2] + [float("nan")] * 2
     above = ", ".join(f"> {lv:g}: {sum(p > lv for p in pre)}" for lv in sorted(levels))
-    return (f"{name:18s} {feature:10s} held {hold:3d} hops | healthy GPUs {len(healthy)}: max {top[0]:.2f}, "
+    what = f"{feature} ({unshared} 0)" if unshared else feature
+    return (f"{name:18s} {what:10s} held {hold:3d} hops | healthy GPUs {len(healthy)}: max {top[0]:.2f}, "
             f"2nd {top[1]:.2f} | precursors {len(pre)}, {above}")
 
 

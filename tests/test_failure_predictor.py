@@ -89,18 +89,25 @@ NVL_LEVEL = next(r.level for r in SURGE_RULES if r.name == "nvlink_error_surge")
 
 def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
     hold = RULES_ONLY.surge_hold_hops
-    # two bursts one hop short of the hold, a dip between them: never raised
-    bursts = [NVL_LEVEL + 1] * (hold - 1) + [NVL_LEVEL - 0.1] + [NVL_LEVEL + 1] * (hold - 1) + [0.0]
+    # two bursts one hop short of the hold, a quiet hop between them: never raised
+    bursts = [NVL_LEVEL + 1] * (hold - 1) + [0.0] + [NVL_LEVEL + 1] * (hold - 1) + [0.0]
     out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts), {"nvl_accel": bursts})
     assert not any(p.alert for p in out)
     sustained = [0.0] + [NVL_LEVEL + 1] * hold + [0.0]
-    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {"nvl_accel": sustained})
+    # another GPU of the node erring too: this surge raises all the same (the unshared one not)
+    extra = {"nvl_accel": sustained, "node_nvl_peers_1h": [1.0] * len(sustained)}
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), extra)
     assert alert_series(out, len(sustained)).index(True) == hold  # the hold-th hop above raises
     first = next(p for p in out if p.alert)
     signals = {s.name: s.value for s in first.signals}
     assert signals["source"] == "rule:nvlink_error_surge" and "surge:nvlink_error_surge" in signals
     off = FailurePredictor(stub_model(replace(RULES_ONLY, surge_hold_hops=0)))
     assert not any(p.alert for p in run(off, [0.0] * len(sustained), {"nvl_accel": sustained}))
+    # alone, both surges of the hop raise together
+    alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {"nvl_accel": sustained})
+    first = next(p for p in alone if p.alert)
+    source = {s.name: s.value for s in first.signals}["source"]
+    assert source == "rule:nvlink_error_surge,nvlink_surge_unshared"
 
 
 LONGER_HOLDS = [r for r in SURGE_RULES if r.hold != "surge_hold_hops"]
@@ -131,6 +138,36 @@ def test_surge_levels_count_only_above_and_not_when_missing(rule) -> None:
     f[:, FEATURE_NAMES.index(rule.feature)] = [rule.level, rule.level + 0.01, np.nan]
     hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
     assert hits == [False, True, False]
+
+
+UNSHARED = [r for r in SURGE_RULES if r.unshared]
+
+
+@pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
+def test_unshared_surge_counts_only_hops_no_node_peer_shares(rule) -> None:
+    f = np.zeros((4, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
+    f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, 1.0, 3.0, np.nan]
+    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+    assert hits == [True, False, False, False]
+
+
+@pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
+def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
+    hold = getattr(RULES_ONLY, rule.hold)
+    # above the unshared level, under every other surge level of the feature held this long
+    others = [r.level for r in SURGE_RULES if r.feature == rule.feature and r.level > rule.level]
+    above = (rule.level + min(others)) / 2 if others else rule.level + 0.1
+    sustained = [0.0] + [above] * hold + [0.0]
+    alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {rule.feature: sustained})
+    assert alert_series(alone, len(sustained)).index(True) == hold
+    first = next(p for p in alone if p.alert)
+    assert {s.name: s.value for s in first.signals}["source"] == f"rule:{rule.name}"
+    # the same surge while one other GPU of the node errs on that link in its last hop: never raised
+    peer = [0.0] * hold + [1.0] + [0.0]
+    shared = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
+                 {rule.feature: sustained, rule.unshared: peer})
+    assert not any(p.alert for p in shared)
 
 
 @pytest.mark.parametrize("saved", ["current", "before the sustained tier"])
