@@ -5,10 +5,11 @@ Per trace, per GPU and per (feature, hold): the highest level the feature stayed
 `hold` consecutive hops (a sliding minimum over the GPU's hops, then its maximum; a missing value
 holds nothing). GPUs that never failed give the healthy side; each failure with a precursor
 (labels: `precursor_start_ts`, not `abrupt`, as `fleetwise backtest` reads them) gives the
-highest held level whose last hop falls 48 h to 30 min before it. Prints per set the healthy
-maximum and runner-up and how many precursors held above each level (the levels of SURGE_RULES
-on that feature, and any given with --levels), then the same pooled. The development look behind
-the surge rules (docs/benchmarks.md, "Error surges as rules"):
+highest held level whose last hop falls 48 h to 30 min before it. A rule's node-peer condition
+(`SurgeRule.unshared`) applies to its series: a hop that a node peer shares holds nothing.
+Prints per set the healthy maximum and runner-up and how many precursors held above each level
+(the levels of SURGE_RULES on that feature, and any given with --levels), then the same pooled.
+The development look behind the surge rules (docs/benchmarks.md, "Error surges as rules"):
 
     .venv/bin/python bench/surge_levels.py --cache /tmp/fw16/cache \\
         --sim val-dr-100 val-dr-101 val-dr-102 fa-val-dr-110 shifted-57 far-48 \\
