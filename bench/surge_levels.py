@@ -35,8 +35,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from fleetwise.catalog.gpus import add_gpus
-from fleetwise.predictors.failure import SURGE_RULES
-from fleetwise.predictors.features import FEATURE_NAMES
+from fleetwise.predictors.failure import SURGE_RULES, SurgeRule, surge_values
 from fleetwise.predictors.training import compute_features_raw, raw_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -131,9 +130,7 @@ def main() -> None:
         keys = [f"{node}/{gpu}" for node, gpu in table.keys]
         with_precursor, failed = failure_times(labels)
         for feature, unshared in series:
-            x = table.features[:, FEATURE_NAMES.index(feature)]
-            if unshared:  # a hop a node peer shares holds nothing (SurgeRule.unshared)
-                x = np.where(table.features[:, FEATURE_NAMES.index(unshared)] == 0, x, np.nan)
+            x = surge_values(table.features, SurgeRule(feature, 0.0, "", unshared=unshared))
             for hold in args.holds:
                 healthy, pre = held_levels(keys, table.ts, x, hold, with_precursor, failed)
                 pooled[(feature, unshared), hold][0].extend(healthy)

@@ -182,6 +182,15 @@ class AlertPolicy:
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
 
 
+# A surge rule names its hold (an AlertPolicy field) and its features as strings: a misspelt
+# one fails here, at import, not at the first hop.
+_UNKNOWN = [rule.name for rule in SURGE_RULES
+            if rule.hold not in AlertPolicy.__dataclass_fields__
+            or any(f and f not in _FEATURE_INDEX for f in (rule.feature, rule.unshared))]
+if _UNKNOWN:
+    raise RuntimeError(f"surge rules naming an unknown hold or feature: {_UNKNOWN}")
+
+
 def policy_from_spec(text: str, base: AlertPolicy | None = None) -> AlertPolicy:
     """`base` (default `AlertPolicy()`) with the thresholds of 'hi,k,k_memory[,hi_memory]'
     (lo = hi / 2; hi_memory defaults to hi, which leaves the memory tier as the general rule
@@ -308,23 +317,27 @@ class FailureModel:
                    policy=AlertPolicy(**policy), metadata=meta, **bundle)
 
 
-_RULE_COLS = [FEATURE_NAMES.index(f) for f in (*RULES, *(rule.feature for rule in SURGE_RULES))]
-_RULE_LEVELS = np.array([0.0] * len(RULES) + [rule.level for rule in SURGE_RULES])
-_UNSHARED = [(len(RULES) + r, FEATURE_NAMES.index(rule.unshared))
-             for r, rule in enumerate(SURGE_RULES) if rule.unshared]
+_EVENT_COLS = [_FEATURE_INDEX[f] for f in RULES]
+
+
+def surge_values(features: np.ndarray, rule: SurgeRule) -> np.ndarray:
+    """Per row of a FEATURE_NAMES matrix, the value `rule` compares with its level: its feature,
+    missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0)."""
+    x = features[:, _FEATURE_INDEX[rule.feature]]
+    if rule.unshared:  # a missing peer count is not 0: the hop counts for nothing
+        x = np.where(features[:, _FEATURE_INDEX[rule.unshared]] == 0, x, np.nan)
+    return x
 
 
 def rule_hits(features: np.ndarray) -> np.ndarray:
     """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r] (an
-    event rule's feature > 0, a surge's above its level and, if unshared, no node peer erring; a
-    missing value hits nothing)."""
-    f = np.nan_to_num(features[:, _RULE_COLS])
-    hit = f > _RULE_LEVELS
-    for r, peers in _UNSHARED:
-        hit[:, r] &= features[:, peers] == 0  # a missing peer count is not 0: no hit
-    bits = np.zeros(len(f), dtype=np.uint16)
-    for r in range(len(_RULE_COLS)):
-        bits |= hit[:, r].astype(np.uint16) << r
+    event rule's feature > 0, a surge's `surge_values` above its level; a missing value hits
+    nothing)."""
+    hits = [features[:, c] > 0 for c in _EVENT_COLS]
+    hits += [surge_values(features, rule) > rule.level for rule in SURGE_RULES]
+    bits = np.zeros(len(features), dtype=np.uint16)
+    for r, hit in enumerate(hits):
+        bits |= hit.astype(np.uint16) << r
     return bits
 
 
