@@ -300,6 +300,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # before anything ran on them.
     "judge17": _judgement((67, 68, 69), "b200:192,a100-sxm-80gb:128,h100-sxm:128,h20:64",
                          (58, 59, 60), "h200:192,b100:128,b300:128,a100-sxm-40gb:64"),
+    # Drawn (2026-12-06, twenty-sixth session) for the model's alerts as the default with longer
+    # holds for thermal- and single-bit-driven risk, before anything ran on them.
+    "judge18": _judgement((70, 71, 72), "h100-sxm:192,b300:128,a100-sxm-40gb:128,h20:64",
+                         (61, 62, 63), "b200:192,h200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
