@@ -893,9 +893,9 @@ def replay(
                                        "Default: each file in turn, line by line."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the model's policy says; the packaged model's: the rules "
-                                             "alone; --model-alerts adds the model's, after 6 h at p >= "
-                                             "0.97)."),
+                                             "as the model's policy says; the packaged model's: both, the "
+                                             "model's after 6 h at p >= 0.97, 12 h where single-bit errors "
+                                             "drive the risk, 18 h where heat does)."),
     trends: Path | None = typer.Option(None, "--trends", help="Also write thermal headroom and "
                                        "utilisation per rack and site, per event-time hour (JSON lines; "
                                        "the report shows them whenever --report is given)."),
@@ -1864,8 +1864,9 @@ def predictor_train(
                                       "--choose-policy`)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Store a policy "
                                              "in which the model raises alerts beside the rules, or the "
-                                             "rules alone (default: both with a --policy, else the rules "
-                                             "alone, until a backtest on your fleet shows the model pays)."),
+                                             "rules alone (default: both, as the packaged policy; "
+                                             "--rules-only where a backtest on your fleet shows the model "
+                                             "does not pay)."),
     fit_seed: int = typer.Option(0, help="Seed of the model fit (subsampling, calibration split)."),
     cache: Path | None = typer.Option(None, "--cache", help="Keep simulated traces here (raw arrays; "
                                       "a rerun with the same settings skips the simulation)."),
@@ -2158,9 +2159,9 @@ def worker(
                                        help="Operator policy file (YAML)."),
     model_alerts: bool | None = typer.Option(None, "--model-alerts/--rules-only", help="Failure alerts "
                                              "from the model beside the rules, or the rules alone (default: "
-                                             "as the model's policy says; the packaged model's: the rules "
-                                             "alone; --model-alerts adds the model's, after 6 h at p >= "
-                                             "0.97)."),
+                                             "as the model's policy says; the packaged model's: both, the "
+                                             "model's after 6 h at p >= 0.97, 12 h where single-bit errors "
+                                             "drive the risk, 18 h where heat does)."),
 ) -> None:
     """Run a stream worker: telemetry from Kafka through the control plane, outputs to Kafka.
 

@@ -46,7 +46,8 @@ def stub_model(policy: AlertPolicy | None = None) -> FailureModel:
         classifier=_ColumnClassifier(), calibrator=_Identity(), lead_regressor=None,
         feature_names=list(MODEL_FEATURES), baseline_median=np.zeros(n), baseline_scale=np.ones(n),
         importance=np.ones(n) / n, horizon_h=48.0,
-        policy=policy or AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=True),
+        policy=policy or AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
+                                     model_alerts=True),
     )
 
 
@@ -83,7 +84,8 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
     assert sources["source"] == "rule:xid79_off_bus" and "rule:xid79_off_bus" in sources
 
 
-RULES_ONLY = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=False)
+RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
+                         model_alerts=False)
 NVL_LEVEL = next(r.level for r in SURGE_RULES if r.name == "nvlink_error_surge")
 
 
@@ -264,8 +266,8 @@ def test_predictions_carry_the_gpus_job_and_rank() -> None:
 def test_memory_driven_risk_raises_on_a_lower_probability_that_persists() -> None:
     from fleetwise.predictors.failure import MEMORY_PREFIXES
 
-    pol = AlertPolicy(hi=0.8, lo=0.3, k_raise=2, hi_memory=0.5, k_raise_memory=4, m_clear=3,
-                      model_alerts=True)
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.8, lo=0.3, k_raise=2, hi_memory=0.5,
+                      k_raise_memory=4, m_clear=3, model_alerts=True)
     model = stub_model(pol)
     mem_col = MODEL_FEATURES.index("sbe_vol_1h")
     assert MODEL_FEATURES[mem_col].startswith(MEMORY_PREFIXES)
@@ -294,8 +296,8 @@ def test_policy_replay_with_memory_driven_rows_matches_the_stream() -> None:
     process_arrays does."""
     rng = np.random.default_rng(11)
     n = 600
-    pol = AlertPolicy(hi=0.9, lo=0.3, k_raise=2, hi_memory=0.5, k_raise_memory=4, m_clear=3,
-                      model_alerts=True)
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.9, lo=0.3, k_raise=2, hi_memory=0.5,
+                      k_raise_memory=4, m_clear=3, model_alerts=True)
     model = stub_model(pol)
     model.importance = np.zeros(len(MODEL_FEATURES))
     model.importance[[MODEL_FEATURES.index("sbe_vol_1h"), MODEL_FEATURES.index("nvl_crc_flit_1h")]] = 0.5
@@ -324,7 +326,8 @@ def test_thermal_risk_does_not_raise_while_the_nodes_other_gpus_run_warm_too() -
     from fleetwise.predictors.failure import THERMAL_PREFIXES
 
     assert RISK.startswith(THERMAL_PREFIXES)  # the stub's probability column is a thermal signal
-    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, model_alerts=True)  # shared_heat_peers 2
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
+                      model_alerts=True)  # shared_heat_peers 2
     high = [0.9] * 6
 
     def alerts(peers: list[float], policy: AlertPolicy = pol, extra: dict | None = None) -> list[bool]:
@@ -349,8 +352,8 @@ def test_thermal_risk_does_not_raise_while_the_nodes_other_gpus_run_warm_too() -
 def test_single_bit_risk_does_not_raise_while_the_nodes_other_gpus_log_them_too() -> None:
     """shared_sbe_peers: risk driven by single-bit errors, with that many other GPUs of the node
     logging them in 6 h, holds back both tiers."""
-    pol = AlertPolicy(hi=0.8, lo=0.3, k_raise=2, hi_memory=0.5, k_raise_memory=2, m_clear=3,
-                      model_alerts=True, shared_sbe_peers=2)
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.8, lo=0.3, k_raise=2, hi_memory=0.5,
+                      k_raise_memory=2, m_clear=3, model_alerts=True, shared_sbe_peers=2)
     model = stub_model(pol)
     model.importance = np.zeros(len(MODEL_FEATURES))
     model.importance[MODEL_FEATURES.index("sbe_active_6h")] = 1.0
@@ -384,24 +387,30 @@ def test_policy_replay_with_shared_heat_matches_the_stream() -> None:
     f = np.zeros((n, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(RISK)] = np.clip(np.cumsum(rng.normal(0, 0.12, n)) % 1.1, 0, 1)
     f[:, FEATURE_NAMES.index("node_warm_peers_1h")] = np.where((np.arange(n) // 60) % 3 == 0, 2.0, 0.0)
-    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=3, m_clear=3, model_alerts=True)
+    # the heat hold (6 hops against k_raise 3) is replayed too; a link-driven stretch has none
+    f[:, FEATURE_NAMES.index("nvl_crc_flit_1h")] = np.where((np.arange(n) // 150) % 2 == 1, 50.0, 0.0)
+    pol = AlertPolicy(k_raise_thermal=6, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=3, m_clear=3,
+                      model_alerts=True)
     stream, prob = FailurePredictor(stub_model(pol)).process_arrays(keys, ts, f)
     replayer = FailurePredictor(stub_model(pol))
     watch = np.flatnonzero(prob >= WATCH_FLOOR)
-    memory, shared = np.zeros(n, bool), np.zeros(n, bool)
-    memory[watch], shared[watch] = replayer.risk_drivers(f[watch].astype(np.float32), prob[watch])
-    rows, states = replayer.advance_policy(keys, ts, prob, memory, [[] for _ in range(n)], shared)
+    memory, shared, driven = np.zeros(n, bool), np.zeros(n, np.int8), np.zeros(n, np.int8)
+    memory[watch], shared[watch], driven[watch] = replayer.risk_drivers(f[watch].astype(np.float32),
+                                                                        prob[watch])
+    rows, states = replayer.advance_policy(keys, ts, prob, memory, [[] for _ in range(n)], shared, driven)
     replayed = [(keys[i], ts[i], alert) for i, (alert, _, _) in zip(rows, states, strict=True)]
     assert [((p.node, p.gpu), p.ts, p.alert) for p in stream] == replayed
-    assert shared.any() and any(a for *_, a in replayed)
-    # and the shared heat changed something: without it the stream raises elsewhere
-    unchecked, _ = FailurePredictor(stub_model(replace(pol, shared_heat_peers=0))).process_arrays(keys, ts, f)
-    assert [p.alert for p in unchecked] != [p.alert for p in stream]
+    assert shared.any() and driven.any() and not driven.all() and any(a for *_, a in replayed)
+    # and the shared heat and the heat hold each changed something: without either the stream
+    # raises elsewhere
+    for off in ({"shared_heat_peers": 0}, {"k_raise_thermal": 0}):
+        unchecked, _ = FailurePredictor(stub_model(replace(pol, **off))).process_arrays(keys, ts, f)
+        assert [p.alert for p in unchecked] != [p.alert for p in stream], off
 
 
 def test_a_model_stored_before_the_memory_threshold_keeps_its_meaning(tmp_path) -> None:
     """k_raise_memory in older metadata meant hops at hi: loading it sets hi_memory = hi."""
-    model = stub_model(AlertPolicy(hi=0.9, k_raise=3, k_raise_memory=12))
+    model = stub_model(AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.9, k_raise=3, k_raise_memory=12))
     model.classifier = model.calibrator = model.lead_regressor = None  # joblib-able
     model.save(tmp_path)
     meta = json.loads((tmp_path / "failure_model.json").read_text())
@@ -441,8 +450,8 @@ def test_policy_replay_from_stored_probabilities_matches_the_stream() -> None:
 def test_same_evidence_does_not_raise_the_gpu_again() -> None:
     """After a model alert clears, the same GPU is raised again within `rearm_hops` only on
     stronger evidence (p above the cleared episode's peak + margin); after that, as usual."""
-    pol = AlertPolicy(hi=0.6, lo=0.3, k_raise=2, m_clear=3, rearm_hops=10, rearm_margin=0.05,
-                      model_alerts=True)
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3, rearm_hops=10,
+                      rearm_margin=0.05, model_alerts=True)
     first = [0.7, 0.7, 0.7, 0.1, 0.1, 0.1]  # raise at hop 2, clear at hop 6 (peak 0.7)
     same = [0.7, 0.7, 0.72, 0.1, 0.1, 0.1]  # the decaying burst comes back: no new alert
     stronger = [0.9, 0.9]  # new, stronger evidence inside the window: raised
@@ -462,18 +471,45 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
 
 def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:
     """The packaged hold: the model raises only after 6 h (36 hops) at p >= hi; an episode of
-    high risk that ends sooner (a benign burst, a lemon's noisy hours) raises nothing."""
-    assert not AlertPolicy().model_alerts  # the rules alone by default; the hold, once turned on:
-    pol = replace(AlertPolicy(), model_alerts=True)
-    assert pol.k_raise == pol.k_raise_memory == 36
+    high risk that ends sooner (a benign burst, a lemon's noisy hours) raises nothing. The stub's
+    risk column is thermal, so a link feature carries these hops' signal."""
+    pol = AlertPolicy()
+    assert pol.model_alerts and pol.k_raise == pol.k_raise_memory == 36
+    link = {"nvl_crc_flit_1h": [50.0] * 45}
     burst = [0.99] * 35 + [0.1] * 10
-    assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst), len(burst)))
+    assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst, link), len(burst)))
     sustained = [0.1] * 5 + [0.99] * 40
-    alerts = alert_series(run(FailurePredictor(stub_model(pol)), sustained), len(sustained))
+    alerts = alert_series(run(FailurePredictor(stub_model(pol)), sustained, link), len(sustained))
     assert alerts.index(True) == 5 + 35  # the 36th hop at risk
-    # Memory-driven risk waits as long (no lower tier): the same burst of single-bit errors.
-    sbe = {"sbe_active_6h": [1.0] * len(burst), "sbe_vol_6h": [500.0] * len(burst)}
-    assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst, sbe), len(burst)))
+    # Memory-driven risk waits as long (no lower tier): the same burst of memory repairs.
+    repairs = {"mem_repairs_24h": [50.0] * len(burst)}
+    assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst, repairs), len(burst)))
+
+
+def raised_at(pol: AlertPolicy, n: int, extra: dict[str, list[float]] | None = None) -> int | None:
+    """The hop (0-based) where n hops at p = 0.99 first raise, or None."""
+    alerts = alert_series(run(FailurePredictor(stub_model(pol)), [0.99] * n, extra), n)
+    return alerts.index(True) if True in alerts else None
+
+
+def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
+    """A streak with a thermal-driven hop among its last 36 raises after 108 hops (18 h), one
+    with a single-bit-driven hop after 72 (12 h), in either tier; other causes after 36."""
+    pol = AlertPolicy()
+    assert (pol.k_raise_thermal, pol.k_raise_sbe) == (108, 72)
+    n = 130
+    assert raised_at(pol, n) == 107  # the stub's risk column is thermal
+    assert raised_at(pol, 107) is None
+    assert raised_at(pol, n, {"sbe_active_6h": [50.0] * n}) == 71  # memory tier (36) held too
+    assert raised_at(pol, n, {"mem_repairs_24h": [50.0] * n}) == 35
+    # One thermal-driven hop (the 21st) in a link-driven streak: it raises once that hop is 36
+    # hops back, not at the 36th.
+    link = [50.0] * n
+    link[20] = 0.0
+    assert raised_at(pol, n, {"nvl_crc_flit_1h": link}) == 20 + 36
+    # Off (0): the general hold.
+    assert raised_at(replace(pol, k_raise_thermal=0), n) == 35
+    assert raised_at(replace(pol, k_raise_sbe=0), n, {"sbe_active_6h": [50.0] * n}) == 35
 
 
 def test_policy_spec_sets_the_thresholds_over_a_base_and_names_a_bad_one() -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fleetwise.predictors.failure import FailurePredictor
+from fleetwise.predictors.failure import AlertPolicy, FailurePredictor
 from fleetwise.predictors.features import FEATURE_NAMES
 from fleetwise.predictors.training import compute_features_raw, raw_samples
 from fleetwise.sim import FleetSimulator, SimConfig
@@ -28,9 +28,10 @@ INTERVALS = (60.0, 120.0, 300.0)
 
 def alert_shift_allowed(every: float) -> float:
     """How far (s) a model alert may move when the same events are read every `every` s: half
-    the 6 h hold plus one read (a hop's edge moves an error into the next hop, which can restart
-    the hold)."""
-    return every + 18 * HOP_S
+    the longest hold plus one read (a hop's edge moves an error into the next hop, which can
+    restart the hold, or make a hop thermal-driven, which lengthens it to 18 h)."""
+    pol = AlertPolicy()
+    return every + max(pol.k_raise, pol.k_raise_thermal, pol.k_raise_sbe) / 2 * HOP_S
 
 
 def _first_alerts(interval_s: float, predictor: FailurePredictor) -> dict[tuple[str, int], float]:

@@ -46,8 +46,9 @@ def predictor() -> FailurePredictor:
 
 def test_replay_raises_after_the_hold(predictor: FailurePredictor) -> None:
     scores, labels = _scores(gpu_days=2.0)
-    m, preds = replay_policy(scores, labels, predictor, AlertPolicy(hi=0.97, k_raise=6, k_raise_memory=6,
-                                                                       model_alerts=True))
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.97, k_raise=6, k_raise_memory=6,
+                      model_alerts=True)
+    m, preds = replay_policy(scores, labels, predictor, pol)
     raises = sorted((p["node"], p["ts"]) for p in preds if p["alert"])
     # One hour at >= 0.97: the failing GPU 19 h ahead and the burst after an hour of it.
     assert raises == [("n0", T_FAIL - 19 * HOUR), ("n1", 11 * HOUR)]
@@ -65,7 +66,8 @@ def test_replay_holds_back_heat_the_node_shares(predictor: FailurePredictor) -> 
     row[model.cols] = model.baseline_median
     resid = FEATURE_NAMES.index("temp_residual_6h")
     row[resid] += 1000.0 * model.baseline_scale[model.feature_names.index("temp_residual_6h")]
-    pol = AlertPolicy(hi=0.97, k_raise=6, k_raise_memory=6, model_alerts=True)
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.97, k_raise=6, k_raise_memory=6,
+                      model_alerts=True)
 
     def raised(warm_peers: float) -> list[tuple[str, float]]:
         x = np.tile(row, (len(watch), 1))

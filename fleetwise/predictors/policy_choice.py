@@ -139,8 +139,9 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
     replayer = FailurePredictor(predictor.model, policy)
     memory = np.zeros(len(scores.prob), dtype=bool)
     shared = np.zeros(len(scores.prob), dtype=np.int8)
+    driven = np.zeros(len(scores.prob), dtype=np.int8)
     if len(scores.watch):
-        memory[scores.watch], shared[scores.watch] = replayer.risk_drivers(
+        memory[scores.watch], shared[scores.watch], driven[scores.watch] = replayer.risk_drivers(
             scores.watch_x, scores.prob[scores.watch])
     # GPUs that never reach hi (or hi_memory) and hit no rule never alert: skip them (same result).
     can = np.zeros(len(scores.keys), dtype=bool)
@@ -150,7 +151,7 @@ def replay_policy(scores: HopScores, labels: Sequence[Mapping[str, Any]], predic
     keys = [scores.keys[s] for s in scores.slots[rows].tolist()]
     hits = [rule_names_of(b) for b in scores.rules[rows].tolist()]
     emit, states = replayer.advance_policy(
-        keys, scores.ts[rows], scores.prob[rows], memory[rows], hits, shared[rows])
+        keys, scores.ts[rows], scores.prob[rows], memory[rows], hits, shared[rows], driven[rows])
     preds = []
     for j, (alert, source, was) in zip(emit, states, strict=True):
         if alert != was:  # raises and clears are all an episode needs
