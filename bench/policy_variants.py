@@ -1,0 +1,119 @@
+"""Alert-policy variants replayed over the generators' traces, scored once (a development look).
+
+The packaged model's probability of each GPU-hop does not depend on the alert policy, so each
+trace of the telemetry generators written apart from the project (`bench/independent_eval.py`)
+is scored once (`policy_choice.score_hops`, cached as a pickle next to the trace) and every
+variant of the packaged policy is replayed over the scores (`replay_policy`, the stream
+worker's policy step), pooled per generator: false alarms (per 1,000 GPU-days), long-precursor
+recall at 12 h, any-precursor recall at 30 min. A variant names AlertPolicy fields; `rules`
+is the rules alone, `packaged` the packaged policy as it is.
+
+    .venv/bin/python bench/policy_variants.py --fleet-seeds 42 43 --blind-seeds 32 --liquid-seeds 46 \\
+        --cloud-seeds 36 37 --variants packaged rules k_raise_thermal=36,k_raise_sbe=36 k_raise_thermal=72
+
+Only for looking at development seeds: a variant chosen here is judged on fresh seeds
+(`bench/independent_eval.py`) and simulator members (`bench/failure_eval.py --targets`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import pickle
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from independent_eval import INTERVAL_S, SITE_GPUS, generate  # noqa: E402
+
+from fleetwise.catalog.gpus import add_gpus  # noqa: E402
+from fleetwise.predictors.failure import AlertPolicy, FailurePredictor  # noqa: E402
+from fleetwise.predictors.policy_choice import HopScores, replay_policy, score_hops  # noqa: E402
+
+BUCKETS = ("recall_long_precursor_12h", "recall_with_precursor_30min")
+
+
+def gpu_samples(trace: Path) -> Iterator[dict[str, Any]]:
+    """GPU sample dicts of a generator's trace (sample lines and node batches)."""
+    with gzip.open(trace, "rt") as fh:
+        for line in fh:
+            r = json.loads(line)
+            if "metrics" in r:
+                yield r
+            elif "samples" in r:
+                yield from r["samples"]
+
+
+def variant(spec: str, packaged: AlertPolicy) -> AlertPolicy:
+    """'rules', 'packaged', or 'field=value,...' over the packaged policy with the model's alerts on."""
+    if spec == "rules":
+        return dataclasses.replace(packaged, model_alerts=False)
+    if spec == "packaged":
+        return packaged
+    fields = {f.name: f.type for f in dataclasses.fields(AlertPolicy)}
+    values: dict[str, Any] = {}
+    for item in spec.split(","):
+        name, _, text = item.partition("=")
+        if name not in fields or not text:
+            raise SystemExit(f"variant {spec!r}: {name!r} is not an AlertPolicy field=value")
+        kind = type(getattr(packaged, name))
+        values[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
+    return dataclasses.replace(packaged, model_alerts=True, **values)
+
+
+def hop_scores(trace_dir: Path, predictor: FailurePredictor) -> HopScores:
+    cache = trace_dir / f"hop-scores-{predictor.model.metadata.get('version', 'model')}.pkl"
+    if cache.exists():
+        return pickle.loads(cache.read_bytes())
+    scores = score_hops(gpu_samples(trace_dir / "trace.jsonl.gz"), predictor)
+    cache.write_bytes(pickle.dumps(scores))
+    return scores
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for kind in INTERVAL_S:
+        ap.add_argument(f"--{kind}-seeds", type=int, nargs="*", default=[])
+    ap.add_argument("--variants", nargs="+", default=["packaged", "rules"])
+    ap.add_argument("--gpus", type=int, default=256)
+    ap.add_argument("--days", type=float, default=14.0)
+    ap.add_argument("--failure-rate", type=float, default=30.0, help="per 1,000 GPU-days")
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-independent"))
+    args = ap.parse_args()
+    for path in SITE_GPUS.values():
+        add_gpus(path.read_text(), str(path))
+    predictor = FailurePredictor.load()
+    policies = [(spec, variant(spec, predictor.policy)) for spec in args.variants]
+    pooled: dict[tuple[str, str], list[float]] = {}
+    for kind in INTERVAL_S:
+        for seed in getattr(args, f"{kind}_seeds"):
+            d = generate(kind, seed, args.cache, gpus=args.gpus, days=args.days, interval=INTERVAL_S[kind],
+                         failures_per_1000_gpu_days=args.failure_rate)
+            scores = hop_scores(d, predictor)
+            labels = [json.loads(x) for x in (d / "labels.jsonl").read_text().splitlines() if x.strip()]
+            for spec, policy in policies:
+                m, _ = replay_policy(scores, labels, predictor, policy)
+                row = pooled.setdefault((spec, kind), [0, 0.0] + [0] * 2 * len(BUCKETS))
+                row[0] += m["false_alerts"]
+                row[1] += scores.gpu_days
+                for i, b in enumerate(BUCKETS):
+                    row[2 + 2 * i] += m[b]["caught"]
+                    row[3 + 2 * i] += m[b]["n"]
+    print("variant | generator | false alarms (per 1,000 GPU-days) | long @12 h | any precursor @30 min")
+    for spec, _ in policies:
+        for kind in INTERVAL_S:
+            if (r := pooled.get((spec, kind))) is not None:
+                print(f"{spec} | {kind} | {r[0]:.0f} ({r[0] / r[1] * 1000:.2f}) | {r[2]:.0f}/{r[3]:.0f} | "
+                      f"{r[4]:.0f}/{r[5]:.0f}")
+        rows = [r for (s, _), r in pooled.items() if s == spec]
+        print(f"{spec} | pooled | {sum(r[0] for r in rows):.0f} | {sum(r[2] for r in rows):.0f}/"
+              f"{sum(r[3] for r in rows):.0f} | {sum(r[4] for r in rows):.0f}/{sum(r[5] for r in rows):.0f}")
+
+
+if __name__ == "__main__":
+    main()
