@@ -159,10 +159,10 @@ class AlertPolicy:
     shared_sbe_peers: int = 2
     # Longer holds for the causes that lift a healthy GPU for hours: a streak with a thermal-driven
     # hop among its last k hops (k_raise; k_raise_memory for the memory tier) raises only after
-    # `k_raise_thermal` hops
-    # (18 h), one with a single-bit-driven hop after `k_raise_sbe` (12 h). A warm spell, a load
-    # change against a GPU's own history or a lemon's trickle of single-bit errors lasts hours;
-    # a failing interface or HBM stack keeps rising for days. On the development traces of the
+    # `k_raise_thermal` hops (18 h), one with a single-bit-driven hop after `k_raise_sbe` (12 h),
+    # whichever is longer where both are (`_held`). A warm spell, a load change against a GPU's
+    # own history or a lemon's trickle of single-bit errors lasts hours; a failing interface or
+    # HBM stack keeps rising for days. On the development traces of the
     # four generators written apart from the project the 6-hour hold alone let the model raise
     # 18 healthy GPUs (10 on heat, 6 on single-bit errors); with these holds 1 (docs/benchmarks.md,
     # "The model's alerts with longer holds for heat and single-bit errors"). 0 (or <= k_raise): off.
@@ -190,9 +190,8 @@ class AlertPolicy:
     # judged on fresh simulator members and fresh seeds of all four generators: at most 0.15 false
     # alarms per 1,000 GPU-days on any set (the rules' own), failures with a precursor called at
     # 30 min 0.22 -> 0.27 (docs/benchmarks.md, "The model's alerts with longer holds for heat and
-    # single-bit errors"). False (`--rules-only` on replay /
-    # worker / backtest / predictor train) leaves the rules alone; the model's probabilities and
-    # signals go to the watch list either way.
+    # single-bit errors"). False (`--rules-only` on replay / worker / backtest / predictor train)
+    # leaves the rules alone; the model's probabilities and signals go to the watch list either way.
     model_alerts: bool = True
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
 
