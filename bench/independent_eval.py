@@ -52,6 +52,15 @@ INTERVAL_S = {"fleet": 300, "blind": 120, "liquid": 120, "cloud": 120}  # each g
 SITE_GPUS = {"cloud": BENCH / "cloud_site_gpus.csv"}
 
 
+def add_site_gpus() -> None:
+    """Add every generator's site catalog rows to this process (for benches that read the traces
+    in-process rather than through `fleetwise backtest` with FLEETWISE_CATALOG_EXTRA)."""
+    from fleetwise.catalog.gpus import add_gpus
+
+    for path in SITE_GPUS.values():
+        add_gpus(path.read_text("utf-8"), str(path))
+
+
 def generate(kind: str, seed: int, cache: Path, **options: Any) -> Path:
     """The seeded trace of `kind` (a key of SCRIPTS) under `cache` (generated once)."""
     out = cache / f"{kind}-{seed}" / "-".join(f"{k}{v}" for k, v in sorted(options.items()))

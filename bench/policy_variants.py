@@ -29,9 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from independent_eval import INTERVAL_S, SITE_GPUS, generate  # noqa: E402
+from independent_eval import INTERVAL_S, add_site_gpus, generate  # noqa: E402
 
-from fleetwise.catalog.gpus import add_gpus  # noqa: E402
 from fleetwise.predictors.failure import AlertPolicy, FailurePredictor  # noqa: E402
 from fleetwise.predictors.policy_choice import HopScores, replay_policy, score_hops  # noqa: E402
 
@@ -85,8 +84,7 @@ def main() -> None:
     ap.add_argument("--failure-rate", type=float, default=30.0, help="per 1,000 GPU-days")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-independent"))
     args = ap.parse_args()
-    for path in SITE_GPUS.values():
-        add_gpus(path.read_text(), str(path))
+    add_site_gpus()  # the generators' GPUs the packaged catalog lacks
     predictor = FailurePredictor.load()
     policies = [(spec, variant(spec, predictor.policy)) for spec in args.variants]
     pooled: dict[tuple[str, str], list[float]] = {}

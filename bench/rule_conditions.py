@@ -23,13 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fleetwise.catalog.gpus import add_gpus
 from fleetwise.predictors.features import FEATURE_NAMES
 from fleetwise.predictors.training import compute_features_raw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from independent_eval import SITE_GPUS  # noqa: E402
-from surge_levels import failure_times, held_levels, traces  # noqa: E402
+from independent_eval import add_site_gpus  # noqa: E402
+from surge_levels import add_trace_arguments, failure_times, held_levels, traces  # noqa: E402
 
 _TERM = re.compile(r"^([a-z0-9_]+)([<>])(-?[0-9.]+)$")
 
@@ -55,17 +54,12 @@ def margin(features: np.ndarray, terms: list[tuple[int, str, float]]) -> np.ndar
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-eval"))
-    ap.add_argument("--generator-cache", type=Path, default=Path("/tmp/fleetwise-independent"))
-    ap.add_argument("--sim", nargs="*", default=[], help="simulator members (names in failure_eval's SETS)")
-    for kind in ("fleet", "blind", "liquid", "cloud"):
-        ap.add_argument(f"--{kind}-seeds", type=int, nargs="*", default=[])
+    add_trace_arguments(ap)
     ap.add_argument("--holds", type=int, nargs="*", default=[1, 3], help="hops (10 min each)")
     ap.add_argument("--cond", nargs="+", required=True, help="name:feature>level[,feature<level...]")
     args = ap.parse_args()
     conditions = [parse_condition(c) for c in args.cond]
-    for path in SITE_GPUS.values():  # the generators' GPUs the packaged catalog lacks
-        add_gpus(path.read_text("utf-8"), str(path))
+    add_site_gpus()  # the generators' GPUs the packaged catalog lacks
     pooled: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for set_name, raw, labels in traces(args):
         table = compute_features_raw(raw)

@@ -34,13 +34,12 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from fleetwise.catalog.gpus import add_gpus
 from fleetwise.predictors.failure import SURGE_RULES, SurgeRule, surge_values
 from fleetwise.predictors.training import compute_features_raw, raw_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from failure_eval import SETS, load_raw  # noqa: E402
-from independent_eval import INTERVAL_S, SITE_GPUS, generate  # noqa: E402
+from independent_eval import INTERVAL_S, add_site_gpus, generate  # noqa: E402
 
 BEFORE_H = (48.0, 0.5)  # a precursor's hops: from 48 h to 30 min before its failure
 
@@ -92,7 +91,7 @@ def traces(args: argparse.Namespace) -> Iterable[tuple[str, Any, list[dict[str, 
             raise SystemExit(f"--sim: no simulator member {name!r} in bench/failure_eval.py's SETS")
         raw, labels = load_raw(members[name], args.cache)
         yield f"sim {name}", raw, labels
-    for kind in ("fleet", "blind", "liquid", "cloud"):
+    for kind in INTERVAL_S:
         for seed in getattr(args, f"{kind}_seeds"):
             d = generate(kind, seed, args.generator_cache, gpus=256, days=14.0, interval=INTERVAL_S[kind],
                          failures_per_1000_gpu_days=30.0)
@@ -102,19 +101,23 @@ def traces(args: argparse.Namespace) -> Iterable[tuple[str, Any, list[dict[str, 
             yield f"{kind} {seed}", raw, labels
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_trace_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options `traces` reads: simulator members and generator seeds, and their caches."""
     ap.add_argument("--cache", type=Path, default=Path("/tmp/fleetwise-eval"))
     ap.add_argument("--generator-cache", type=Path, default=Path("/tmp/fleetwise-independent"))
     ap.add_argument("--sim", nargs="*", default=[], help="simulator members (names in failure_eval's SETS)")
-    for kind in ("fleet", "blind", "liquid", "cloud"):
+    for kind in INTERVAL_S:
         ap.add_argument(f"--{kind}-seeds", type=int, nargs="*", default=[])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_trace_arguments(ap)
     ap.add_argument("--holds", type=int, nargs="*", default=[12, 36], help="hops (10 min each)")
     ap.add_argument("--levels", nargs="*", default=[],
                     help="more levels to count, as feature=level or feature|node_peer_count=level (unshared)")
     args = ap.parse_args()
-    for path in SITE_GPUS.values():  # the generators' GPUs the packaged catalog lacks
-        add_gpus(path.read_text("utf-8"), str(path))
+    add_site_gpus()  # the generators' GPUs the packaged catalog lacks
     # Per (feature, node-peer count that must be 0 or ""): the levels to count.
     levels: dict[tuple[str, str], set[float]] = defaultdict(set)
     for rule in SURGE_RULES:
