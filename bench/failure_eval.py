@@ -304,6 +304,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # holds for thermal- and single-bit-driven risk, before anything ran on them.
     "judge18": _judgement((70, 71, 72), "h100-sxm:192,b300:128,a100-sxm-40gb:128,h20:64",
                          (61, 62, 63), "b200:192,h200:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-06, twenty-seventh session) for a rule on power-brake episodes the node does
+    # not share, before anything ran on them.
+    "judge19": _judgement((73, 74, 75), "b200:192,h100-sxm:128,h20:128,a100-sxm-80gb:64",
+                         (64, 65, 66), "h200:192,b300:128,a100-sxm-40gb:128,b100:64"),
 }
 
 
@@ -372,7 +376,7 @@ def evaluate_stream(spec: TraceSpec, predictor: FailurePredictor) -> tuple[dict,
 # `fleetwise worker/replay --stagger-hops` run the windows. Set once from the command line.
 STAGGER_HOPS = False
 
-def _model_tag(predictor: FailurePredictor) -> str:
+def model_tag(predictor: FailurePredictor) -> str:
     """Identifies the fitted model (not its policy), the rules and the feature code, so cached
     scores follow all three."""
     import hashlib
@@ -390,7 +394,7 @@ def _model_tag(predictor: FailurePredictor) -> str:
 
 def score_hops(spec: TraceSpec, predictor: FailurePredictor, cache: Path) -> tuple[HopScores, list[dict]]:
     """HopScores of a trace (`fleetwise.predictors.policy_choice.score_hops`), cached per model."""
-    path = cache / f"{spec.key()}.scores-{_model_tag(predictor)}{'-staggered' if STAGGER_HOPS else ''}.npz"
+    path = cache / f"{spec.key()}.scores-{model_tag(predictor)}{'-staggered' if STAGGER_HOPS else ''}.npz"
     raw, labels = load_raw(spec, cache)
     keys = [(m["node"], int(m["gpu"])) for m in raw.meta]
     if path.exists():
