@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from failure_eval import model_tag  # noqa: E402
 from independent_eval import INTERVAL_S, add_site_gpus, generate  # noqa: E402
 
 from fleetwise.predictors.failure import AlertPolicy, FailurePredictor  # noqa: E402
@@ -66,7 +67,8 @@ def variant(spec: str, packaged: AlertPolicy) -> AlertPolicy:
 
 
 def hop_scores(trace_dir: Path, predictor: FailurePredictor) -> HopScores:
-    cache = trace_dir / f"hop-scores-{predictor.model.metadata.get('version', 'model')}.pkl"
+    # Keyed like failure_eval's stored scores: the model, the rules and the feature code.
+    cache = trace_dir / f"hop-scores-{model_tag(predictor)}.pkl"
     if cache.exists():
         return pickle.loads(cache.read_bytes())
     scores = score_hops(gpu_samples(trace_dir / "trace.jsonl.gz"), predictor)

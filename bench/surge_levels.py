@@ -121,7 +121,8 @@ def main() -> None:
     # Per (feature, node-peer count that must be 0 or ""): the levels to count.
     levels: dict[tuple[str, str], set[float]] = defaultdict(set)
     for rule in SURGE_RULES:
-        levels[rule.feature, rule.unshared].add(rule.level)
+        if not rule.within_h:  # a count within a window (rule 15) is not a level held
+            levels[rule.feature, rule.unshared].add(rule.level)
     for item in args.levels:
         feature, _, level = item.partition("=")
         feature, _, unshared = feature.partition("|")

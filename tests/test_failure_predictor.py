@@ -112,7 +112,7 @@ def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
     assert source == "rule:nvlink_error_surge,nvlink_surge_unshared"
 
 
-LONGER_HOLDS = [r for r in SURGE_RULES if r.hold != "surge_hold_hops"]
+LONGER_HOLDS = [r for r in SURGE_RULES if r.hold != "surge_hold_hops" and not r.within_h]
 
 
 @pytest.mark.parametrize("rule", LONGER_HOLDS, ids=lambda r: r.name)
@@ -187,6 +187,49 @@ def test_surge_streak_survives_a_restore(saved: str) -> None:
     f[0, FEATURE_NAMES.index("nvl_accel")] = NVL_LEVEL + 1
     out, _ = b.process_arrays([("n1", 0)], np.array([1764547200.0 + 600.0 * hold]), f)
     assert out and out[0].alert
+
+
+RECURRING = [r for r in SURGE_RULES if r.within_h]
+
+
+def _hops_at(rule, hours: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Event times (hourly hops) and features with `rule`'s feature above its level at `hours`."""
+    n = int(max(hours)) + 2
+    ts = 1764547200.0 + 3600.0 * np.arange(n)
+    f = np.zeros((n, len(FEATURE_NAMES)))
+    f[[int(h) for h in hours], FEATURE_NAMES.index(rule.feature)] = rule.level + 0.05
+    return ts, f
+
+
+@pytest.mark.parametrize("rule", RECURRING, ids=lambda r: r.name)
+def test_recurring_rule_raises_when_its_count_falls_within_the_window(rule) -> None:
+    count = getattr(RULES_ONLY, rule.hold)
+    assert count >= 2
+    # `count` hops above the level, apart (not consecutive), inside the window: raised at the last
+    inside = [i * (rule.within_h - 2) / (count - 1) for i in range(count)]
+    ts, f = _hops_at(rule, inside)
+    out, _ = FailurePredictor(stub_model(RULES_ONLY)).process_arrays([("n1", 0)] * len(ts), ts, f)
+    first = next(p for p in out if p.alert)
+    assert first.ts == ts[int(inside[-1])]
+    assert {s.name: s.value for s in first.signals}["source"] == f"rule:{rule.name}"
+    # as many, each more than the window after the one `count` - 1 before it: never raised
+    spread = [i * (rule.within_h + 2) / (count - 1) for i in range(2 * count)]
+    ts, f = _hops_at(rule, spread)
+    out, _ = FailurePredictor(stub_model(RULES_ONLY)).process_arrays([("n1", 0)] * len(ts), ts, f)
+    assert not any(p.alert for p in out)
+    # off
+    off = FailurePredictor(stub_model(replace(RULES_ONLY, **{rule.hold: 0})))
+    ts, f = _hops_at(rule, inside)
+    assert not any(p.alert for p in off.process_arrays([("n1", 0)] * len(ts), ts, f)[0])
+    # a checkpoint between the hops keeps them: the restored GPU raises at the same hop
+    a = FailurePredictor(stub_model(RULES_ONLY))
+    a.process_arrays([("n1", 0)] * int(inside[-1]), ts[:int(inside[-1])], f[:int(inside[-1])])
+    b = FailurePredictor(stub_model(RULES_ONLY))
+    for key in a.keys():  # noqa: SIM118 - the processor contract's keys()
+        b.restore(key, json.loads(json.dumps(a.state(key))))
+    rest = slice(int(inside[-1]), None)
+    out, _ = b.process_arrays([("n1", 0)] * len(ts[rest]), ts[rest], f[rest])
+    assert next(p for p in out if p.alert).ts == ts[int(inside[-1])]
 
 
 def test_model_alert_source_and_stable_ids() -> None:

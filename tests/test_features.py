@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -601,26 +602,75 @@ def heat_trace(seed: int) -> list[dict]:
     return out
 
 
-def sbe_trace() -> list[dict]:
-    """Two nodes of four GPUs, 60 s samples for 16 h: GPUs 1-3 of n1 (a cause the node shares)
-    and n2/0 alone log a single-bit error at minutes 200, 320 and 440 (+10 per GPU index); the
-    ticks of some minutes arrive in reverse."""
-    sbe = {(n, g): 0.0 for n in ("n1", "n2") for g in range(4)}
+def two_node_trace(minutes: int, metrics: Callable[[int, str, int], dict]) -> list[dict]:
+    """Two nodes of four GPUs, 60 s samples with `metrics(minute, node, gpu)`; the ticks of some
+    minutes arrive in reverse."""
     out = []
-    for i in range(960):
+    for i in range(minutes):
         tick = []
         for node in ("n1", "n2"):
             for g in range(4):
-                erring = (node == "n1" and g > 0) or (node, g) == ("n2", 0)
-                if erring and i - 10 * g in (200, 320, 440):
-                    sbe[node, g] += 1
-                s = sample(i, gpu=g, **{SBE: sbe[node, g]})
+                s = sample(i, gpu=g, **metrics(i, node, g))
                 s["node"] = node
                 tick.append(s)
         if i % 31 == 2:
             tick.reverse()
         out += tick
     return out
+
+
+def sbe_trace() -> list[dict]:
+    """16 h of two nodes: GPUs 1-3 of n1 (a cause the node shares) and n2/0 alone log a
+    single-bit error at minutes 200, 320 and 440 (+10 per GPU index)."""
+    sbe = {(n, g): 0.0 for n in ("n1", "n2") for g in range(4)}
+
+    def metrics(i: int, node: str, g: int) -> dict:
+        erring = (node == "n1" and g > 0) or (node, g) == ("n2", 0)
+        if erring and i - 10 * g in (200, 320, 440):
+            sbe[node, g] += 1
+        return {SBE: sbe[node, g]}
+
+    return two_node_trace(960, metrics)
+
+
+BRAKE = 0x80  # HW power brake, a bit of the clock event reasons
+
+
+def brake_trace() -> list[dict]:
+    """10 h of two nodes: every GPU of n1 brakes at minutes 100-102, 300-302 and 500-502 (a power
+    shelf's events), n2/0 alone at minutes 200 and 400."""
+
+    def metrics(i: int, node: str, g: int) -> dict:
+        shelf = node == "n1" and i % 200 in (100, 101, 102)
+        return {F_REASONS: BRAKE if shelf or ((node, g) == ("n2", 0) and i in (200, 400)) else 0}
+
+    return two_node_trace(600, metrics)
+
+
+def test_node_brake_peers_count_the_other_gpus_of_the_node_braked_within_the_hour() -> None:
+    fw = windows()
+    got = {(o.node, o.gpu, o.ts): o.values for o in fw.process_dicts(brake_trace()) + fw.flush()}
+    h = 3600.0
+    # n2/0's braked hop (ends 3.5 h) is seen by its peers' hops for an hour, not after
+    assert [got["n2", g, T0 + 4 * h]["node_brake_peers_1h"] for g in range(4)] == [0, 1, 1, 1]
+    assert all(got["n2", g, T0 + 4.5 * h + 600]["node_brake_peers_1h"] == 0 for g in range(4))
+    # read one hop later, every braked hop's sharing is known: n2/0's two alone, each of the
+    # shelf's twelve on n1 beside its three peers (in its own hop the GPU whose hop closes first
+    # in the node's arrival order sees none yet)
+    after = {(n, g): [v["node_brake_peers_1h"] for (n2, g2, _ts), v in got.items()
+                      if (n2, g2) == (n, g) and v["thr_power_brake_prev"] > 0]
+             for n in ("n1", "n2") for g in range(4)}
+    assert after["n2", 0] == [0, 0] and all(after["n2", g] == [] for g in (1, 2, 3))
+    assert all(after["n1", g] == [3, 3, 3] for g in range(4))
+    braked = [v["thr_power_brake"] for (n, g, _ts), v in sorted(got.items()) if (n, g) == ("n2", 0)]
+    prev = [v["thr_power_brake_prev"] for (n, g, _ts), v in sorted(got.items()) if (n, g) == ("n2", 0)]
+    assert prev == [0.0, *braked[:-1]]
+    # after a gap in the GPU's samples its last braked hop is not "the previous hop"
+    fw = windows()
+    rows = [sample(i, **{F_REASONS: BRAKE if i == 5 else 0}) for i in range(60) if not 10 <= i < 40]
+    out = fw.process_dicts(rows) + fw.flush()
+    assert [o.values["thr_power_brake"] for o in out] == [0.1, 0.0, 0.0]
+    assert [o.values["thr_power_brake_prev"] for o in out] == [0.0, 0.0, 0.0]
 
 
 def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their_power() -> None:
@@ -636,7 +686,8 @@ def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their
 
 
 @pytest.mark.parametrize("trace, column", [(lambda: heat_trace(2), "node_warm_peers_1h"),
-                                           (sbe_trace, "node_sbe_peers_6h")])
+                                           (sbe_trace, "node_sbe_peers_6h"),
+                                           (brake_trace, "node_brake_peers_1h")])
 def test_node_warm_and_sbe_peers_do_not_depend_on_how_the_samples_were_split(trace, column) -> None:
     arrivals = trace()
     results = []
@@ -675,6 +726,7 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
     for state in saved.values():  # as the code before the warm and single-bit columns saved it
         state["peer_end"] = state["peer_end"][:4]
+        state["ew"] = state["ew"][:-1]  # ... and before the last hop's power-brake duty
     restarted = windows()
     for k, state in saved.items():
         restarted.restore(k, state)
@@ -684,6 +736,7 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     keys = fw.keys()
     metas, job_ranks, arrays = fw.export_state(keys)
     arrays["peer_end"] = arrays["peer_end"][:, :4]
+    arrays["ew"] = arrays["ew"][:, :-1]
     imported = windows()
     imported.import_state(keys, metas, job_ranks, arrays)
     assert [o.values for o in imported.process_dicts(arrivals[cut:]) + imported.flush()] == [

@@ -73,13 +73,16 @@ RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
 class SurgeRule:
     """An error surge: a GPU whose `feature` stays above `level` for a hold of consecutive hops
     (the AlertPolicy field named by `hold`) is raised as rule `name`. With `unshared` (a node-peer
-    count feature) a hop counts only while that count is 0: no other GPU of the node erred."""
+    count feature) a hop counts only while that count is 0: no other GPU of the node erred.
+    With `within_h`, the hops above the level need not be consecutive: `hold` of them within
+    the last `within_h` hours of event time raise (an intermittent sign that recurs)."""
 
     feature: str
     level: float
     name: str
     hold: str = "surge_hold_hops"
     unshared: str = ""
+    within_h: float = 0.0
 
 
 # `nvl_accel` / `pcie_accel` are the log of the last hour's NVLink error rate (CRC, replay,
@@ -105,6 +108,14 @@ SURGE_RULES = (
     # 2.74 / 2.90 for 2 h (3.44 / 3.17 counting every hop); levels ~1.1x those.
     SurgeRule("nvl_accel", 3.0, "nvlink_surge_unshared", unshared="node_nvl_peers_1h"),
     SurgeRule("pcie_accel", 3.2, "pcie_surge_unshared", unshared="node_pcie_peers_1h"),
+    # Power-brake episodes the node does not share (rule 15): hops with the HW power-brake clock
+    # event reason set while no other GPU of the node braked within the hour (read one hop
+    # later, when every peer's hop of that time has closed), recurring (`brake_unshared_hops` of
+    # them within 24 h). A power shelf, PSU or facility cap brakes all the GPUs it feeds; one
+    # GPU's failing voltage regulator brakes it alone, more often as it nears failure. Why this
+    # count: docs/benchmarks.md ("Power brakes the node does not share").
+    SurgeRule("thr_power_brake_prev", 0.0, "power_brake_unshared", hold="brake_unshared_hops",
+              unshared="node_brake_peers_1h", within_h=24.0),
 )
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
@@ -176,6 +187,8 @@ class AlertPolicy:
     # rise after `sbe_rise_hold_hops` (24 h). 0: off.
     rise_hold_hops: int = 36
     sbe_rise_hold_hops: int = 144
+    # Rule 15 raises at this many power-braked hops the node does not share within 24 h. 0: off.
+    brake_unshared_hops: int = 2
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -374,6 +387,8 @@ class _GpuAlert:
     peak: float = 0.0  # highest probability of the open (or last) model episode
     rearm_left: int = 0  # hops left in which a model re-raise needs p > peak + margin
     surge: tuple[int, ...] = ()  # per SURGE_RULES entry: consecutive hops above its level (() all 0)
+    # per SURGE_RULES entry with `within_h` (by name): event times of its recent hops above its level
+    recent: dict[str, list[float]] = field(default_factory=dict)
 
 
 class FailurePredictor:
@@ -478,7 +493,7 @@ class FailurePredictor:
             st.no_thermal = 0 if driven[i] & DRIVEN_THERMAL else st.no_thermal + 1
             st.no_sbe = 0 if driven[i] & DRIVEN_SBE else st.no_sbe + 1
             st.low = st.low + 1 if p < pol.lo else 0
-            fired = _fired_rules(st, rule_hit[i], pol)
+            fired = _fired_rules(st, rule_hit[i], pol, float(ts[i]))
             if fired:
                 st.rule_left = pol.rule_hold_hops
             elif st.rule_left > 0:
@@ -572,9 +587,10 @@ def _held(st: _GpuAlert, streak: int, k: int, pol: AlertPolicy) -> bool:
             and (st.no_sbe >= k or streak >= pol.k_raise_sbe))
 
 
-def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy) -> list[str]:
-    """The rules that raise in this hop: every event rule hit, and each surge hit once the GPU's
-    hops have stayed above its level for its hold (advances the GPU's surge streaks)."""
+def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy, ts: float) -> list[str]:
+    """The rules that raise in this hop (event time `ts`): every event rule hit, and each surge
+    hit once the GPU's hops have stayed above its level for its hold, or (`within_h`) once
+    `hold` hops above it fell within that window (advances the GPU's surge streaks)."""
     if not hits:
         st.surge = ()
         return []
@@ -585,7 +601,14 @@ def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy) -> list[s
     st.surge = streaks if any(streaks) else ()
     for rule, streak in zip(SURGE_RULES, streaks, strict=True):
         hold = getattr(pol, rule.hold)
-        if 0 < hold <= streak:
+        if hold <= 0 or not streak:
+            continue
+        if rule.within_h:
+            # A new list each time: a checkpoint holds the GPU's state dict shallowly copied.
+            kept = [t for t in st.recent.get(rule.name, ()) if t > ts - rule.within_h * 3600.0]
+            st.recent = {**st.recent, rule.name: [*kept[-(hold - 1):], ts] if hold > 1 else [ts]}
+            streak = len(st.recent[rule.name])
+        if hold <= streak:
             fired.append(rule.name)
     return fired
 

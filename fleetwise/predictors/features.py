@@ -146,12 +146,16 @@ WARM_RESIDUAL_C = 3.0
 # 6 h (the window of the GPU's own recent SBE rate, `sbe_accel`, `sbe_active_6h`). One GPU's
 # HBM degrading errs alone; a cause the node shares (heat, power, a host event) raises several.
 PEER_SBE_WINDOW_S = 6 * 3600.0
+# Power-brake node-peer context: other GPUs of the node whose hops had the HW power-brake clock
+# event reason set within the hour. A power shelf, a PSU or the facility's power capping
+# brakes every GPU it feeds; one GPU's own voltage regulator failing brakes it alone.
 # The node-peer columns in `peer_end`'s column order (what each close marks: erring and
-# streaking per PEER_GROUPS group, warm, erring single-bit), and how long a mark counts.
+# streaking per PEER_GROUPS group, warm, erring single-bit, power-braked), and how long a mark
+# counts.
 PEER_COLUMNS = (
     *(f"node_{g}_peers_1h" for g in PEER_GROUPS), *(f"node_{g}_streak_peers_1h" for g in PEER_GROUPS),
-    "node_warm_peers_1h", "node_sbe_peers_6h")
-PEER_WINDOWS_S = np.array([PEER_WINDOW_S] * (len(PEER_COLUMNS) - 1) + [PEER_SBE_WINDOW_S])
+    "node_warm_peers_1h", "node_sbe_peers_6h", "node_brake_peers_1h")
+PEER_WINDOWS_S = np.array([PEER_WINDOW_S] * (2 * len(PEER_GROUPS) + 1) + [PEER_SBE_WINDOW_S, PEER_WINDOW_S])
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
 # the same mechanism (HBM/GDDR sparing), so the model sees them merged.
 REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
@@ -204,7 +208,8 @@ E_ACTIVE = E_COUNT + len(COUNT_TAUS) * N_EVENT  # active-hop shares: (groups + 1
 E_RESID24 = E_ACTIVE + len(ACTIVE_TAUS) * (len(ACTIVE_GROUPS) + 1)  # num, den (24 h)
 E_RESID_COOL = E_RESID24 + 2  # num, den (24 h, hops without thermal throttling)
 E_STREAK = E_RESID_COOL + 2  # consecutive hops with new errors, per active group
-N_EW = E_STREAK + len(ACTIVE_GROUPS)
+E_BRAKE = E_STREAK + len(ACTIVE_GROUPS)  # power-brake duty of the last closed hop
+N_EW = E_BRAKE + 1
 # A GPU back from a failure starts its history afresh, as a replaced board does: the failure
 # consumed the evidence before it, and a model fed that history raises the repaired GPU again
 # for days on the XIDs of the failure itself. "Back from a failure": a failure-class XID
@@ -279,6 +284,9 @@ def _feature_names() -> list[str]:
     # TDP, carried over the fit's lag) and how fast that rises (the 6 h fit against the 72 h
     # fit): the thermal headroom's load-independent part and its drift (predictors.trends).
     names += ["temp_at_tdp_c", "temp_at_tdp_drift_c_per_h"]
+    # After the fitted columns (a model reads its own by name): node peers power-braked, and the
+    # GPU's power-brake duty in its previous hop.
+    names += ["node_brake_peers_1h", "thr_power_brake_prev"]
     return names
 
 
@@ -757,8 +765,9 @@ class GpuFeatureWindows:
         # What each close tells its peers, in PEER_COLUMNS order.
         warm = f[:, _FI["temp_residual_6h"]] >= WARM_RESIDUAL_C  # NaN: not warm
         sbe = f[:, _FI["sbe_streak_h"]] > 0  # new single-bit errors in this hop
-        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5, warm[:, None], sbe[:, None]],
-                               axis=1)
+        brake = f[:, _FI["thr_power_brake"]] > 0  # a sample of the hop had the power brake on
+        marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5, warm[:, None], sbe[:, None],
+                                brake[:, None]], axis=1)
         nodes = self.node_of[slots]
         look = (self._node_mark_end[nodes] >= ends[:, None] - PEER_WINDOWS_S).any(axis=1)
         marked = marks.any(axis=1)
@@ -1003,6 +1012,11 @@ class GpuFeatureWindows:
                 streak = np.where(active, np.where(contiguous, ew[:, E_STREAK + i], 0.0) + 1.0, 0.0)
                 ew[:, E_STREAK + i] = streak
                 f[:, _FI[f"{g}_streak_h"]] = streak * self.hop_s / 3600.0
+            # The previous hop's power-brake duty, read beside this hop's node-peer counts: by
+            # the time this hop closes, every peer's hop of that time has closed too, so "no
+            # peer braked within the hour" is known for it whichever GPU's hop closed first.
+            f[:, _FI["thr_power_brake_prev"]] = np.where(contiguous, ew[:, E_BRAKE], 0.0)
+            ew[:, E_BRAKE] = np.nan_to_num(f[:, _FI["thr_power_brake"]])
             for j, scale in enumerate(ACTIVE_TAUS):
                 lo = E_ACTIVE + j * (n_groups + 1)
                 for i, g in enumerate(ACTIVE_GROUPS):
@@ -1152,10 +1166,13 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
 
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
     """A saved state array in this code's width: `peer_end` saved before the warm and single-bit
-    columns (2026-12-05) gains them as never marked, so a worker's checkpoints outlive the upgrade."""
-    missing = len(PEER_COLUMNS) - value.shape[-1] if name == "peer_end" else 0
+    columns (2026-12-05) or the power-brake one (2026-12-06) gains them as never marked, and
+    `ew` saved before the last hop's power-brake duty (2026-12-06) as not braked, so a worker's
+    checkpoints outlive the upgrade."""
+    width, fill = {"peer_end": (len(PEER_COLUMNS), -np.inf), "ew": (N_EW, 0.0)}.get(name, (0, 0.0))
+    missing = width - value.shape[-1] if width else 0
     if missing > 0:
-        return np.concatenate([value, np.full((*value.shape[:-1], missing), -np.inf)], axis=-1)
+        return np.concatenate([value, np.full((*value.shape[:-1], missing), fill)], axis=-1)
     return value
 
 
