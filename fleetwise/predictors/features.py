@@ -155,7 +155,8 @@ PEER_SBE_WINDOW_S = 6 * 3600.0
 PEER_COLUMNS = (
     *(f"node_{g}_peers_1h" for g in PEER_GROUPS), *(f"node_{g}_streak_peers_1h" for g in PEER_GROUPS),
     "node_warm_peers_1h", "node_sbe_peers_6h", "node_brake_peers_1h")
-PEER_WINDOWS_S = np.array([PEER_WINDOW_S] * (2 * len(PEER_GROUPS) + 1) + [PEER_SBE_WINDOW_S, PEER_WINDOW_S])
+PEER_WINDOWS_S = np.array([PEER_SBE_WINDOW_S if c == "node_sbe_peers_6h" else PEER_WINDOW_S
+                           for c in PEER_COLUMNS])
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
 # the same mechanism (HBM/GDDR sparing), so the model sees them merged.
 REPAIR_COUNTERS = ("remap_corr", "remap_uncorr", "retired_sbe", "retired_dbe")
