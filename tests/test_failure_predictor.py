@@ -553,6 +553,13 @@ def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
     # Off (0): the general hold.
     assert raised_at(replace(pol, k_raise_thermal=0), n) == 35
     assert raised_at(replace(pol, k_raise_sbe=0), n, {"sbe_active_6h": [50.0] * n}) == 35
+    # While held, a watch prediction says which hold it waits for; without one, plain "watch".
+    out = run(FailurePredictor(stub_model(pol)), [0.99] * 60)
+    assert {p.reason for p in out} == {"watch: heat-driven, raises after 108 hops at risk"}
+    out = run(FailurePredictor(stub_model(pol)), [0.99] * 60, {"sbe_active_6h": [50.0] * 60})
+    assert {p.reason for p in out} == {"watch: single-bit-driven, raises after 72 hops at risk"}
+    out = run(FailurePredictor(stub_model(pol)), [0.99] * 30, {"mem_repairs_24h": [50.0] * 30})
+    assert {p.reason for p in out} == {"watch"}
 
 
 def test_policy_spec_sets_the_thresholds_over_a_base_and_names_a_bad_one() -> None:

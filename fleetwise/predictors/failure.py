@@ -433,7 +433,7 @@ class FailurePredictor:
         emit_rows, states = self.advance_policy(keys, ts, prob, memory_driven, rule_hit, shared, driven)
         if not emit_rows:
             return [], prob
-        return self._emit(keys, ts, x, prob, emit_rows, states, rule_hit, job_ranks, shared), prob
+        return self._emit(keys, ts, x, prob, emit_rows, states, rule_hit, job_ranks, shared, driven), prob
 
     def risk_drivers(self, features: np.ndarray,
                      prob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -523,9 +523,10 @@ class FailurePredictor:
     def _emit(
         self, keys: Sequence[tuple[str, int]], ts: np.ndarray, x: np.ndarray, prob: np.ndarray,
         emit_rows: list[int], states: list[tuple[bool, str, bool]], rule_hit: Sequence[Sequence[str]],
-        job_ranks: Sequence[tuple[str | None, int | None]] | None, shared: np.ndarray,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None, shared: np.ndarray, driven: np.ndarray,
     ) -> list[Prediction]:
-        """Predictions for the emitted rows: lead time, top signals, job and rank."""
+        """Predictions for the emitted rows: lead time, top signals, job and rank; a watch row's
+        reason says why it is not raised yet where a shared cause or a longer hold is why."""
         rows = np.array(emit_rows)
         lead = self.model.lead_time_h(x[rows])
         contrib = self.model.contributions(x[rows])
@@ -545,10 +546,17 @@ class FailurePredictor:
                 kind = "surge" if name in SURGE_RULE_NAMES else "rule"
                 signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
+            pol = self.policy
             if shared[i] != SHARED_NONE and not alert:
-                pol = self.policy
                 peers = pol.shared_heat_peers if shared[i] == SHARED_HEAT else pol.shared_sbe_peers
                 reason += f": {_SHARED_REASON[int(shared[i])]} shared with >= {peers} GPUs of the node"
+            elif not alert and not was and driven[i]:  # set only where p >= min(hi, hi_memory)
+                held = [f"{cause}-driven, raises after {k} hops at risk"
+                        for bit, cause, k in ((DRIVEN_THERMAL, "heat", pol.k_raise_thermal),
+                                              (DRIVEN_SBE, "single-bit", pol.k_raise_sbe))
+                        if driven[i] & bit and k > pol.k_raise]
+                if held:
+                    reason += ": " + "; ".join(held)
             out.append(Prediction(
                 id=f"failure:{node}/{gpu}:{int(ts[i])}", type="failure", ts=float(ts[i]),
                 node=node, gpu=int(gpu), job=job, rank=rank,
