@@ -560,6 +560,8 @@ def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
     assert {p.reason for p in out} == {"watch: single-bit-driven, raises after 72 hops at risk"}
     out = run(FailurePredictor(stub_model(pol)), [0.99] * 30, {"mem_repairs_24h": [50.0] * 30})
     assert {p.reason for p in out} == {"watch"}
+    out = run(FailurePredictor(stub_model(replace(pol, model_alerts=False))), [0.99] * 60)
+    assert {p.reason for p in out} == {"watch"}  # the rules alone: the model raises nothing
 
 
 def test_policy_spec_sets_the_thresholds_over_a_base_and_names_a_bad_one() -> None:

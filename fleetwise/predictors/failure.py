@@ -531,6 +531,7 @@ class FailurePredictor:
         lead = self.model.lead_time_h(x[rows])
         contrib = self.model.contributions(x[rows])
         names = self.model.feature_names
+        pol = self.policy
         out = []
         for j, i in enumerate(emit_rows):
             node, gpu = keys[i]
@@ -546,11 +547,10 @@ class FailurePredictor:
                 kind = "surge" if name in SURGE_RULE_NAMES else "rule"
                 signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
-            pol = self.policy
             if shared[i] != SHARED_NONE and not alert:
                 peers = pol.shared_heat_peers if shared[i] == SHARED_HEAT else pol.shared_sbe_peers
                 reason += f": {_SHARED_REASON[int(shared[i])]} shared with >= {peers} GPUs of the node"
-            elif not alert and not was and driven[i]:  # set only where p >= min(hi, hi_memory)
+            elif pol.model_alerts and not alert and not was and driven[i]:  # driven: p >= min(hi, hi_memory)
                 held = [f"{cause}-driven, raises after {k} hops at risk"
                         for bit, cause, k in ((DRIVEN_THERMAL, "heat", pol.k_raise_thermal),
                                               (DRIVEN_SBE, "single-bit", pol.k_raise_sbe))
