@@ -1170,8 +1170,8 @@ def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
     columns (2026-12-05) or the power-brake one (2026-12-06) gains them as never marked, and
     `ew` saved before the last hop's power-brake duty (2026-12-06) as not braked, so a worker's
     checkpoints outlive the upgrade."""
-    width, fill = {"peer_end": (len(PEER_COLUMNS), -np.inf), "ew": (N_EW, 0.0)}.get(name, (0, 0.0))
-    missing = width - value.shape[-1] if width else 0
+    shape, fill = _FRESH_STATE.get(name, ((), 0.0))  # a fresh GPU's width and fill
+    missing = shape[-1] - value.shape[-1] if shape else 0
     if missing > 0:
         return np.concatenate([value, np.full((*value.shape[:-1], missing), fill)], axis=-1)
     return value
