@@ -308,6 +308,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # not share, before anything ran on them.
     "judge19": _judgement((73, 74, 75), "b200:192,h100-sxm:128,h20:128,a100-sxm-80gb:64",
                          (64, 65, 66), "h200:192,b300:128,a100-sxm-40gb:128,b100:64"),
+    # Drawn (2026-12-06, twenty-eighth session) for a rule on a thermal residual the node does not
+    # share, before anything ran on them.
+    "judge20": _judgement((76, 77, 78), "h200:192,b200:128,a100-sxm-80gb:128,h20:64",
+                         (67, 68, 69), "b300:192,h100-sxm:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
