@@ -54,6 +54,7 @@ def stub_model(policy: AlertPolicy | None = None) -> FailureModel:
 def run(pred: FailurePredictor, probs: list[float], extra: dict[str, list[float]] | None = None) -> list:
     f = np.zeros((len(probs), len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(RISK)] = probs
+    f[:, FEATURE_NAMES.index("hours_reporting")] = 1000.0  # a GPU reporting for weeks (unless given)
     for name, values in (extra or {}).items():
         f[:, FEATURE_NAMES.index(name)] = values
     ts = 1764547200.0 + 600.0 * np.arange(1, len(probs) + 1)
@@ -138,6 +139,7 @@ def test_sustained_surge_raises_after_its_longer_hold(rule) -> None:
 def test_surge_levels_count_only_above_and_not_when_missing(rule) -> None:
     f = np.zeros((3, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(rule.feature)] = [rule.level, rule.level + 0.01, np.nan]
+    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
     hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
     assert hits == [False, True, False]
 
@@ -149,6 +151,7 @@ UNSHARED = [r for r in SURGE_RULES if r.unshared]
 def test_unshared_surge_counts_only_hops_no_node_peer_shares(rule) -> None:
     f = np.zeros((4, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
+    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
     f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, 1.0, 3.0, np.nan]
     hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
     assert hits == [True, False, False, False]
@@ -170,6 +173,36 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
     shared = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
                  {rule.feature: sustained, rule.unshared: peer})
     assert not any(p.alert for p in shared)
+
+
+SETTLED = [r for r in SURGE_RULES if r.settled_h]
+
+
+@pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
+def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
+    f = np.zeros((4, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
+    f[:, FEATURE_NAMES.index("hours_reporting")] = [0.0, rule.settled_h - 0.5, rule.settled_h, np.nan]
+    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+    assert hits == [False, False, True, False]
+
+
+@pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
+def test_settled_surge_raises_a_day_after_a_return_not_on_the_board_before(rule) -> None:
+    hold = getattr(RULES_ONLY, rule.hold)
+    settle_hops = int(rule.settled_h * 6)  # 10-minute hops
+    # back from a silence with the old board's residual still in its history: the level is held
+    # from the first hop, but the hold starts only once the GPU has reported for settled_h
+    n = settle_hops + hold + 2
+    reporting = [i / 6 for i in range(n)]
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * n,
+              {rule.feature: [rule.level + 0.05] * n, "hours_reporting": reporting})
+    assert alert_series(out, n).index(True) == settle_hops + hold - 1
+    # the residual gone within the day (the history moved on): never raised
+    fading = [rule.level + 0.05] * (settle_hops - 1) + [rule.level - 0.1] * (hold + 3)
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(fading),
+              {rule.feature: fading, "hours_reporting": reporting[:len(fading)]})
+    assert not any(p.alert for p in out)
 
 
 @pytest.mark.parametrize("saved", ["current", "before the sustained tier"])

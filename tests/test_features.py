@@ -361,6 +361,23 @@ def test_a_replaced_board_starts_without_the_old_boards_history() -> None:
     assert kept["sbe_vol_24h"] > 40
 
 
+def test_hours_reporting_count_since_the_last_silence_of_an_hour() -> None:
+    def hours(rows: list[dict]) -> list[float]:
+        fw = windows()
+        return [round(o.values["hours_reporting"], 4) for o in fw.process_dicts(rows) + fw.flush()]
+
+    # 60 s samples; each hop adds the time since the GPU's previous hop
+    assert hours([sample(i) for i in range(40)]) == [0.0, 0.1667, 0.3333, 0.5]
+    # 50 minutes without a sample (a reboot, a scrape gap): still counting, the gap included
+    assert hours([sample(i) for i in range(60) if not 10 <= i < 60 - 10]) == [0.0, 0.8333]
+    # an hour or more (a repair, a replacement): back to 0
+    assert hours([sample(i) for i in range(90) if not 10 <= i < 80]) == [0.0, 0.0]
+    # a new board (a persistent counter down) starts at 0 without any silence
+    agg = "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL"
+    new_board = [sample(i, **{agg: 500 if i < 30 else 0}) for i in range(50)]
+    assert hours(new_board) == [0.0, 0.1667, 0.3333, 0.0, 0.1667]
+
+
 def _pcie_series(per_hop: list[int]) -> list[dict]:
     out, total = [], 0
     for i in range(len(per_hop) * 10):
@@ -726,17 +743,26 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
     for state in saved.values():  # as the code before the warm and single-bit columns saved it
         state["peer_end"] = state["peer_end"][:4]
-        state["ew"] = state["ew"][:-1]  # ... and before the last hop's power-brake duty
+        state["ew"] = state["ew"][:-2]  # ... and before the last hop's power-brake duty and hours reported
     restarted = windows()
     for k, state in saved.items():
         restarted.restore(k, state)
     after = restarted.process_dicts(arrivals[cut:]) + restarted.flush()
-    assert [o.values for o in got + after] == [o.values for o in expected]
+
+    def without_hours(outs: list) -> list:
+        return [{k: v for k, v in o.values.items() if k != "hours_reporting"} for o in outs]
+
+    assert without_hours(got + after) == without_hours(expected)
+    # the hours reported restart at the restore (as after a silence): a settled rule waits a day
+    restored = [o.values["hours_reporting"] for o in after if o.gpu == 0]
+    kept = [o.values["hours_reporting"] for o in expected[len(got):] if o.gpu == 0]
+    assert restored[0] == pytest.approx(1 / 6) and kept[0] > 3.5  # one hop since the restore
+    assert np.allclose(np.diff(restored), np.diff(kept))
     # the worker's binary checkpoints (export_state / import_state) the same
     keys = fw.keys()
     metas, job_ranks, arrays = fw.export_state(keys)
     arrays["peer_end"] = arrays["peer_end"][:, :4]
-    arrays["ew"] = arrays["ew"][:, :-1]
+    arrays["ew"] = arrays["ew"][:, :-2]
     imported = windows()
     imported.import_state(keys, metas, job_ranks, arrays)
     assert [o.values for o in imported.process_dicts(arrivals[cut:]) + imported.flush()] == [

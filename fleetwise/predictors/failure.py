@@ -40,7 +40,9 @@ META_FILE = "failure_model.json"
 # same sparing mechanism on Ampere+ and on Volta/Turing.
 EXCLUDED = {"samples", "temp_mean", "temp_max", "mem_temp_mean", "inlet_est_c", "rth_fast", "rth_slow",
             "remap_pending", "retired_pending", "remap_corr_total", "remap_uncorr_total", "retired_total",
-            "sbe_agg_total", "dbe_agg_total", "temp_at_tdp_c", "temp_at_tdp_drift_c_per_h"}
+            "sbe_agg_total", "dbe_agg_total", "temp_at_tdp_c", "temp_at_tdp_drift_c_per_h",
+            "hours_reporting"}
+# (`hours_reporting` says when the GPU was last away, not how it is: a rule waits on it.)
 # Node-peer counts (`node_*`) are left out too: a model trained with them made 3 or more false
 # alarms on the tuning set at every policy swept (the packaged model 1; docs/benchmarks.md,
 # "node-peer context"), so the candidates, and `predictor train`'s defaults, stay as packaged.
@@ -75,7 +77,10 @@ class SurgeRule:
     (the AlertPolicy field named by `hold`) is raised as rule `name`. With `unshared` (a node-peer
     count feature) a hop counts only while that count is 0: no other GPU of the node erred.
     With `within_h`, the hops above the level need not be consecutive: `hold` of them within
-    the last `within_h` hours of event time raise (an intermittent sign that recurs)."""
+    the last `within_h` hours of event time raise (an intermittent sign that recurs). With
+    `settled_h`, a hop counts only once the GPU has reported for that many hours since its last
+    silence of an hour or more (`hours_reporting`): a feature measured against the GPU's own
+    history describes the board before a repair or a replacement until the history has moved on."""
 
     feature: str
     level: float
@@ -83,6 +88,7 @@ class SurgeRule:
     hold: str = "surge_hold_hops"
     unshared: str = ""
     within_h: float = 0.0
+    settled_h: float = 0.0
 
 
 # `nvl_accel` / `pcie_accel` are the log of the last hour's NVLink error rate (CRC, replay,
@@ -116,6 +122,16 @@ SURGE_RULES = (
     # count: docs/benchmarks.md ("Power brakes the node does not share").
     SurgeRule("thr_power_brake_prev", 0.0, "power_brake_unshared", hold="brake_unshared_hops",
               unshared="node_brake_peers_1h", within_h=24.0),
+    # A thermal residual the node does not share (rule 16): the GPU's day-long temperature
+    # residual against its own temperature-on-power fit, over hops without thermal throttling,
+    # held >= 2.5 C for `heat_residual_hold_hops` while no other GPU of the node ran warm within
+    # the hour. A failing fan, heat sink, cold plate or thermal interface makes its GPU alone
+    # hotter per watt, rising for days; a coolant or chiller excursion warms the node's GPUs
+    # together. Counted only after a day of reporting since the GPU's last silence: a repaired
+    # or replaced board is measured against the fit of the one before. The level and the hold,
+    # and why not lower: docs/benchmarks.md ("A thermal residual the node does not share").
+    SurgeRule("temp_residual_cool_24h", 2.5, "heat_residual_unshared", hold="heat_residual_hold_hops",
+              unshared="node_warm_peers_1h", settled_h=24.0),
 )
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
@@ -189,6 +205,9 @@ class AlertPolicy:
     sbe_rise_hold_hops: int = 144
     # Rule 15 raises at this many power-braked hops the node does not share within 24 h. 0: off.
     brake_unshared_hops: int = 2
+    # Rule 16 raises after this many consecutive hops (3 h) of a thermal residual the node does
+    # not share. 0: off.
+    heat_residual_hold_hops: int = 18
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -349,10 +368,13 @@ _EVENT_COLS = [_FEATURE_INDEX[f] for f in RULES]
 
 def surge_values(features: np.ndarray, rule: SurgeRule) -> np.ndarray:
     """Per row of a FEATURE_NAMES matrix, the value `rule` compares with its level: its feature,
-    missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0)."""
+    missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0) or the
+    GPU has not yet reported for `rule.settled_h` since its last silence."""
     x = features[:, _FEATURE_INDEX[rule.feature]]
     if rule.unshared:  # a missing peer count is not 0: the hop counts for nothing
         x = np.where(features[:, _FEATURE_INDEX[rule.unshared]] == 0, x, np.nan)
+    if rule.settled_h:
+        x = np.where(features[:, _FEATURE_INDEX["hours_reporting"]] >= rule.settled_h, x, np.nan)
     return x
 
 

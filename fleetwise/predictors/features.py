@@ -210,7 +210,8 @@ E_RESID24 = E_ACTIVE + len(ACTIVE_TAUS) * (len(ACTIVE_GROUPS) + 1)  # num, den (
 E_RESID_COOL = E_RESID24 + 2  # num, den (24 h, hops without thermal throttling)
 E_STREAK = E_RESID_COOL + 2  # consecutive hops with new errors, per active group
 E_BRAKE = E_STREAK + len(ACTIVE_GROUPS)  # power-brake duty of the last closed hop
-N_EW = E_BRAKE + 1
+E_REPORTING = E_BRAKE + 1  # hours reported since the GPU's last silence of RETURN_SILENCE_S or more
+N_EW = E_REPORTING + 1
 # A GPU back from a failure starts its history afresh, as a replaced board does: the failure
 # consumed the evidence before it, and a model fed that history raises the repaired GPU again
 # for days on the XIDs of the failure itself. "Back from a failure": a failure-class XID
@@ -288,6 +289,9 @@ def _feature_names() -> list[str]:
     # After the fitted columns (a model reads its own by name): node peers power-braked, and the
     # GPU's power-brake duty in its previous hop.
     names += ["node_brake_peers_1h", "thr_power_brake_prev"]
+    # Hours the GPU has reported since its last silence of an hour or more (a repair, a reboot, a
+    # new board): how long its own baselines have described the board as it is now.
+    names += ["hours_reporting"]
     return names
 
 
@@ -1018,6 +1022,10 @@ class GpuFeatureWindows:
             # peer braked within the hour" is known for it whichever GPU's hop closed first.
             f[:, _FI["thr_power_brake_prev"]] = np.where(contiguous, ew[:, E_BRAKE], 0.0)
             ew[:, E_BRAKE] = np.nan_to_num(f[:, _FI["thr_power_brake"]])
+            reporting = (prev >= 0) & ~fresh & (silence < RETURN_SILENCE_S)
+            since_prev_h = (hop - prev) * self.hop_s / 3600.0
+            ew[:, E_REPORTING] = np.where(reporting, ew[:, E_REPORTING] + since_prev_h, 0.0)
+            f[:, _FI["hours_reporting"]] = ew[:, E_REPORTING]
             for j, scale in enumerate(ACTIVE_TAUS):
                 lo = E_ACTIVE + j * (n_groups + 1)
                 for i, g in enumerate(ACTIVE_GROUPS):
@@ -1168,8 +1176,8 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
     """A saved state array in this code's width: `peer_end` saved before the warm and single-bit
     columns (2026-12-05) or the power-brake one (2026-12-06) gains them as never marked, and
-    `ew` saved before the last hop's power-brake duty (2026-12-06) as not braked, so a worker's
-    checkpoints outlive the upgrade."""
+    `ew` saved before the last hop's power-brake duty or the hours reported (2026-12-06) as not
+    braked and just back (0 h), so a worker's checkpoints outlive the upgrade."""
     shape, fill = _FRESH_STATE.get(name, ((), 0.0))  # a fresh GPU's width and fill
     missing = shape[-1] - value.shape[-1] if shape else 0
     if missing > 0:
