@@ -312,6 +312,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # share, before anything ran on them.
     "judge20": _judgement((76, 77, 78), "h200:192,b200:128,a100-sxm-80gb:128,h20:64",
                          (67, 68, 69), "b300:192,h100-sxm:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-06, twenty-eighth session) after judge20's result, for the next judgement,
+    # before anything ran on them.
+    "judge21": _judgement((79, 80, 81), "b200:192,h200:128,a100-sxm-40gb:128,h20:64",
+                         (70, 71, 72), "h100-sxm:192,b300:128,b200:128,a100-sxm-80gb:64"),
 }
 
 
