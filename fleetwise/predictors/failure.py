@@ -128,8 +128,9 @@ SURGE_RULES = (
     # the hour. A failing fan, heat sink, cold plate or thermal interface makes its GPU alone
     # hotter per watt, rising for days; a coolant or chiller excursion warms the node's GPUs
     # together. Counted only after a day of reporting since the GPU's last silence: a repaired
-    # or replaced board is measured against the fit of the one before. The level and the hold,
-    # and why not lower: docs/benchmarks.md ("A thermal residual the node does not share").
+    # or replaced board is measured against the fit of the one before. Off by default
+    # (`heat_residual_hold_hops` 0). The level and the hold, and why not lower:
+    # docs/benchmarks.md ("A thermal residual the node does not share").
     SurgeRule("temp_residual_cool_24h", 2.5, "heat_residual_unshared", hold="heat_residual_hold_hops",
               unshared="node_warm_peers_1h", settled_h=24.0),
 )
