@@ -5,7 +5,8 @@ trace of the telemetry generators written apart from the project (`bench/indepen
 is scored once (`policy_choice.score_hops`, cached as a pickle next to the trace) and every
 variant of the packaged policy is replayed over the scores (`replay_policy`, the stream
 worker's policy step), pooled per generator: false alarms (per 1,000 GPU-days), long-precursor
-recall at 12 h, any-precursor recall at 30 min. A variant names AlertPolicy fields; `rules`
+recall at 12 h, any-precursor recall at 30 min, precision (alert episodes) and hot-but-healthy
+GPUs flagged. A variant names AlertPolicy fields; `rules`
 is the rules alone, `packaged` the packaged policy as it is.
 
     .venv/bin/python bench/policy_variants.py --fleet-seeds 42 43 --blind-seeds 32 --liquid-seeds 46 \\
@@ -98,21 +99,25 @@ def main() -> None:
             labels = [json.loads(x) for x in (d / "labels.jsonl").read_text().splitlines() if x.strip()]
             for spec, policy in policies:
                 m, _ = replay_policy(scores, labels, predictor, policy)
-                row = pooled.setdefault((spec, kind), [0, 0.0] + [0] * 2 * len(BUCKETS))
+                hot = m["hot_healthy_gpus"]
+                flagged = round((m["hot_healthy_flagged_share"] or 0.0) * hot)
+                row = pooled.setdefault((spec, kind), [0.0] * (2 + 2 * len(BUCKETS) + 3))
                 row[0] += m["false_alerts"]
                 row[1] += scores.gpu_days
                 for i, b in enumerate(BUCKETS):
                     row[2 + 2 * i] += m[b]["caught"]
                     row[3 + 2 * i] += m[b]["n"]
-    print("variant | generator | false alarms (per 1,000 GPU-days) | long @12 h | any precursor @30 min")
+                row[-3:] = [row[-3] + m["true_alerts"], row[-2] + flagged, row[-1] + hot]
+    print("variant | generator | false alarms (per 1,000 GPU-days) | long @12 h | any precursor @30 min | "
+          "precision (true / all episodes) | hot-but-healthy flagged")
     for spec, _ in policies:
-        for kind in INTERVAL_S:
-            if (r := pooled.get((spec, kind))) is not None:
-                print(f"{spec} | {kind} | {r[0]:.0f} ({r[0] / r[1] * 1000:.2f}) | {r[2]:.0f}/{r[3]:.0f} | "
-                      f"{r[4]:.0f}/{r[5]:.0f}")
-        rows = [r for (s, _), r in pooled.items() if s == spec]
-        print(f"{spec} | pooled | {sum(r[0] for r in rows):.0f} | {sum(r[2] for r in rows):.0f}/"
-              f"{sum(r[3] for r in rows):.0f} | {sum(r[4] for r in rows):.0f}/{sum(r[5] for r in rows):.0f}")
+        rows = {kind: r for (s, kind), r in pooled.items() if s == spec}
+        rows["pooled"] = [sum(col) for col in zip(*rows.values(), strict=True)]
+        for kind, r in rows.items():
+            fa, true = r[0], r[-3]
+            precision = f"{true / (true + fa):.2f} ({true:.0f}/{true + fa:.0f})" if true + fa else "-"
+            print(f"{spec} | {kind} | {fa:.0f} ({fa / r[1] * 1000:.2f}) | {r[2]:.0f}/{r[3]:.0f} | "
+                  f"{r[4]:.0f}/{r[5]:.0f} | {precision} | {r[-2]:.0f}/{r[-1]:.0f}")
 
 
 if __name__ == "__main__":
