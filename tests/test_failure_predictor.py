@@ -86,7 +86,7 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
 
 
 RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
-                         model_alerts=False, heat_residual_hold_hops=18)  # rule 16 on (off by default)
+                         model_alerts=False)
 NVL_LEVEL = next(r.level for r in SURGE_RULES if r.name == "nvlink_error_surge")
 
 
