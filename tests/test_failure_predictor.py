@@ -187,6 +187,18 @@ def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
     assert hits == [False, False, True, False]
 
 
+def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> None:
+    rule = next(r for r in SURGE_RULES if r.name == "heat_residual_unshared")
+    f = np.zeros((5, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level + 0.5
+    # alone and a day back; a warm node peer; a missing peer count; 12 h back; the level not reached
+    f[:, FEATURE_NAMES.index("node_warm_peers_1h")] = [0.0, 1.0, np.nan, 0.0, 0.0]
+    f[:, FEATURE_NAMES.index("hours_reporting")] = [48.0, 48.0, 48.0, 12.0, 48.0]
+    f[4, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level
+    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+    assert hits == [True, False, False, False, False]
+
+
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
 def test_settled_surge_raises_a_day_after_a_return_not_on_the_board_before(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)
