@@ -62,6 +62,10 @@ SHARED_NONE, SHARED_HEAT, SHARED_SBE = 0, 1, 2
 # What drives a hop's risk, as bits (`FailurePredictor.risk_drivers`): a streak with such a hop
 # among its last `k_raise` needs the cause's longer hold (AlertPolicy.k_raise_thermal, k_raise_sbe).
 DRIVEN_THERMAL, DRIVEN_SBE = 1, 2
+# Per driver: its bit, its name in a held watch's reason, the _GpuAlert counter of hops since its
+# last driven hop, and its AlertPolicy hold (`_held` and the reason read this one table).
+_DRIVEN_HOLDS = ((DRIVEN_THERMAL, "heat", "no_thermal", "k_raise_thermal"),
+                 (DRIVEN_SBE, "single-bit", "no_sbe", "k_raise_sbe"))
 _SHARED_REASON = {SHARED_HEAT: "heat", SHARED_SBE: "single-bit errors"}
 _FEATURE_INDEX = {n: i for i, n in enumerate(FEATURE_NAMES)}
 RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
@@ -576,10 +580,9 @@ class FailurePredictor:
                 peers = pol.shared_heat_peers if shared[i] == SHARED_HEAT else pol.shared_sbe_peers
                 reason += f": {_SHARED_REASON[int(shared[i])]} shared with >= {peers} GPUs of the node"
             elif pol.model_alerts and not alert and not was and driven[i]:  # driven: p >= min(hi, hi_memory)
-                held = [f"{cause}-driven, raises after {k} hops at risk"
-                        for bit, cause, k in ((DRIVEN_THERMAL, "heat", pol.k_raise_thermal),
-                                              (DRIVEN_SBE, "single-bit", pol.k_raise_sbe))
-                        if driven[i] & bit and k > pol.k_raise]
+                held = [f"{cause}-driven, raises after {getattr(pol, hold)} hops at risk"
+                        for bit, cause, _since, hold in _DRIVEN_HOLDS
+                        if driven[i] & bit and getattr(pol, hold) > pol.k_raise]
                 if held:
                     reason += ": " + "; ".join(held)
             out.append(Prediction(
@@ -615,9 +618,8 @@ def _held(st: _GpuAlert, streak: int, k: int, pol: AlertPolicy) -> bool:
     """Whether a streak of `streak` hops raises under a hold of `k`: a thermal- or single-bit-
     driven hop among its last k hops lengthens the hold to that cause's (AlertPolicy.k_raise_thermal,
     k_raise_sbe)."""
-    return (streak >= k
-            and (st.no_thermal >= k or streak >= pol.k_raise_thermal)
-            and (st.no_sbe >= k or streak >= pol.k_raise_sbe))
+    return streak >= k and all(getattr(st, since) >= k or streak >= getattr(pol, hold)
+                               for _bit, _cause, since, hold in _DRIVEN_HOLDS)
 
 
 def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy, ts: float) -> list[str]:
