@@ -879,8 +879,9 @@ class GpuFeatureWindows:
         ew = self.ew[slots]
         hop = self.open_hop[slots]
         prev = self.closed_hop[slots]
-        silence = (hop - prev - 1) * self.hop_s  # whole hops without a sample before this one
-        returned = (prev >= 0) & (silence >= RETURN_SILENCE_S) & (ew[:, _E_FAILURE_XID_6H].sum(axis=1) >= 0.5)
+        # back after an hour or more without a sample (whole hops without one before this hop)
+        silent = (prev >= 0) & ((hop - prev - 1) * self.hop_s >= RETURN_SILENCE_S)
+        returned = silent & (ew[:, _E_FAILURE_XID_6H].sum(axis=1) >= 0.5)
         fresh = (a[:, A_REPLACED] > 0) | returned
         gap = np.where((prev >= 0) & ~fresh, (hop - prev) * self.hop_s, np.inf)
         ew[fresh] = 0.0  # a replaced board, or one back from its failure, starts without history
@@ -1022,7 +1023,7 @@ class GpuFeatureWindows:
             # peer braked within the hour" is known for it whichever GPU's hop closed first.
             f[:, _FI["thr_power_brake_prev"]] = np.where(contiguous, ew[:, E_BRAKE], 0.0)
             ew[:, E_BRAKE] = np.nan_to_num(f[:, _FI["thr_power_brake"]])
-            reporting = (prev >= 0) & ~fresh & (silence < RETURN_SILENCE_S)
+            reporting = (prev >= 0) & ~fresh & ~silent
             since_prev_h = (hop - prev) * self.hop_s / 3600.0
             ew[:, E_REPORTING] = np.where(reporting, ew[:, E_REPORTING] + since_prev_h, 0.0)
             f[:, _FI["hours_reporting"]] = ew[:, E_REPORTING]
