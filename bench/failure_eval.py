@@ -316,6 +316,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # before anything ran on them.
     "judge21": _judgement((79, 80, 81), "b200:192,h200:128,a100-sxm-40gb:128,h20:64",
                          (70, 71, 72), "h100-sxm:192,b300:128,b200:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-06, twenty-ninth session) for reading the sample's uuid (a new board's
+    # history restarts), before anything ran on them.
+    "judge22": _judgement((82, 83, 84), "h100-sxm:192,h200:128,a100-sxm-40gb:128,h20:64",
+                         (73, 74, 75), "b200:192,b300:128,b100:128,a100-sxm-80gb:64"),
 }
 
 
