@@ -17,6 +17,7 @@ from fleetwise.predictors.features import (
     F_UTIL,
     F_XID,
     FEATURE_NAMES,
+    SAMPLE_DECODER,
     WARM_RESIDUAL_C,
     GpuFeatureWindows,
 )
@@ -340,7 +341,7 @@ def test_ingest_arrays_take_job_ranks() -> None:
     slot = fw.register("n1", 0, "h100")
     from fleetwise.predictors.features import sample_row
 
-    rows = [sample_row(sample(i)["metrics"]) for i in range(11)]
+    rows = [sample_row(sample(i)) for i in range(11)]
     _, _, feats = fw.ingest([slot] * 11, [T0 + 60.0 * i for i in range(11)], rows,
                             job_ranks=[("job-1", 5)] * 11)
     assert len(feats) == 1 and fw.job_ranks([slot]) == [("job-1", 5)]
@@ -359,6 +360,42 @@ def test_a_replaced_board_starts_without_the_old_boards_history() -> None:
     reboot = [sample(i, **{SBE: 0, agg: 550}) for i in range(60, 80)]
     kept = (ref.process_dicts(old + reboot) + ref.flush())[-1].values
     assert kept["sbe_vol_24h"] > 40
+
+
+def test_a_board_named_by_another_uuid_starts_without_the_old_boards_history() -> None:
+    # A board swapped in without a silence or a counter going down (the new board's counters
+    # read higher): its uuid says it is another board. Its history restarts and its counters
+    # are its own bases, on every ingest path (dicts, records, the C splitter's columns).
+    agg = "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL"
+
+    def trace(uuids: list[str | None]) -> list[dict]:
+        rows = [sample(i, **{SBE: 10 * (i // 10), agg: 500 + 10 * (i // 10)}) for i in range(60)]
+        rows += [sample(i, **{SBE: 80, agg: 900}) for i in range(60, 80)]
+        for i, row in enumerate(rows):
+            if uuids[i // 30] is not None:
+                row["uuid"] = uuids[i // 30]
+        return rows
+
+    def last(rows: list[dict], path: str = "dicts") -> dict:
+        fw = windows()
+        if path == "dicts":
+            out = fw.process_dicts(rows)
+        elif path == "records":
+            out = fw.process([GpuSample.model_validate(r) for r in rows])
+        else:
+            text = "\n".join(json.dumps(r) for r in rows).encode()
+            out = fw.to_records(*fw.ingest_samples(SAMPLE_DECODER.trace_lines(text).samples))
+        return (out + fw.flush())[-1].values
+
+    swapped = last(trace(["GPU-a", "GPU-a", "GPU-b"]))
+    assert swapped["sbe_vol_24h"] == 0 and swapped["sbe_vol_hop"] == 0 and swapped["sbe_active_6h"] == 0
+    assert swapped["hours_reporting"] == pytest.approx(1 / 6)  # one hop since the new board's first
+    assert last(trace(["GPU-a", "GPU-a", "GPU-b"]), "records") == swapped
+    assert last(trace(["GPU-a", "GPU-a", "GPU-b"]), "columns") == swapped
+    # the same board throughout, or samples that name none between, keep the history
+    for uuids in (["GPU-a"] * 3, ["GPU-a", None, "GPU-a"], [None] * 3, [None, None, "GPU-b"]):
+        kept = last(trace(uuids))
+        assert kept["sbe_vol_24h"] > 40 and kept["hours_reporting"] > 1, uuids
 
 
 def test_hours_reporting_count_since_the_last_silence_of_an_hour() -> None:
@@ -734,7 +771,7 @@ def test_node_sbe_peers_count_the_other_gpus_of_the_node_with_single_bit_errors_
 
 
 def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_marked() -> None:
-    arrivals = heat_trace(3)
+    arrivals = [{**a, "uuid": f"GPU-{a['node']}-{a['gpu']}"} for a in heat_trace(3)]
     cut = 8 * 240  # hour 4, a hop boundary: nothing warm yet
     ref = windows()
     expected = ref.process_dicts(arrivals) + ref.flush()
@@ -744,6 +781,7 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     for state in saved.values():  # as the code before the warm and single-bit columns saved it
         state["peer_end"] = state["peer_end"][:4]
         state["ew"] = state["ew"][:-2]  # ... and before the last hop's power-brake duty and hours reported
+        state["base"] = state["base"][:-1]  # ... and before the board column (a uuid then is no new board)
     restarted = windows()
     for k, state in saved.items():
         restarted.restore(k, state)
@@ -763,6 +801,7 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     metas, job_ranks, arrays = fw.export_state(keys)
     arrays["peer_end"] = arrays["peer_end"][:, :4]
     arrays["ew"] = arrays["ew"][:, :-2]
+    arrays["base"] = arrays["base"][:, :-1]
     imported = windows()
     imported.import_state(keys, metas, job_ranks, arrays)
     assert [o.values for o in imported.process_dicts(arrivals[cut:]) + imported.flush()] == [

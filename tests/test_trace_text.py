@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fleetwise.predictors.features import SAMPLE_DECODER
 from fleetwise.schemas import GpuSample, TrainingStep
-from fleetwise.schemas.fast import FastTrainingStep, SampleDecoder, TraceBlock
+from fleetwise.schemas.fast import FastTrainingStep, SampleDecoder, TraceBlock, board_id
 from fleetwise.sim import FleetSimulator, SimConfig
 
 FIELDS = ["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_XID_ERRORS"]
@@ -34,6 +34,7 @@ def assert_same_block(plain: TraceBlock, any_: TraceBlock) -> None:
         assert got == want, name
         assert [type(v) for v in got] == [type(v) for v in want], name
     assert plain.samples.ts.tobytes() == any_.samples.ts.tobytes()  # -0.0 and NaN included
+    assert plain.samples.board.tobytes() == any_.samples.board.tobytes()
     assert plain.samples.metrics.shape == any_.samples.metrics.shape
     assert plain.samples.metrics.tobytes() == any_.samples.metrics.tobytes()
     # Steps: every field the step record has, of the same type (a float step time stays a float).
@@ -50,7 +51,7 @@ def both_paths(decoder: SampleDecoder, text: bytes) -> tuple[TraceBlock | None, 
 def assert_as_the_records_read(plain: TraceBlock, text: bytes, fields: list[str]) -> None:
     """`plain` holds what the records (pydantic) make of each line of `text`: every line valid
     by `GpuSample` or `TrainingStep` (of the metrics, those `fields` the decoder reads: the fast
-    path skips the others unread, by design; `uuid` likewise), and the same values. A DCGM blank
+    path skips the others unread, by design), and the same values (`uuid` as its `board_id`). A DCGM blank
     the records make None is the reading itself on the fast path (the windows treat it)."""
     lines = text.splitlines()
     assert len(plain.is_sample) == len(lines)
@@ -59,7 +60,6 @@ def assert_as_the_records_read(plain: TraceBlock, text: bytes, fields: list[str]
         obj = json.loads(raw)
         if "metrics" in obj:
             read = {k: v for k, v in obj["metrics"].items() if k in fields}
-            obj = {k: v for k, v in obj.items() if k != "uuid"}
             record = GpuSample.model_validate({**obj, "metrics": read})
             row = [float(read[k]) if record.metrics.get(k) is None and read.get(k) is not None
                    else math.nan if record.metrics.get(k) is None else record.metrics[k] for k in fields]
@@ -73,6 +73,7 @@ def assert_as_the_records_read(plain: TraceBlock, text: bytes, fields: list[str]
         assert got == want, name
         assert [type(v) for v in got] == [type(v) for v in want], name
     assert cols.ts.tobytes() == np.array([r.ts for r, _ in samples], np.float64).tobytes()
+    assert cols.board.tobytes() == np.array([board_id(r.uuid) for r, _ in samples], np.float64).tobytes()
     want_rows = np.array([row for _, row in samples], np.float64).reshape(len(samples), len(fields))
     assert cols.metrics.tobytes() == want_rows.tobytes()
     got = [[getattr(s, f) for f in FastTrainingStep.__struct_fields__] for s in plain.steps]
@@ -148,7 +149,7 @@ sample_line = json_object({
     "model": one_of_json("NVIDIA H100 80GB HBM3", "b200"), "metrics": metrics_object,
     "rack": text_or_null, "site": text_or_null, "job": text_or_null,
     "rank": st.one_of(st.integers(0, 4096), st.just(-1)).map(str) | st.just("null"),
-    "uuid": one_of_json("GPU-1"), "extra": one_of_json(1.5, "x", None, False),
+    "uuid": one_of_json("GPU-1", "GPU-\u00e9", "", None), "extra": one_of_json(1.5, "x", None, False),
 }, ["ts", "node", "gpu", "model", "metrics"])
 step_line = json_object({
     **{k: st.just(json.dumps(v)) for k, v in STEP.items()},
@@ -158,7 +159,7 @@ step_line = json_object({
     "gpu": st.sampled_from(["0", "7", "1024", "-1"]), "rank": st.sampled_from(["0", "3", "-1", "null"]),
     "micro_batch": st.sampled_from(["0", "8", "-1", "null"]),
     "samples": st.sampled_from(["0", "8", "-1", "null"]), "model": one_of_json("b200", "", None),
-    "rack": text_or_null, "site": text_or_null, "uuid": one_of_json("GPU-1"),
+    "rack": text_or_null, "site": text_or_null, "uuid": one_of_json("GPU-1", None),
 }, list(STEP))
 
 
@@ -261,6 +262,26 @@ def test_the_c_splitter_checks_step_lines_by_the_step_rules():
         assert new in text.decode() or not new, new
         assert_agree(text)
         assert_agree(GOOD.encode() + b"\n" + text)
+
+
+def test_a_samples_uuid_is_read_as_its_board_on_every_path():
+    # The board id is the CRC-32 of the uuid's text (escapes decoded), NaN where the sample names
+    # no board; the C splitter, msgspec and the records agree. A uuid that is not a string is
+    # refused by the fast paths (the records dead-letter it).
+    import zlib
+
+    def line(uuid: str | None) -> bytes:
+        named = f'"uuid": {uuid}, ' if uuid else ""
+        return ('{"ts": 1.0, "node": "n1", "gpu": 0, ' + named + '"model": "b200", "metrics": {}}').encode()
+
+    text = b"\n".join(line(u) for u in ['"GPU-1a2b"', '"GPU-caf\\u00e9"', "null", '""', None])
+    plain = assert_agree(text)
+    assert plain is not None
+    want = [zlib.crc32(b"GPU-1a2b"), zlib.crc32("GPU-caf\u00e9".encode()), math.nan, math.nan, math.nan]
+    assert np.array_equal(plain.samples.board, np.array(want, np.float64), equal_nan=True)
+    for bad in ["5", '{"id": "GPU-1"}', "true"]:
+        assert both_paths(DECODER, line(bad)) == (None, None)
+        assert DECODER.sample(line(bad)) is None
 
 
 def test_the_c_splitter_shares_strings_across_blocks():

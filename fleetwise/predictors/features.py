@@ -21,8 +21,9 @@ Semantics (event time only):
   delta is 0, never negative; resets are counted as a feature.
 - DCGM_FI_DEV_XID_ERRORS holds the last XID, so an event is a change to a new non-zero
   value; events are counted by class.
-- a GPU's history (every EW sum) starts afresh on a new board (a persistent counter went
-  down) and when the GPU comes back from a failure: a failure-class XID, then an hour or
+- a GPU's history (every EW sum) starts afresh on a new board (its sample names another
+  uuid than the slot's last, or a persistent counter went down: its counters are re-based)
+  and when the GPU comes back from a failure: a failure-class XID, then an hour or
   more without a sample (`RETURN_SILENCE_S`).
 - node-peer columns (`node_*`) count the other GPUs of the node with recent link errors or
   single-bit ECC errors, or running warm against their own power fit, as of the hops closed
@@ -43,7 +44,7 @@ from scipy.special import gammainc
 
 from fleetwise.schemas import FeatureVector, GpuSample, NodeBatch
 from fleetwise.schemas._base import DCGM_BLANKS, DCGM_INT32_BLANK, DCGM_INT64_BLANK
-from fleetwise.schemas.fast import FastGpuSample, SampleColumns, SampleDecoder
+from fleetwise.schemas.fast import FastGpuSample, SampleColumns, SampleDecoder, board_id
 
 # ---- input fields ---------------------------------------------------------------------------
 # DCGM field names (REFERENCE.md "Telemetry"; ../shared/data/dcgm/default-counters.csv).
@@ -88,6 +89,10 @@ COL_REASONS, COL_XID = 5, 6
 COL_LEVEL = 7
 COL_COUNTER = COL_LEVEL + N_LEVEL
 N_INPUT = len(INPUT_FIELDS)
+# A row `ingest` takes: the INPUT_FIELDS values, then the sample's board (`board_id` of its
+# uuid; NaN: not named). Rows without the board column are read as naming none.
+COL_BOARD = N_INPUT
+N_ROW = N_INPUT + 1
 # Validates sample lines and node batches straight into these columns (the replay and
 # worker hot path); the last column is field 112 under its pre-DCGM-3.3 name.
 SAMPLE_DECODER = SampleDecoder([*INPUT_FIELDS, F_REASONS_OLD])
@@ -191,7 +196,7 @@ A_RESET = A_DELTA + N_COUNTER
 A_LEVEL = A_RESET + 1
 A_XID = A_LEVEL + N_LEVEL
 A_NSAMPLE = A_XID + N_XID
-A_REPLACED = A_NSAMPLE + 1  # a persistent counter went down: a new board in this slot
+A_REPLACED = A_NSAMPLE + 1  # another uuid, or a persistent counter went down: a new board in this slot
 N_ACC = A_REPLACED + 1
 
 # EW state layout (per slot).
@@ -313,11 +318,14 @@ def resolve_model(model: str) -> tuple[str, float]:
     return spec.id, float(spec.tdp_w)
 
 
-def sample_row(metrics: dict[str, Any]) -> list[Any]:
-    """The input fields of one sample's metrics, in INPUT_FIELDS order (None = missing)."""
+def sample_row(sample: dict[str, Any]) -> list[Any]:
+    """One sample dict's row for `ingest`: its metrics in INPUT_FIELDS order (None = missing),
+    then its board id."""
+    metrics = sample["metrics"]
     row = list(map(metrics.get, INPUT_FIELDS))
     if row[COL_REASONS] is None and F_REASONS_OLD in metrics:
         row[COL_REASONS] = metrics[F_REASONS_OLD]
+    row.append(board_id(sample.get("uuid")))
     return row
 
 
@@ -445,13 +453,15 @@ class GpuFeatureWindows:
             slot = self._slot_of(node, gpu, cols.model[i], cols.rack[i], cols.site[i])
             found[i] = slot_by_gpu[node, gpu] = slot
         x = cols.metrics
-        # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
+        # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing; the old
+        # name's column gives way to the board's (a copy: the columns are the caller's).
         old = x[:, N_INPUT]
         fill = np.isnan(x[:, COL_REASONS]) & ~np.isnan(old)
+        x = x.copy()
         if fill.any():
-            x = x.copy()  # (the columns are the caller's)
             x[fill, COL_REASONS] = old[fill]
-        return self.ingest(found, cols.ts, x[:, :N_INPUT], job_ranks=_JobRanks(cols.job, cols.rank))
+        x[:, COL_BOARD] = cols.board
+        return self.ingest(found, cols.ts, x, job_ranks=_JobRanks(cols.job, cols.rank))
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
@@ -469,7 +479,7 @@ class GpuFeatureWindows:
             slots.append(slot)
             ts.append(s["ts"])
             jrs.append((s.get("job"), s.get("rank")))
-            rows.append(sample_row(s["metrics"]))
+            rows.append(sample_row(s))
         return self.ingest(slots, ts, rows, job_ranks=jrs)
 
     def flush(self) -> list[FeatureVector]:
@@ -589,7 +599,8 @@ class GpuFeatureWindows:
         self, slots: Sequence[int], ts: Sequence[float], rows: Sequence[Sequence[Any]],
         job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Ingest samples given as slot indices, timestamps and INPUT_FIELDS rows.
+        """Ingest samples given as slot indices, timestamps and rows (INPUT_FIELDS, then the board:
+        `sample_row`; N_INPUT columns: no board named).
 
         `job_ranks` (optional, one (job, rank) per sample) gives each closed hop the job and
         rank of the GPU's last sample in that hop (`job_ranks()`, the records' job/rank), so
@@ -605,9 +616,11 @@ class GpuFeatureWindows:
         s = np.asarray(slots, dtype=np.int64)
         t = np.asarray(ts, dtype=np.float64)
         x = np.array(rows, dtype=np.float64)
+        if x.shape[1] == N_INPUT:
+            x = np.column_stack([x, np.full(n, np.nan)])
         # DCGM blank sentinels ("no value") are missing readings, not huge ones; matched
         # exactly, like the schema does (a large legitimate counter is not a blank).
-        big = x >= DCGM_INT32_BLANK
+        big = x[:, :N_INPUT] >= DCGM_INT32_BLANK
         if big.any():
             idx = np.nonzero(big)
             vals = x[idx]
@@ -831,7 +844,8 @@ class GpuFeatureWindows:
         n = len(s)
         us = s[starts]
         group_start = np.repeat(starts, np.diff(np.r_[starts, n]))
-        cols = np.r_[COL_COUNTER:COL_COUNTER + N_COUNTER, COL_XID]
+        # counters, board (`base`'s columns), then the last XID
+        cols = np.r_[COL_COUNTER:COL_COUNTER + N_COUNTER, COL_BOARD, COL_XID]
         v = x[:, cols]
         base = np.concatenate([self.base[s], self.last_xid[s][:, None]], axis=1)
         valid = ~np.isnan(v)
@@ -846,9 +860,12 @@ class GpuFeatureWindows:
         delta = np.where(ch, cv - cp, 0.0)
         reset = delta < 0
         delta[reset] = 0.0  # reset: the new reading is the base, never a negative delta
+        # Another board named (a uuid other than the last): its readings are the new bases.
+        new_board = has_prev[:, N_COUNTER] & (v[:, N_COUNTER] != prev[:, N_COUNTER])
+        delta[new_board] = 0.0
         self.acc[us, A_DELTA:A_DELTA + N_COUNTER] += np.add.reduceat(delta, starts, axis=0)
         self.acc[us, A_RESET] += np.add.reduceat(reset.any(axis=1).astype(np.float64), starts)
-        replaced = reset[:, _PERSISTENT_COLS].any(axis=1)
+        replaced = reset[:, _PERSISTENT_COLS].any(axis=1) | new_board
         if replaced.any():
             self.acc[us, A_REPLACED] += np.add.reduceat(replaced.astype(np.float64), starts)
         # XID: a change to a new non-zero value is one event of that XID's class
@@ -864,7 +881,7 @@ class GpuFeatureWindows:
         has = last_valid >= starts[:, None]
         newv = np.take_along_axis(v, np.maximum(last_valid, 0), axis=0)
         newbase = np.where(has, newv, base[starts])
-        self.base[us] = newbase[:, :N_COUNTER]
+        self.base[us] = newbase[:, :N_COUNTER + 1]
         self.last_xid[us] = newbase[:, -1]
 
     def _close(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -1166,7 +1183,7 @@ STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last
                 "peer_end")
 # The state arrays a GPU starts with (shape per GPU, fill value); `tdp` comes from its model.
 _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
-    "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER,), np.nan),
+    "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER + 1,), np.nan),
     "last_xid": ((), np.nan), "open_hop": ((), -1.0), "closed_hop": ((), -1.0),
     "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
     # end of the GPU's latest hop with each PEER_COLUMNS mark (what its node's peers see of it)
@@ -1178,7 +1195,8 @@ def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
     """A saved state array in this code's width: `peer_end` saved before the warm and single-bit
     columns (2026-12-05) or the power-brake one (2026-12-06) gains them as never marked, and
     `ew` saved before the last hop's power-brake duty or the hours reported (2026-12-06) as not
-    braked and just back (0 h), so a worker's checkpoints outlive the upgrade."""
+    braked and just back (0 h), and `base` saved before the board column (2026-12-06) as no
+    board named yet, so a worker's checkpoints outlive the upgrade."""
     shape, fill = _FRESH_STATE.get(name, ((), 0.0))  # a fresh GPU's width and fill
     missing = shape[-1] - value.shape[-1] if shape else 0
     if missing > 0:

@@ -20,7 +20,7 @@ import numpy as np
 
 from fleetwise.catalog import UnknownGpuError
 from fleetwise.predictors.failure import MODEL_FEATURES, AlertPolicy, FailureModel
-from fleetwise.predictors.features import FEATURE_NAMES, N_INPUT, GpuFeatureWindows, sample_row
+from fleetwise.predictors.features import FEATURE_NAMES, N_ROW, GpuFeatureWindows, sample_row
 from fleetwise.schemas import parse_timestamp
 
 HORIZON_H = 48.0  # predict failures within 2 days: long enough for the 12 h lead target
@@ -54,7 +54,8 @@ class FeatureTable:
 
 @dataclass
 class RawSamples:
-    """GPU samples as arrays: slot per sample (index into `meta`), ts, INPUT_FIELDS rows.
+    """GPU samples as arrays: slot per sample (index into `meta`), ts, rows (`sample_row`: INPUT_FIELDS,
+    then the board id; rows saved before the board column have N_INPUT columns, read as naming none).
 
     The form the feature windows ingest; lets an evaluation keep a trace in memory (or on
     disk) and recompute features without re-parsing dicts."""
@@ -94,12 +95,12 @@ def raw_samples(samples: Iterable[dict[str, Any]], block: int = 200_000) -> RawS
                          "rack": s.get("rack"), "site": s.get("site")})
         slots.append(slot)
         ts.append(s["ts"])
-        rows.append(sample_row(s["metrics"]))
+        rows.append(sample_row(s))
         if len(ts) >= block:
             close_block()
     close_block()
     if not parts:
-        return RawSamples(meta, np.empty(0, np.int64), np.empty(0), np.empty((0, N_INPUT)))
+        return RawSamples(meta, np.empty(0, np.int64), np.empty(0), np.empty((0, N_ROW)))
     return RawSamples(meta, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                       np.vstack([p[2] for p in parts]))
 
@@ -126,7 +127,7 @@ def hop_chunks(source: RawSamples | Iterable[Mapping[str, Any]], windows: GpuFea
                 slot = slot_of.get(key)
                 if slot is None:
                     slot = slot_of[key] = windows.register(*key, s["model"], s.get("rack"), s.get("site"))
-                t, row = float(s["ts"]), sample_row(s["metrics"])
+                t, row = float(s["ts"]), sample_row(s)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"GPU sample {n} ({record_where(s)}): {bad_field(exc)}") from None
             slots.append(slot)

@@ -12,9 +12,10 @@
  * - keys in any order (top level and in metrics; the metric keys of the line before are tried
  *   first at each place, so a writer's own order costs one memcmp a key), JSON whitespace
  *   around any token, one "\r" before the newline;
- * - optional fields in or out: rack/site/job a string or null, rank an integer >= 0 or null,
- *   uuid and any other key not read holding any value, nested objects and arrays included
- *   (their grammar checked, up to MAX_DEPTH deep, then skipped);
+ * - optional fields in or out: rack/site/job/uuid a string or null, rank an integer >= 0 or
+ *   null, any other key not read holding any value, nested objects and arrays included (their
+ *   grammar checked, up to MAX_DEPTH deep, then skipped); a sample's uuid is returned as its
+ *   board id (`board_id` in fast.py: the CRC-32 of its UTF-8 value, NaN when null, empty or absent);
  * - strings of ASCII with JSON's escapes (\" \\ \/ \b \f \n \r \t \uXXXX, surrogate pairs),
  *   keys included; read strings are decoded (UTF-8 from the escapes); a lone surrogate, an
  *   unknown escape, a control character, a raw byte >= 0x80 or an escaped key (or RFC 3339
@@ -547,7 +548,7 @@ static PyObject *shared_string(Ctx *c, const Tok *t) {
 
 /* Top-level keys of a line, by what they are to a sample. */
 enum {
-    K_REFUSED = -2, K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_METRICS,
+    K_REFUSED = -2, K_OTHER = -1, K_TS, K_NODE, K_GPU, K_MODEL, K_RACK, K_SITE, K_JOB, K_RANK, K_UUID, K_METRICS,
     K_STEP, K_STEP_TIME, K_COMPUTE, K_MICRO_BATCH, K_SAMPLES, N_KEYS
 };
 #define STEP_FIELDS ((1u << K_STEP) | (1u << K_STEP_TIME) | (1u << K_COMPUTE) | (1u << K_MICRO_BATCH) | (1u << K_SAMPLES))
@@ -558,7 +559,7 @@ static inline int top_key(const char *p, Py_ssize_t n) {
     case 2: return IS("ts") ? K_TS : K_OTHER;
     case 3: return IS("gpu") ? K_GPU : IS("job") ? K_JOB : K_OTHER;
     case 4: return IS("node") ? K_NODE : IS("rack") ? K_RACK : IS("site") ? K_SITE : IS("rank") ? K_RANK
-                   : IS("step") ? K_STEP : K_OTHER;
+                   : IS("step") ? K_STEP : IS("uuid") ? K_UUID : K_OTHER;
     case 5: return IS("model") ? K_MODEL : K_OTHER;
     case 7: return IS("metrics") ? K_METRICS : IS("samples") ? K_SAMPLES : K_OTHER;
     case 9: return IS("compute_s") ? K_COMPUTE : K_OTHER;
@@ -626,6 +627,41 @@ typedef struct {
     PyObject *node, *gpu, *model, *rack, *site, *job, *rank; /* lists */
 } Columns;
 
+/* CRC-32 (zlib's: reflected polynomial 0xEDB88320), as `zlib.crc32`. */
+static uint32_t crc_table[256];
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
+}
+
+static uint32_t crc32_of(const char *p, Py_ssize_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (Py_ssize_t k = 0; k < n; k++) c = crc_table[(c ^ (unsigned char)p[k]) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+/* A sample's board id from its uuid token (`board_id` in fast.py); 0 when refused (an escaped
+ * uuid over MAX_ESCAPED bytes). */
+static int board_field(const Tok *t, int present, double *out) {
+    if (!present || t->type == T_NULL || t->n == 0) {
+        *out = NAN;
+        return 1;
+    }
+    if (!t->esc) {
+        *out = (double)crc32_of(t->p, t->n);
+        return 1;
+    }
+    char buf[MAX_ESCAPED];
+    if (t->n > MAX_ESCAPED) return 0;
+    Py_ssize_t n = unescape(t, buf);
+    *out = n == 0 ? NAN : (double)crc32_of(buf, n);
+    return 1;
+}
+
 /* Field rules shared by samples and steps: an integer >= 0; absent, null or a string. */
 static inline int count_field(const Tok *t) { return t->type == T_INT && t->i >= 0; }
 static inline int string_or_null(const Tok *t, int present) {
@@ -647,7 +683,7 @@ static int append_new(PyObject *list, PyObject *item) {
 }
 
 /* One sample's columns from its top-level tokens; 0 when refused (-1 on a Python error). */
-static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Columns *out) {
+static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, double *board, Columns *out) {
 #define HAS(k) (seen & (1u << (k)))
     if ((seen & STEP_FIELDS) || !HAS(K_TS) || !HAS(K_NODE) || !HAS(K_GPU) || !HAS(K_MODEL)) return 0;
     if (!ts_field(&keys[K_TS], ts)) return 0;
@@ -657,6 +693,7 @@ static int add_sample(Ctx *c, const Tok *keys, unsigned seen, double *ts, Column
     if (HAS(K_RANK) && keys[K_RANK].type != T_NULL && !count_field(&keys[K_RANK])) return 0;
     for (int k = K_RACK; k <= K_JOB; k++)
         if (!string_or_null(&keys[k], HAS(k))) return 0;
+    if (!board_field(&keys[K_UUID], HAS(K_UUID), board)) return 0;
     if (append_new(out->node, shared_string(c, &keys[K_NODE])) < 0) return -1;
     if (append_new(out->gpu, PyLong_FromLongLong(keys[K_GPU].i)) < 0) return -1;
     if (append_new(out->model, shared_string(c, &keys[K_MODEL])) < 0) return -1;
@@ -740,8 +777,8 @@ static PyObject *step_record(Ctx *c, const Tok *keys, unsigned seen) {
 
 /* One line [p, end): 1 a sample (its row written), 0 a step (appended to steps), -2 refused, -1
  * a Python error. */
-static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double *row, Columns *out,
-                      PyObject *steps) {
+static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double *board, double *row,
+                      Columns *out, PyObject *steps) {
     if (end > p && end[-1] == '\r') end--;
     if (end - p < 2 || *p != '{' || end[-1] != '}') return -2;
     Tok keys[N_KEYS];
@@ -776,6 +813,7 @@ static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double
         }
     }
     if (p != end - 1) return -2; /* the closing brace is the line's last */
+    if (!string_or_null(&keys[K_UUID], seen & (1u << K_UUID))) return -2; /* as `TraceLine.uuid` */
     if (!(seen & (1u << K_METRICS))) {
         PyObject *step = step_record(c, keys, seen);
         if (step == NULL) return -1;
@@ -785,7 +823,7 @@ static int parse_line(Ctx *c, const char *p, const char *end, double *ts, double
         }
         return append_new(steps, step) < 0 ? -1 : 0;
     }
-    int added = add_sample(c, keys, seen, ts, out);
+    int added = add_sample(c, keys, seen, ts, board, out);
     return added == 1 ? 1 : added == 0 ? -2 : -1;
 }
 
@@ -795,7 +833,8 @@ static PyObject *split(PyObject *self, PyObject *args) {
     PyObject *fields, *intern;
     if (!PyArg_ParseTuple(args, "y*O!O!:split", &text, &PyTuple_Type, &fields, &PyDict_Type, &intern))
         return NULL;
-    PyObject *result = NULL, *ts_bytes = NULL, *rows_bytes = NULL, *is_sample = NULL, *steps = NULL;
+    PyObject *result = NULL, *ts_bytes = NULL, *board_bytes = NULL, *rows_bytes = NULL, *is_sample = NULL;
+    PyObject *steps = NULL;
     Columns cols = {0};
     Ctx *c = PyMem_Calloc(1, sizeof(Ctx));
     if (c == NULL) {
@@ -831,24 +870,27 @@ static PyObject *split(PyObject *self, PyObject *args) {
         q = nl ? nl + 1 : stop;
     }
     ts_bytes = PyByteArray_FromStringAndSize(NULL, n_lines * (Py_ssize_t)sizeof(double));
+    board_bytes = PyByteArray_FromStringAndSize(NULL, n_lines * (Py_ssize_t)sizeof(double));
     rows_bytes = PyByteArray_FromStringAndSize(NULL, n_lines * n_fields * (Py_ssize_t)sizeof(double));
     is_sample = PyList_New(n_lines);
     cols.node = PyList_New(0), cols.gpu = PyList_New(0), cols.model = PyList_New(0);
     cols.rack = PyList_New(0), cols.site = PyList_New(0), cols.job = PyList_New(0);
     cols.rank = PyList_New(0);
     steps = PyList_New(0);
-    if (!ts_bytes || !rows_bytes || !is_sample || !cols.node || !cols.gpu || !cols.model || !cols.rack
+    if (!ts_bytes || !board_bytes || !rows_bytes || !is_sample || !cols.node || !cols.gpu || !cols.model || !cols.rack
         || !cols.site || !cols.job || !cols.rank || !steps) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
     double *ts = (double *)PyByteArray_AS_STRING(ts_bytes);
+    double *board = (double *)PyByteArray_AS_STRING(board_bytes);
     double *rows = (double *)PyByteArray_AS_STRING(rows_bytes);
     Py_ssize_t n_samples = 0, line = 0;
     for (const char *q = start; q < stop; line++) {
         const char *nl = memchr(q, '\n', (size_t)(stop - q));
         const char *line_end = nl ? nl : stop;
-        int kind = parse_line(c, q, line_end, &ts[n_samples], &rows[n_samples * n_fields], &cols, steps);
+        int kind = parse_line(c, q, line_end, &ts[n_samples], &board[n_samples], &rows[n_samples * n_fields],
+                              &cols, steps);
         if (kind == -1) goto done;
         if (kind == -2) {
             result = Py_NewRef(Py_None);
@@ -859,14 +901,16 @@ static PyObject *split(PyObject *self, PyObject *args) {
         q = nl ? nl + 1 : stop;
     }
     if (PyByteArray_Resize(ts_bytes, n_samples * (Py_ssize_t)sizeof(double)) < 0
+        || PyByteArray_Resize(board_bytes, n_samples * (Py_ssize_t)sizeof(double)) < 0
         || PyByteArray_Resize(rows_bytes, n_samples * n_fields * (Py_ssize_t)sizeof(double)) < 0)
         goto done;
-    result = Py_BuildValue("(OOOOOOOOOOO)", ts_bytes, rows_bytes, cols.node, cols.gpu, cols.model, cols.rack,
+    result = Py_BuildValue("(OOOOOOOOOOOO)", ts_bytes, board_bytes, rows_bytes, cols.node, cols.gpu, cols.model, cols.rack,
                            cols.site, cols.job, cols.rank, is_sample, steps);
 done:
     if (c != NULL) PyMem_Free(c->strings);
     PyMem_Free(c);
     Py_XDECREF(ts_bytes);
+    Py_XDECREF(board_bytes);
     Py_XDECREF(rows_bytes);
     Py_XDECREF(steps);
     Py_XDECREF(cols.node), Py_XDECREF(cols.gpu), Py_XDECREF(cols.model), Py_XDECREF(cols.rack);
@@ -879,9 +923,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"split", split, METH_VARARGS,
-     "split(text, fields, strings) -> (ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, "
-     "steps) | None\n\nA block of newline-delimited GPU sample and step lines: the samples as columns (ts and "
-     "metrics as float64 bytes, the rest as lists, strings shared through `strings`), whether each line is a "
+     "split(text, fields, strings) -> (ts, board, metrics, node, gpu, model, rack, site, job, rank, is_sample, "
+     "steps) | None\n\nA block of newline-delimited GPU sample and step lines: the samples as columns (ts, "
+     "board id and metrics as float64 bytes, the rest as lists, strings shared through `strings`), whether each line is a "
      "sample, and the steps as `TraceStep` records. None when any line is not the plain shape read here."},
     {NULL, NULL, 0, NULL},
 };
@@ -894,6 +938,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__trace_text(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    crc_init();
     TraceStep = PyStructSequence_NewType(&step_desc);
     if (TraceStep == NULL || PyModule_AddObjectRef(m, "TraceStep", (PyObject *)TraceStep) < 0) {
         Py_DECREF(m);

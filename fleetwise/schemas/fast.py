@@ -22,7 +22,9 @@ numeric strings), anything it leaves in msgspec. Differences from the records, b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, is_not, not_
 from typing import Annotated, Any, NamedTuple
@@ -47,15 +49,28 @@ _StepTime = Annotated[float, msgspec.Meta(gt=0, le=1.7976931348623157e308)]
 _ComputeTime = Annotated[float, msgspec.Meta(ge=0, le=1.7976931348623157e308)]
 
 
+@lru_cache(maxsize=1 << 16)
+def board_id(uuid: str | None) -> float:
+    """A number for the board a sample's `uuid` names (the CRC-32 of its UTF-8 text; NaN when
+    the sample names none): what the feature windows compare to see a new board in a slot. The
+    C splitter computes the same (`_trace_text.c`, `board_field`)."""
+    return float(zlib.crc32(uuid.encode())) if uuid else math.nan
+
+
+def board_ids(uuids: Iterable[str | None], n: int) -> np.ndarray:
+    """`board_id` of each of `n` uuids."""
+    return np.fromiter(map(board_id, uuids), np.float64, n)
+
+
 class FastGpuSample(msgspec.Struct, gc=False):
-    """A validated GPU sample (attribute names as `GpuSample`; `uuid` is not read: nothing
-    downstream uses it). `metrics` is a struct of the decoder's metric fields, in its order
-    (missing = NaN); see `SampleDecoder.metric_rows`."""
+    """A validated GPU sample (attribute names as `GpuSample`). `metrics` is a struct of the
+    decoder's metric fields, in its order (missing = NaN); see `SampleDecoder.metric_rows`."""
 
     ts: _FiniteFloat
     node: _NonEmpty
     gpu: Annotated[int, msgspec.Meta(ge=0, le=1023)]  # MAX_GPU_INDEX
     model: _NonEmpty
+    uuid: str | None = None
     rack: str | None = None
     site: str | None = None
     job: str | None = None
@@ -75,6 +90,7 @@ class TraceLine(msgspec.Struct, gc=False):
     job: str | None = None
     rank: _Count | None = None
     model: str | None = None
+    uuid: str | None = None
     rack: str | None = None
     site: str | None = None
     step: _Count | None = None
@@ -177,10 +193,10 @@ class SampleDecoder:
         found = _trace_text.split(text, self.metric_fields, strings)
         if found is None:
             return None
-        ts, metrics, node, gpu, model, rack, site, job, rank, is_sample, steps = found
+        ts, board, metrics, node, gpu, model, rack, site, job, rank, is_sample, steps = found
         samples = SampleColumns(
             node=node, gpu=gpu, model=model, rack=rack, site=site, job=job, rank=rank,
-            ts=np.frombuffer(ts, np.float64),
+            ts=np.frombuffer(ts, np.float64), board=np.frombuffer(board, np.float64),
             metrics=np.frombuffer(metrics, np.float64).reshape(len(node), len(self.metric_fields)))
         return TraceBlock(samples, steps, is_sample)
 
@@ -226,10 +242,11 @@ class SampleDecoder:
         other than `ts` and `metrics` stay views of the samples, read when asked for (the
         feature windows read node and gpu once, the others for a few rows only)."""
         ts = np.fromiter(map(_TS, samples), np.float64, len(samples))
+        board = board_ids(map(_UUID, samples), len(samples))
         if not intern:
             node, gpu, model, rack, site, job, rank = (_Attribute(samples, get) for get in _COLUMN_FIELDS)
             return SampleColumns(node=node, gpu=gpu, model=model, rack=rack, site=site, job=job, rank=rank,
-                                 ts=ts, metrics=self.metric_rows(samples))
+                                 ts=ts, board=board, metrics=self.metric_rows(samples))
         gpu = list(map(_GPU, samples))
         strings = self._strings
         if len(strings) > _MAX_INTERNED:
@@ -237,7 +254,8 @@ class SampleDecoder:
         node, model, rack, site, job = (list(map(strings.setdefault, column, column))
                                         for column in (list(map(get, samples)) for get in _STRING_FIELDS))
         return SampleColumns(node=node, gpu=gpu, model=model, rack=rack, site=site, job=job,
-                             rank=list(map(_RANK, samples)), ts=ts, metrics=self.metric_rows(samples))
+                             rank=list(map(_RANK, samples)), ts=ts, board=board,
+                             metrics=self.metric_rows(samples))
 
     def metric_rows(self, samples: Sequence[Any]) -> np.ndarray:
         """Float matrix (samples x metric_fields), NaN where missing. Takes `FastGpuSample`s
@@ -259,19 +277,20 @@ class SampleDecoder:
 
 class SampleColumns:
     """GPU samples as columns, in sample order: what the feature windows read of each (the
-    attributes of `GpuSample`; `metrics`: `SampleDecoder.metric_rows`). A chunk of a replay
+    attributes of `GpuSample`, `uuid` as `board_id`s in `board`; `metrics`:
+    `SampleDecoder.metric_rows`). A chunk of a replay
     holds these instead of a struct per sample: a sample's ~15 small objects are freed when its
     block is decoded, not a chunk later, when they are out of cache (a replayed day ~5% faster)."""
 
-    __slots__ = ("node", "gpu", "model", "rack", "site", "job", "rank", "ts", "metrics")
+    __slots__ = ("node", "gpu", "model", "rack", "site", "job", "rank", "ts", "board", "metrics")
 
     def __init__(
         self, *, node: Sequence[str], gpu: Sequence[int], model: Sequence[str], rack: Sequence[str | None],
         site: Sequence[str | None], job: Sequence[str | None], rank: Sequence[int | None],
-        ts: np.ndarray, metrics: np.ndarray,
+        ts: np.ndarray, board: np.ndarray, metrics: np.ndarray,
     ) -> None:
         self.node, self.gpu, self.model, self.rack, self.site = node, gpu, model, rack, site
-        self.job, self.rank, self.ts, self.metrics = job, rank, ts, metrics
+        self.job, self.rank, self.ts, self.board, self.metrics = job, rank, ts, board, metrics
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -283,7 +302,7 @@ class SampleColumns:
     def concat(cls, parts: Sequence[SampleColumns]) -> SampleColumns:
         if len(parts) == 1:
             return parts[0]
-        arrays = ("ts", "metrics")
+        arrays = ("ts", "board", "metrics")
         lists = {name: list(chain.from_iterable(getattr(p, name) for p in parts))
                  for name in cls.__slots__ if name not in arrays}
         return cls(**lists, **{name: np.concatenate([getattr(p, name) for p in parts]) for name in arrays})
@@ -319,7 +338,7 @@ class TraceBlock(NamedTuple):
 
 _METRICS = attrgetter("metrics")
 _NEWLINE, _CR, _BRACE, _CLOSE = ord("\n"), ord("\r"), ord("{"), ord("}")
-_GPU, _RANK, _TS = attrgetter("gpu"), attrgetter("rank"), attrgetter("ts")
+_GPU, _RANK, _TS, _UUID = attrgetter("gpu"), attrgetter("rank"), attrgetter("ts"), attrgetter("uuid")
 _STRING_FIELDS = tuple(map(attrgetter, ("node", "model", "rack", "site", "job")))
 _COLUMN_FIELDS = tuple(map(attrgetter, ("node", "gpu", "model", "rack", "site", "job", "rank")))
 _MAX_INTERNED = 1 << 16  # strings kept by `SampleDecoder.columns(intern=True)` before starting over

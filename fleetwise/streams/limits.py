@@ -435,9 +435,9 @@ def _take(cols: SampleColumns, keep: np.ndarray) -> SampleColumns:
     lists = {
         name: list(compress(getattr(cols, name), mask))
         for name in SampleColumns.__slots__
-        if name not in ("ts", "metrics")
+        if name not in ("ts", "board", "metrics")
     }
-    return SampleColumns(**lists, ts=cols.ts[keep], metrics=cols.metrics[keep])
+    return SampleColumns(**lists, ts=cols.ts[keep], board=cols.board[keep], metrics=cols.metrics[keep])
 
 
 def evict_idle(control: Any, keep: int) -> list[str]:
