@@ -36,7 +36,42 @@ from independent_eval import INTERVAL_S, add_site_gpus, generate  # noqa: E402
 from fleetwise.predictors.failure import AlertPolicy, FailurePredictor  # noqa: E402
 from fleetwise.predictors.policy_choice import HopScores, replay_policy, score_hops  # noqa: E402
 
-BUCKETS = ("recall_long_precursor_12h", "recall_with_precursor_30min")
+
+@dataclasses.dataclass
+class Tally:
+    """One variant's figures over the traces of a generator (or all of them), summed."""
+
+    false_alerts: int = 0
+    true_alerts: int = 0
+    gpu_days: float = 0.0
+    long_caught: int = 0  # precursor >= 18 h, called at >= 12 h lead
+    long_n: int = 0
+    any_caught: int = 0  # any precursor, called at >= 30 min lead
+    any_n: int = 0
+    hot_flagged: int = 0  # hot-but-healthy GPUs alerted
+    hot: int = 0
+
+    def add(self, m: dict[str, Any], gpu_days: float) -> None:
+        """Add one trace's `replay_policy` metrics."""
+        self.false_alerts += m["false_alerts"]
+        self.true_alerts += m["true_alerts"]
+        self.gpu_days += gpu_days
+        self.long_caught += m["recall_long_precursor_12h"]["caught"]
+        self.long_n += m["recall_long_precursor_12h"]["n"]
+        self.any_caught += m["recall_with_precursor_30min"]["caught"]
+        self.any_n += m["recall_with_precursor_30min"]["n"]
+        self.hot_flagged += round((m["hot_healthy_flagged_share"] or 0.0) * m["hot_healthy_gpus"])
+        self.hot += m["hot_healthy_gpus"]
+
+    def __add__(self, other: Tally) -> Tally:
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return Tally(*(a + b for a, b in pairs))
+
+    def row(self) -> str:
+        fa, true = self.false_alerts, self.true_alerts
+        precision = f"{true / (true + fa):.2f} ({true}/{true + fa})" if true + fa else "-"
+        return (f"{fa} ({fa / self.gpu_days * 1000:.2f}) | {self.long_caught}/{self.long_n} | "
+                f"{self.any_caught}/{self.any_n} | {precision} | {self.hot_flagged}/{self.hot}")
 
 
 def gpu_samples(trace: Path) -> Iterator[dict[str, Any]]:
@@ -90,7 +125,7 @@ def main() -> None:
     add_site_gpus()  # the generators' GPUs the packaged catalog lacks
     predictor = FailurePredictor.load()
     policies = [(spec, variant(spec, predictor.policy)) for spec in args.variants]
-    pooled: dict[tuple[str, str], list[float]] = {}
+    tallies: dict[str, dict[str, Tally]] = {spec: {} for spec, _ in policies}
     for kind in INTERVAL_S:
         for seed in getattr(args, f"{kind}_seeds"):
             d = generate(kind, seed, args.cache, gpus=args.gpus, days=args.days, interval=INTERVAL_S[kind],
@@ -99,25 +134,12 @@ def main() -> None:
             labels = [json.loads(x) for x in (d / "labels.jsonl").read_text().splitlines() if x.strip()]
             for spec, policy in policies:
                 m, _ = replay_policy(scores, labels, predictor, policy)
-                hot = m["hot_healthy_gpus"]
-                flagged = round((m["hot_healthy_flagged_share"] or 0.0) * hot)
-                row = pooled.setdefault((spec, kind), [0.0] * (2 + 2 * len(BUCKETS) + 3))
-                row[0] += m["false_alerts"]
-                row[1] += scores.gpu_days
-                for i, b in enumerate(BUCKETS):
-                    row[2 + 2 * i] += m[b]["caught"]
-                    row[3 + 2 * i] += m[b]["n"]
-                row[-3:] = [row[-3] + m["true_alerts"], row[-2] + flagged, row[-1] + hot]
+                tallies[spec].setdefault(kind, Tally()).add(m, scores.gpu_days)
     print("variant | generator | false alarms (per 1,000 GPU-days) | long @12 h | any precursor @30 min | "
           "precision (true / all episodes) | hot-but-healthy flagged")
-    for spec, _ in policies:
-        rows = {kind: r for (s, kind), r in pooled.items() if s == spec}
-        rows["pooled"] = [sum(col) for col in zip(*rows.values(), strict=True)]
-        for kind, r in rows.items():
-            fa, true = r[0], r[-3]
-            precision = f"{true / (true + fa):.2f} ({true:.0f}/{true + fa:.0f})" if true + fa else "-"
-            print(f"{spec} | {kind} | {fa:.0f} ({fa / r[1] * 1000:.2f}) | {r[2]:.0f}/{r[3]:.0f} | "
-                  f"{r[4]:.0f}/{r[5]:.0f} | {precision} | {r[-2]:.0f}/{r[-1]:.0f}")
+    for spec, by_kind in tallies.items():
+        for kind, tally in [*by_kind.items(), ("pooled", sum(by_kind.values(), Tally()))]:
+            print(f"{spec} | {kind} | {tally.row()}")
 
 
 if __name__ == "__main__":
