@@ -452,16 +452,17 @@ class GpuFeatureWindows:
             node, gpu = cols.node[i], cols.gpu[i]
             slot = self._slot_of(node, gpu, cols.model[i], cols.rack[i], cols.site[i])
             found[i] = slot_by_gpu[node, gpu] = slot
-        x = cols.metrics
-        # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing; the old
-        # name's column gives way to the board's (a copy: the columns are the caller's).
-        old = x[:, N_INPUT]
+        # The rows: the metrics (the columns are the caller's: one copy, ours), then the board.
+        metrics = cols.metrics
+        x = np.empty((len(metrics), N_ROW))
+        x[:, :N_INPUT] = metrics[:, :N_INPUT]
+        x[:, COL_BOARD] = cols.board
+        # Field 112 under its pre-DCGM-3.3 name fills in where the new name is missing.
+        old = metrics[:, N_INPUT]
         fill = np.isnan(x[:, COL_REASONS]) & ~np.isnan(old)
-        x = x.copy()
         if fill.any():
             x[fill, COL_REASONS] = old[fill]
-        x[:, COL_BOARD] = cols.board
-        return self.ingest(found, cols.ts, x, job_ranks=_JobRanks(cols.job, cols.rank))
+        return self.ingest(found, cols.ts, x, job_ranks=_JobRanks(cols.job, cols.rank), copy=False)
 
     def process_dicts(self, samples: Iterable[dict[str, Any]]) -> list[FeatureVector]:
         """Fast path for already-validated plain dicts (keys as in DESIGN.md; ts in Unix seconds)."""
@@ -597,10 +598,11 @@ class GpuFeatureWindows:
     # ---- core: vectorised ingest ----
     def ingest(
         self, slots: Sequence[int], ts: Sequence[float], rows: Sequence[Sequence[Any]],
-        job_ranks: Sequence[tuple[str | None, int | None]] | None = None,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None = None, copy: bool = True,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ingest samples given as slot indices, timestamps and rows (INPUT_FIELDS, then the board:
-        `sample_row`; N_INPUT columns: no board named).
+        `sample_row`; N_INPUT columns: no board named). `copy=False`: `rows` is a float64 array
+        of the caller's that the windows may change (its own scratch), not copied.
 
         `job_ranks` (optional, one (job, rank) per sample) gives each closed hop the job and
         rank of the GPU's last sample in that hop (`job_ranks()`, the records' job/rank), so
@@ -615,7 +617,7 @@ class GpuFeatureWindows:
         self.samples_in += n
         s = np.asarray(slots, dtype=np.int64)
         t = np.asarray(ts, dtype=np.float64)
-        x = np.array(rows, dtype=np.float64)
+        x = np.array(rows, dtype=np.float64, copy=copy)
         if x.shape[1] == N_INPUT:
             x = np.column_stack([x, np.full(n, np.nan)])
         # DCGM blank sentinels ("no value") are missing readings, not huge ones; matched
