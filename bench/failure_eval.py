@@ -320,6 +320,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # history restarts), before anything ran on them.
     "judge22": _judgement((82, 83, 84), "h100-sxm:192,h200:128,a100-sxm-40gb:128,h20:64",
                          (73, 74, 75), "b200:192,b300:128,b100:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-06, twenty-ninth session) after judge22's result, for rule 16 at a lower
+    # level and a shorter hold now that a replaced board starts afresh, before anything ran on them.
+    "judge23": _judgement((85, 86, 87), "b300:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
+                         (76, 77, 78), "h200:192,b200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
