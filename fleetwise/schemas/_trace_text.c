@@ -19,7 +19,7 @@
  * - strings of ASCII with JSON's escapes (\" \\ \/ \b \f \n \r \t \uXXXX, surrogate pairs),
  *   keys included; read strings are decoded (UTF-8 from the escapes); a lone surrogate, an
  *   unknown escape, a control character, a raw byte >= 0x80 or an escaped key (or RFC 3339
- *   time) over MAX_ESCAPED bytes: refused;
+ *   time, or uuid) over MAX_ESCAPED bytes: refused;
  * - ts a finite number or an RFC 3339 string, YYYY-MM-DD(T|t| )HH:MM:SS[.digits](Z|z|+-HH:MM),
  *   read as `_parse_ts` reads it (`rfc3339`); other spellings Python parses: refused;
  * - a line that has a top-level "metrics" key is a GPU sample: node a non-empty string, gpu an
