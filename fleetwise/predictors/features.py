@@ -225,8 +225,16 @@ N_EW = E_REPORTING + 1
 # a reset in place or a scrape gap is shorter; a repair is longer).
 FAILURE_XID_CLASSES = ("mem_fatal", "bus", "gsp")
 RETURN_SILENCE_S = 3600.0
-_E_FAILURE_XID_6H = np.array([E_COUNT + list(COUNT_TAUS).index("6h") * N_EVENT + N_COUNTER
-                              + XID_CLASS_NAMES.index(c) for c in FAILURE_XID_CLASSES])
+
+
+def _ew_count(scale: str, event: int) -> int:
+    """The EW slot counting event column `event` (counters, then XID classes, then resets) over
+    the COUNT_TAUS time scale `scale`."""
+    return E_COUNT + list(COUNT_TAUS).index(scale) * N_EVENT + event
+
+
+_E_FAILURE_XID_6H = np.array([_ew_count("6h", N_COUNTER + XID_CLASS_NAMES.index(c))
+                              for c in FAILURE_XID_CLASSES])
 
 _BLANK_VALUES = np.array(sorted(DCGM_BLANKS))
 
@@ -987,8 +995,8 @@ class GpuFeatureWindows:
                 a[:, A_DELTA:A_DELTA + N_COUNTER], a[:, A_XID:A_XID + N_XID], a[:, A_RESET:A_RESET + 1],
             ], axis=1)
             col = _FI[f"{next(iter(COUNTER_FIELDS.values()))}_1h"]
-            for j, tau in enumerate(COUNT_TAUS.values()):
-                lo = E_COUNT + j * N_EVENT
+            for j, (scale, tau) in enumerate(COUNT_TAUS.items()):
+                lo = _ew_count(scale, 0)
                 ew[:, lo:lo + N_EVENT] = ew[:, lo:lo + N_EVENT] * decay(tau) + events
                 f[:, col + j * N_EVENT: col + (j + 1) * N_EVENT] = ew[:, lo:lo + N_EVENT]
             for c in ("sbe_vol", "dbe_vol", "remap_corr", "remap_uncorr", "pcie_replay"):
