@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, is_not, not_
@@ -55,11 +55,6 @@ def board_id(uuid: str | None) -> float:
     the sample names none): what the feature windows compare to see a new board in a slot. The
     C splitter computes the same (`_trace_text.c`, `board_field`)."""
     return float(zlib.crc32(uuid.encode())) if uuid else math.nan
-
-
-def board_ids(uuids: Iterable[str | None], n: int) -> np.ndarray:
-    """`board_id` of each of `n` uuids."""
-    return np.fromiter(map(board_id, uuids), np.float64, n)
 
 
 class FastGpuSample(msgspec.Struct, gc=False):
@@ -242,7 +237,7 @@ class SampleDecoder:
         other than `ts` and `metrics` stay views of the samples, read when asked for (the
         feature windows read node and gpu once, the others for a few rows only)."""
         ts = np.fromiter(map(_TS, samples), np.float64, len(samples))
-        board = board_ids(map(_UUID, samples), len(samples))
+        board = np.fromiter(map(board_id, map(_UUID, samples)), np.float64, len(samples))
         if not intern:
             node, gpu, model, rack, site, job, rank = (_Attribute(samples, get) for get in _COLUMN_FIELDS)
             return SampleColumns(node=node, gpu=gpu, model=model, rack=rack, site=site, job=job, rank=rank,
@@ -278,11 +273,12 @@ class SampleDecoder:
 class SampleColumns:
     """GPU samples as columns, in sample order: what the feature windows read of each (the
     attributes of `GpuSample`, `uuid` as `board_id`s in `board`; `metrics`:
-    `SampleDecoder.metric_rows`). A chunk of a replay
-    holds these instead of a struct per sample: a sample's ~15 small objects are freed when its
-    block is decoded, not a chunk later, when they are out of cache (a replayed day ~5% faster)."""
+    `SampleDecoder.metric_rows`). A chunk of a replay holds these instead of a struct per sample:
+    a sample's ~15 small objects are freed when its block is decoded, not a chunk later, when they
+    are out of cache (a replayed day ~5% faster). `ARRAYS` are numpy arrays, the rest sequences."""
 
     __slots__ = ("node", "gpu", "model", "rack", "site", "job", "rank", "ts", "board", "metrics")
+    ARRAYS = ("ts", "board", "metrics")
 
     def __init__(
         self, *, node: Sequence[str], gpu: Sequence[int], model: Sequence[str], rack: Sequence[str | None],
@@ -302,10 +298,10 @@ class SampleColumns:
     def concat(cls, parts: Sequence[SampleColumns]) -> SampleColumns:
         if len(parts) == 1:
             return parts[0]
-        arrays = ("ts", "board", "metrics")
         lists = {name: list(chain.from_iterable(getattr(p, name) for p in parts))
-                 for name in cls.__slots__ if name not in arrays}
-        return cls(**lists, **{name: np.concatenate([getattr(p, name) for p in parts]) for name in arrays})
+                 for name in cls.__slots__ if name not in cls.ARRAYS}
+        arrays = {name: np.concatenate([getattr(p, name) for p in parts]) for name in cls.ARRAYS}
+        return cls(**lists, **arrays)
 
 
 class _Attribute(Sequence[Any]):

@@ -435,9 +435,9 @@ def _take(cols: SampleColumns, keep: np.ndarray) -> SampleColumns:
     lists = {
         name: list(compress(getattr(cols, name), mask))
         for name in SampleColumns.__slots__
-        if name not in ("ts", "board", "metrics")
+        if name not in SampleColumns.ARRAYS
     }
-    return SampleColumns(**lists, ts=cols.ts[keep], board=cols.board[keep], metrics=cols.metrics[keep])
+    return SampleColumns(**lists, **{name: getattr(cols, name)[keep] for name in SampleColumns.ARRAYS})
 
 
 def evict_idle(control: Any, keep: int) -> list[str]:
