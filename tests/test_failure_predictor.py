@@ -200,6 +200,39 @@ def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> No
     assert hits == [True, False, False, False, False]
 
 
+def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None:
+    """Rule 20 read from the feature windows: four row remaps within 1.5 h raise a GPU that has
+    reported for a day while its node logs no single-bit errors; the same beside a peer's
+    single-bit error, a lemon's two at once, or four in the first day do not."""
+    from fleetwise.predictors.features import GpuFeatureWindows
+
+    rule = next(r for r in SURGE_RULES if r.name == "memory_repairs_unshared")
+    t0, dt, h = 1764547200.0, 300.0, 3600.0
+    repairs = {("n2", 0): (26.0, 26.5, 27.0, 27.5), ("n1", 0): (26.0, 26.5, 27.0, 27.5),
+               ("n2", 1): (26.0, 26.0), ("n2", 2): (2.0, 2.5, 3.0, 3.5)}
+    sbe_at = {("n1", 1): 25.5}  # a node peer's single-bit error, within 6 h of n1/0's repairs
+    samples = []
+    for i in range(int(30 * h / dt)):
+        for node in ("n1", "n2"):
+            for g in range(4):
+                at_h = i * dt / h
+                metrics = {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                           "DCGM_FI_DEV_GPU_UTIL": 90.0, "DCGM_FI_DEV_SM_CLOCK": 1980.0,
+                           "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": sum(
+                               r <= at_h for r in repairs.get((node, g), ())),
+                           "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(at_h >= sbe_at.get((node, g), 1e9))}
+                samples.append({"ts": t0 + i * dt, "node": node, "gpu": g, "model": "h100",
+                                "metrics": metrics})
+    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
+    out = fw.process_dicts(samples) + fw.flush()
+    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    hit = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+    raised = {(o.node, o.gpu) for o, b in zip(out, hit, strict=True) if b}
+    assert raised == {("n2", 0)}
+    first = min(o.ts for o, b in zip(out, hit, strict=True) if b)
+    assert first == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
+
+
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
 def test_settled_surge_raises_a_day_after_a_return_not_on_the_board_before(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)
@@ -558,6 +591,12 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
     assert alert_series(out, 7)[-1] is True
 
 
+def model_repairs(n: int) -> dict[str, list[float]]:
+    """n hops whose risk memory repairs drive, beside a node peer's single-bit errors (so that
+    rule 20, memory repairs the node does not share, leaves them to the model)."""
+    return {"mem_repairs_24h": [50.0] * n, "node_sbe_peers_6h": [1.0] * n}
+
+
 def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:
     """The packaged hold: the model raises only after 6 h (36 hops) at p >= hi; an episode of
     high risk that ends sooner (a benign burst, a lemon's noisy hours) raises nothing. The stub's
@@ -571,7 +610,7 @@ def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:
     alerts = alert_series(run(FailurePredictor(stub_model(pol)), sustained, link), len(sustained))
     assert alerts.index(True) == 5 + 35  # the 36th hop at risk
     # Memory-driven risk waits as long (no lower tier): the same burst of memory repairs.
-    repairs = {"mem_repairs_24h": [50.0] * len(burst)}
+    repairs = model_repairs(len(burst))
     assert not any(alert_series(run(FailurePredictor(stub_model(pol)), burst, repairs), len(burst)))
 
 
@@ -590,7 +629,7 @@ def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
     assert raised_at(pol, n) == 107  # the stub's risk column is thermal
     assert raised_at(pol, 107) is None
     assert raised_at(pol, n, {"sbe_active_6h": [50.0] * n}) == 71  # memory tier (36) held too
-    assert raised_at(pol, n, {"mem_repairs_24h": [50.0] * n}) == 35
+    assert raised_at(pol, n, model_repairs(n)) == 35
     # One thermal-driven hop (the 21st) in a link-driven streak: it raises once that hop is 36
     # hops back, not at the 36th.
     link = [50.0] * n
@@ -604,7 +643,7 @@ def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
     assert {p.reason for p in out} == {"watch: heat-driven, raises after 108 hops at risk"}
     out = run(FailurePredictor(stub_model(pol)), [0.99] * 60, {"sbe_active_6h": [50.0] * 60})
     assert {p.reason for p in out} == {"watch: single-bit-driven, raises after 72 hops at risk"}
-    out = run(FailurePredictor(stub_model(pol)), [0.99] * 30, {"mem_repairs_24h": [50.0] * 30})
+    out = run(FailurePredictor(stub_model(pol)), [0.99] * 30, model_repairs(30))
     assert {p.reason for p in out} == {"watch"}
     out = run(FailurePredictor(stub_model(replace(pol, model_alerts=False))), [0.99] * 60)
     assert {p.reason for p in out} == {"watch"}  # the rules alone: the model raises nothing

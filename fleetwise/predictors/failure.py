@@ -138,6 +138,19 @@ SURGE_RULES = (
     # residual the node does not share", "Rule 16 at 2.0 C for 2 h: rule 19").
     SurgeRule("temp_residual_cool_24h", 2.0, "heat_residual_unshared", hold="heat_residual_hold_hops",
               unshared="node_warm_peers_1h", settled_h=24.0),
+    # Memory repairs the node does not share (rule 20): the GPU's row remaps and retired pages
+    # over about a day (`mem_repairs_24h`, an EW count) above 3.8 (four repairs within a few
+    # hours, five within a day) while no other GPU of the node logged single-bit errors within
+    # 6 h, once the GPU has reported for a day since its last silence. An HBM stack wearing out
+    # repairs row after row; a healthy board repairs one now and then, a lemon two at once, and
+    # a burst of single-bit errors that several GPUs of a node share (heat, power, a host event)
+    # ends in a repair on each. Counted only when settled: a board repaired in place reports the
+    # repairs made while it was away in its first hop back. 3.8: ~1.1x the highest level any
+    # never-failing GPU of the development traces reached (3.46, the simulator's far members,
+    # whose benign bursts each end in a remap); docs/benchmarks.md ("Memory repairs the node
+    # does not share").
+    SurgeRule("mem_repairs_24h", 3.8, "memory_repairs_unshared", hold="repair_unshared_hops",
+              unshared="node_sbe_peers_6h", settled_h=24.0),
 )
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
@@ -218,6 +231,9 @@ class AlertPolicy:
     # not share. 0: off. On since rule 17 (judged with the 9-hour rises above; 3 h at 2.5 C until
     # rule 19).
     heat_residual_hold_hops: int = 12
+    # Rule 20 raises after this many consecutive hops of memory repairs the node does not share
+    # (one: the count itself is the evidence, and it decays over hours). 0: off.
+    repair_unshared_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
