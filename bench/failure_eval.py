@@ -324,6 +324,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # level and a shorter hold now that a replaced board starts afresh, before anything ran on them.
     "judge23": _judgement((85, 86, 87), "b300:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
                          (76, 77, 78), "h200:192,b200:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-06, thirtieth session) for rule 20 (memory repairs the node does not share),
+    # before anything ran on them.
+    "judge24": _judgement((88, 89, 90), "h200:192,b300:128,a100-sxm-40gb:128,h20:64",
+                         (79, 80, 81), "b300:192,h200:128,b100:128,a100-sxm-40gb:64"),
 }
 
 
