@@ -233,6 +233,26 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
     assert first == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
 
 
+def test_gsp_error_rule_raises_on_a_change_to_xid_119_or_120_not_on_a_repeat() -> None:
+    """Rule 21 read from the feature windows: GPU 0 logs XID 119 at 1 h and still reads it when
+    it reports again after a 2 h silence; GPU 1 logs the application XID 45; GPU 2 XID 120."""
+    from fleetwise.predictors.features import GpuFeatureWindows
+
+    t0, dt = 1764547200.0, 60.0
+    xids = {0: lambda m: 119 if m >= 60 else 0, 1: lambda m: 45 if m >= 60 else 0,
+            2: lambda m: 120 if m >= 200 else 0}
+    samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            "DCGM_FI_DEV_XID_ERRORS": xids[g](m)}}
+               for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
+    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
+    out = fw.process_dicts(samples) + fw.flush()
+    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    hit = [(o.gpu, o.ts) for o, b in zip(out, rule_hits(f).tolist(), strict=True)
+           if "xid_gsp_error" in rule_names_of(b)]
+    assert hit == [(0, t0 + 4200.0), (2, t0 + 12600.0)]  # the hops of the changes, once each
+
+
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
 def test_settled_surge_raises_a_day_after_a_return_not_on_the_board_before(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)

@@ -151,6 +151,13 @@ SURGE_RULES = (
     # does not share").
     SurgeRule("mem_repairs_24h", 3.8, "memory_repairs_unshared", hold="repair_unshared_hops",
               unshared="node_sbe_peers_6h", settled_h=24.0),
+    # A GSP error (rule 21): XID 119 (GSP RPC timeout) or 120 (GSP error) logged in the hop, a
+    # change to it rather than a repeat (`xid_gsp_hop`): the GPU System Processor's firmware
+    # stopped answering the driver, which NVIDIA's XID catalog answers with a GPU reset. One that
+    # the GPU survives is a precursor of a hang: on the generators' development seeds no
+    # never-failing GPU logged one, and 6 of 25 GSP hangs with a precursor logged one at least
+    # 30 min before the hang (docs/benchmarks.md, "A GSP error: rule 21").
+    SurgeRule("xid_gsp_hop", 0.0, "xid_gsp_error", hold="gsp_error_hops"),
 )
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
@@ -234,6 +241,9 @@ class AlertPolicy:
     # Rule 20 raises after this many consecutive hops of memory repairs the node does not share
     # (one: the count itself is the evidence, and it decays over hours). 0: off.
     repair_unshared_hops: int = 1
+    # Rule 21 raises on a GSP XID (119/120) in this many consecutive hops (one: the event is the
+    # evidence). 0: off.
+    gsp_error_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
