@@ -328,6 +328,9 @@ SETS: dict[str, list[TraceSpec]] = {
     # before anything ran on them.
     "judge24": _judgement((88, 89, 90), "h200:192,b300:128,a100-sxm-40gb:128,h20:64",
                          (79, 80, 81), "b300:192,h200:128,b100:128,a100-sxm-40gb:64"),
+    # Drawn (2026-12-06, thirtieth session) for rule 21 (a GSP error), before anything ran on them.
+    "judge25": _judgement((91, 92, 93), "b200:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
+                         (82, 83, 84), "h100-sxm:192,b200:128,b300:128,v100-sxm2-32gb:64"),
 }
 
 
