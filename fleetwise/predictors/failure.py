@@ -239,7 +239,9 @@ class AlertPolicy:
     # rule 19).
     heat_residual_hold_hops: int = 12
     # Rule 20 raises after this many consecutive hops of memory repairs the node does not share
-    # (one: the count itself is the evidence, and it decays over hours). 0: off.
+    # (one: the count itself is the evidence, and it decays over hours). 0: off. On since its
+    # judgement on judge24 and sixteen fresh generator seeds (docs/benchmarks.md, "Memory repairs
+    # the node does not share").
     repair_unshared_hops: int = 1
     # Rule 21 raises on a GSP XID (119/120) in this many consecutive hops (one: the event is the
     # evidence). 0: off.
