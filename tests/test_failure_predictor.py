@@ -19,7 +19,7 @@ from fleetwise.predictors.failure import (
     rule_hits,
     rule_names_of,
 )
-from fleetwise.predictors.features import FEATURE_NAMES
+from fleetwise.predictors.features import FEATURE_NAMES, GpuFeatureWindows
 from fleetwise.predictors.training import fit_failure_model
 
 RISK = "temp_residual_6h"
@@ -200,13 +200,19 @@ def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> No
     assert hits == [True, False, False, False, False]
 
 
+def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
+    """(node, gpu, hop end) of each hop in which rule `name` hits, read through the feature windows."""
+    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
+    out = fw.process_dicts(samples) + fw.flush()
+    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    return [(o.node, o.gpu, o.ts) for o, bits in zip(out, rule_hits(f).tolist(), strict=True)
+            if name in rule_names_of(bits)]
+
+
 def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None:
     """Rule 20 read from the feature windows: four row remaps within 1.5 h raise a GPU that has
     reported for a day while its node logs no single-bit errors; the same beside a peer's
     single-bit error, a lemon's two at once, or four in the first day do not."""
-    from fleetwise.predictors.features import GpuFeatureWindows
-
-    rule = next(r for r in SURGE_RULES if r.name == "memory_repairs_unshared")
     t0, dt, h = 1764547200.0, 300.0, 3600.0
     repairs = {("n2", 0): (26.0, 26.5, 27.0, 27.5), ("n1", 0): (26.0, 26.5, 27.0, 27.5),
                ("n2", 1): (26.0, 26.0), ("n2", 2): (2.0, 2.5, 3.0, 3.5)}
@@ -223,21 +229,14 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(at_h >= sbe_at.get((node, g), 1e9))}
                 samples.append({"ts": t0 + i * dt, "node": node, "gpu": g, "model": "h100",
                                 "metrics": metrics})
-    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
-    out = fw.process_dicts(samples) + fw.flush()
-    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
-    hit = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
-    raised = {(o.node, o.gpu) for o, b in zip(out, hit, strict=True) if b}
-    assert raised == {("n2", 0)}
-    first = min(o.ts for o, b in zip(out, hit, strict=True) if b)
-    assert first == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
+    hops = rule_hops(samples, "memory_repairs_unshared")
+    assert {(node, gpu) for node, gpu, _ in hops} == {("n2", 0)}
+    assert hops[0][2] == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
 
 
 def test_gsp_error_rule_raises_on_a_change_to_xid_119_or_120_not_on_a_repeat() -> None:
     """Rule 21 read from the feature windows: GPU 0 logs XID 119 at 1 h and still reads it when
     it reports again after a 2 h silence; GPU 1 logs the application XID 45; GPU 2 XID 120."""
-    from fleetwise.predictors.features import GpuFeatureWindows
-
     t0, dt = 1764547200.0, 60.0
     xids = {0: lambda m: 119 if m >= 60 else 0, 1: lambda m: 45 if m >= 60 else 0,
             2: lambda m: 120 if m >= 200 else 0}
@@ -245,12 +244,8 @@ def test_gsp_error_rule_raises_on_a_change_to_xid_119_or_120_not_on_a_repeat() -
                 "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
                             "DCGM_FI_DEV_XID_ERRORS": xids[g](m)}}
                for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
-    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
-    out = fw.process_dicts(samples) + fw.flush()
-    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
-    hit = [(o.gpu, o.ts) for o, b in zip(out, rule_hits(f).tolist(), strict=True)
-           if "xid_gsp_error" in rule_names_of(b)]
-    assert hit == [(0, t0 + 4200.0), (2, t0 + 12600.0)]  # the hops of the changes, once each
+    # the hops of the changes, once each
+    assert rule_hops(samples, "xid_gsp_error") == [("n1", 0, t0 + 4200.0), ("n1", 2, t0 + 12600.0)]
 
 
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
