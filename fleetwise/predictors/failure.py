@@ -244,7 +244,8 @@ class AlertPolicy:
     # the node does not share").
     repair_unshared_hops: int = 1
     # Rule 21 raises on a GSP XID (119/120) in this many consecutive hops (one: the event is the
-    # evidence). 0: off.
+    # evidence). 0: off. On since its judgement on judge25 and sixteen fresh generator seeds
+    # (docs/benchmarks.md, "A GSP error: rule 21").
     gsp_error_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
