@@ -119,21 +119,29 @@ OWN_HOLDS = [r for r in SURGE_RULES if r.hold != "surge_hold_hops" and not r.wit
 @pytest.mark.parametrize("rule", OWN_HOLDS, ids=lambda r: r.name)
 def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)
-    if any(r.feature == rule.feature and r.hold == "surge_hold_hops" for r in SURGE_RULES):
+    under_a_surge = any(r.feature == rule.feature and r.hold == "surge_hold_hops" for r in SURGE_RULES)
+    if under_a_surge and not rule.streak:  # (a streak is a hold of its own)
         assert hold > RULES_ONLY.surge_hold_hops  # a rise under a 2 h surge of its feature: held longer
     above = rule.level + 0.05  # under every 2 h surge level: only the sustained tier can raise
     # one hop at the level (not above) breaks the streak: two bursts one hop short never raise
     bursts = [above] * (hold - 1) + [rule.level] + [above] * (hold - 1) + [0.0]
-    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts), {rule.feature: bursts})
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts),
+              {rule.feature: bursts, **streaking(rule, len(bursts))})
     assert not any(p.alert for p in out)
     sustained = [0.0] + [above] * hold + [0.0]
-    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {rule.feature: sustained})
+    extra = {rule.feature: sustained, **streaking(rule, len(sustained))}
+    out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), extra)
     assert alert_series(out, len(sustained)).index(True) == hold
     first = next(p for p in out if p.alert)
     signals = {s.name: s.value for s in first.signals}
     assert signals["source"] == f"rule:{rule.name}" and f"surge:{rule.name}" in signals
     off = FailurePredictor(stub_model(replace(RULES_ONLY, **{rule.hold: 0})))
-    assert not any(p.alert for p in run(off, [0.0] * len(sustained), {rule.feature: sustained}))
+    assert not any(p.alert for p in run(off, [0.0] * len(sustained), extra))
+
+
+def streaking(rule, n: int) -> dict[str, list[float]]:
+    """n hops meeting `rule`'s error streak (none when it asks for none)."""
+    return {rule.streak: [rule.streak_h] * n} if rule.streak else {}
 
 
 @pytest.mark.parametrize("rule", SURGE_RULES, ids=lambda r: r.name)
@@ -141,6 +149,8 @@ def test_surge_levels_count_only_above_and_not_when_missing(rule) -> None:
     f = np.zeros((3, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(rule.feature)] = [rule.level, rule.level + 0.01, np.nan]
     f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
+    for name, values in streaking(rule, 3).items():
+        f[:, FEATURE_NAMES.index(name)] = values
     hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
     assert hits == [False, True, False]
 
@@ -186,6 +196,21 @@ def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
     f[:, FEATURE_NAMES.index("hours_reporting")] = [0.0, rule.settled_h - 0.5, rule.settled_h, np.nan]
     hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
     assert hits == [False, False, True, False]
+
+
+STREAKING = [r for r in SURGE_RULES if r.streak]
+
+
+@pytest.mark.parametrize("rule", STREAKING, ids=lambda r: r.name)
+def test_streaking_surge_counts_only_hops_ending_a_long_enough_error_streak(rule) -> None:
+    f = np.zeros((5, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
+    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
+    # a streak one hop short, just long enough (six 10-minute hops), longer, none, missing
+    f[:, FEATURE_NAMES.index(rule.streak)] = [rule.streak_h - 1 / 6, 6 * 600 / 3600, rule.streak_h + 1.0,
+                                             0.0, np.nan]
+    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+    assert hits == [False, True, True, False, False]
 
 
 def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> None:
@@ -246,6 +271,31 @@ def test_gsp_error_rule_raises_on_a_change_to_xid_119_or_120_not_on_a_repeat() -
                for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
     # the hops of the changes, once each
     assert rule_hops(samples, "xid_gsp_error") == [("n1", 0, t0 + 4200.0), ("n1", 2, t0 + 12600.0)]
+
+
+def test_nvlink_streak_rule_raises_a_link_erring_faster_every_hop_not_a_burst_or_a_lemon() -> None:
+    """Rule 22 read from the feature windows over four days of 60 s samples: GPU 0's link errs in
+    every sample of its last 80 minutes, faster and faster; GPU 1 logs one burst of 400 errors;
+    GPU 2 (a lemon) errs every minute at a steady rate throughout. (The rate is against the
+    GPU's observed week: four days let the last hour's share of it pass the level.)"""
+    t0, dt, n = 1764547200.0, 60.0, 4 * 24 * 60
+    start = n - 80  # GPU 0's errors begin 80 minutes before the end
+
+    def crc(g: int, m: int) -> float:
+        if g == 0:
+            k = max(0, m - start)
+            return float(k * (k + 1) // 2)  # 1, 2, 3, ... new errors a minute
+        if g == 1:
+            return 400.0 if m >= 1500 else 0.0
+        return float(m)
+
+    samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": crc(g, m)}}
+               for m in range(n) for g in range(3)]
+    hops = rule_hops(samples, "nvlink_errors_streaking")
+    assert {gpu for _, gpu, _ in hops} == {0}
+    assert hops[0][2] == t0 + (start // 10 + 6) * 600.0  # at the end of the sixth hop with errors
 
 
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)

@@ -84,7 +84,9 @@ class SurgeRule:
     the last `within_h` hours of event time raise (an intermittent sign that recurs). With
     `settled_h`, a hop counts only once the GPU has reported for that many hours since its last
     silence of an hour or more (`hours_reporting`): a feature measured against the GPU's own
-    history describes the board before a repair or a replacement until the history has moved on."""
+    history describes the board before a repair or a replacement until the history has moved
+    on. With `streak` (an error group's `*_streak_h` feature), a hop counts only while that
+    group has erred in every hop of the last `streak_h` hours."""
 
     feature: str
     level: float
@@ -93,6 +95,8 @@ class SurgeRule:
     unshared: str = ""
     within_h: float = 0.0
     settled_h: float = 0.0
+    streak: str = ""
+    streak_h: float = 0.0
 
 
 # `nvl_accel` / `pcie_accel` are the log of the last hour's NVLink error rate (CRC, replay,
@@ -158,6 +162,15 @@ SURGE_RULES = (
     # never-failing GPU logged one, and 6 of 25 GSP hangs with a precursor logged one at least
     # 30 min before the hang (docs/benchmarks.md, "A GSP error: rule 21").
     SurgeRule("xid_gsp_hop", 0.0, "xid_gsp_error", hold="gsp_error_hops"),
+    # NVLink errors hop after hop at a climbing rate (rule 22): the last hour's NVLink error rate
+    # above ~33x the GPU's own week (`nvl_accel` > 3.5) while the link has erred in every hop of
+    # the last hour (`nvl_streak_h` >= 1). A link wearing out errs in every hop, faster and
+    # faster, often for less than the 2 h the surges above hold; a burst (a reset, a reseat)
+    # lifts the rate for an hour from one or two hops, a lemon errs steadily at its own rate. On
+    # the development traces no never-failing GPU met both (docs/benchmarks.md, "NVLink errors
+    # hop after hop: rule 22").
+    SurgeRule("nvl_accel", 3.5, "nvlink_errors_streaking", hold="nvl_streak_hops", streak="nvl_streak_h",
+              streak_h=1.0),
 )
 _SURGE_NAMES = [rule.name for rule in SURGE_RULES]
 SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
@@ -247,6 +260,9 @@ class AlertPolicy:
     # evidence). 0: off. On since its judgement on judge25 and sixteen fresh generator seeds
     # (docs/benchmarks.md, "A GSP error: rule 21").
     gsp_error_hops: int = 1
+    # Rule 22 raises after this many consecutive hops of NVLink errors streaking at a climbing
+    # rate (one: the hour-long streak is the hold). 0: off.
+    nvl_streak_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -271,7 +287,7 @@ class AlertPolicy:
 # one fails here, at import, not at the first hop.
 _UNKNOWN = [rule.name for rule in SURGE_RULES
             if rule.hold not in AlertPolicy.__dataclass_fields__
-            or any(f and f not in _FEATURE_INDEX for f in (rule.feature, rule.unshared))]
+            or any(f and f not in _FEATURE_INDEX for f in (rule.feature, rule.unshared, rule.streak))]
 if _UNKNOWN:
     raise RuntimeError(f"surge rules naming an unknown hold or feature: {_UNKNOWN}")
 
@@ -414,6 +430,8 @@ def surge_values(features: np.ndarray, rule: SurgeRule) -> np.ndarray:
         x = np.where(features[:, _FEATURE_INDEX[rule.unshared]] == 0, x, np.nan)
     if rule.settled_h:
         x = np.where(features[:, _FEATURE_INDEX["hours_reporting"]] >= rule.settled_h, x, np.nan)
+    if rule.streak:  # hours in whole hops: 1e-9 so that six 10-minute hops make 1 h
+        x = np.where(features[:, _FEATURE_INDEX[rule.streak]] >= rule.streak_h - 1e-9, x, np.nan)
     return x
 
 
