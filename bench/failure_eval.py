@@ -331,6 +331,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # Drawn (2026-12-06, thirtieth session) for rule 21 (a GSP error), before anything ran on them.
     "judge25": _judgement((91, 92, 93), "b200:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
                          (82, 83, 84), "h100-sxm:192,b200:128,b300:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-06, thirtieth session) for rule 22 (NVLink errors hop after hop), before
+    # anything ran on them.
+    "judge26": _judgement((94, 95, 96), "h100-sxm:192,h200:128,a100-sxm-80gb:128,h20:64",
+                         (85, 86, 87), "b200:192,b300:128,h200:128,a100-sxm-80gb:64"),
 }
 
 
