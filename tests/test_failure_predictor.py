@@ -85,8 +85,9 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
     assert sources["source"] == "rule:xid79_off_bus" and "rule:xid79_off_bus" in sources
 
 
+# Every rule on (rule 22 is off by default: judged, not shipped), the model's alerts off.
 RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
-                         model_alerts=False)
+                         model_alerts=False, nvl_streak_hops=1)
 NVL_LEVEL = next(r.level for r in SURGE_RULES if r.name == "nvlink_error_surge")
 
 
