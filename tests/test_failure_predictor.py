@@ -145,15 +145,26 @@ def streaking(rule, n: int) -> dict[str, list[float]]:
     return {rule.streak: [rule.streak_h] * n} if rule.streak else {}
 
 
+def rows_meeting(rule, n: int) -> np.ndarray:
+    """n FEATURE_NAMES rows that meet every condition of `rule`: above its level, settled, no node
+    peer sharing, streaking as long as it asks."""
+    f = np.zeros((n, len(FEATURE_NAMES)))
+    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
+    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
+    for name, values in streaking(rule, n).items():
+        f[:, FEATURE_NAMES.index(name)] = values
+    return f
+
+
+def hits_of(rule, f: np.ndarray) -> list[bool]:
+    return [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
+
+
 @pytest.mark.parametrize("rule", SURGE_RULES, ids=lambda r: r.name)
 def test_surge_levels_count_only_above_and_not_when_missing(rule) -> None:
-    f = np.zeros((3, len(FEATURE_NAMES)))
+    f = rows_meeting(rule, 3)
     f[:, FEATURE_NAMES.index(rule.feature)] = [rule.level, rule.level + 0.01, np.nan]
-    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
-    for name, values in streaking(rule, 3).items():
-        f[:, FEATURE_NAMES.index(name)] = values
-    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
-    assert hits == [False, True, False]
+    assert hits_of(rule, f) == [False, True, False]
 
 
 UNSHARED = [r for r in SURGE_RULES if r.unshared]
@@ -161,12 +172,9 @@ UNSHARED = [r for r in SURGE_RULES if r.unshared]
 
 @pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
 def test_unshared_surge_counts_only_hops_no_node_peer_shares(rule) -> None:
-    f = np.zeros((4, len(FEATURE_NAMES)))
-    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
-    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
+    f = rows_meeting(rule, 4)
     f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, 1.0, 3.0, np.nan]
-    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
-    assert hits == [True, False, False, False]
+    assert hits_of(rule, f) == [True, False, False, False]
 
 
 @pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
@@ -192,11 +200,9 @@ SETTLED = [r for r in SURGE_RULES if r.settled_h]
 
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
 def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
-    f = np.zeros((4, len(FEATURE_NAMES)))
-    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
+    f = rows_meeting(rule, 4)
     f[:, FEATURE_NAMES.index("hours_reporting")] = [0.0, rule.settled_h - 0.5, rule.settled_h, np.nan]
-    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
-    assert hits == [False, False, True, False]
+    assert hits_of(rule, f) == [False, False, True, False]
 
 
 STREAKING = [r for r in SURGE_RULES if r.streak]
@@ -204,14 +210,11 @@ STREAKING = [r for r in SURGE_RULES if r.streak]
 
 @pytest.mark.parametrize("rule", STREAKING, ids=lambda r: r.name)
 def test_streaking_surge_counts_only_hops_ending_a_long_enough_error_streak(rule) -> None:
-    f = np.zeros((5, len(FEATURE_NAMES)))
-    f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
-    f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
+    f = rows_meeting(rule, 5)
     # a streak one hop short, just long enough (six 10-minute hops), longer, none, missing
     f[:, FEATURE_NAMES.index(rule.streak)] = [rule.streak_h - 1 / 6, 6 * 600 / 3600, rule.streak_h + 1.0,
                                              0.0, np.nan]
-    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
-    assert hits == [False, True, True, False, False]
+    assert hits_of(rule, f) == [False, True, True, False, False]
 
 
 def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> None:
@@ -222,8 +225,7 @@ def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> No
     f[:, FEATURE_NAMES.index("node_warm_peers_1h")] = [0.0, 1.0, np.nan, 0.0, 0.0]
     f[:, FEATURE_NAMES.index("hours_reporting")] = [48.0, 48.0, 48.0, 12.0, 48.0]
     f[4, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level
-    hits = [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
-    assert hits == [True, False, False, False, False]
+    assert hits_of(rule, f) == [True, False, False, False, False]
 
 
 def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
