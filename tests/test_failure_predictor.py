@@ -26,12 +26,14 @@ RISK = "temp_residual_6h"
 
 
 class _ColumnClassifier:
-    """Stand-in classifier: p = the RISK column clipped to [0, 1] (to drive the policy exactly)."""
+    """Stand-in classifier: p = the sum of the `risk` columns (RISK unless given) clipped to
+    [0, 1] (to drive the policy exactly)."""
 
-    col = MODEL_FEATURES.index(RISK)
+    def __init__(self, risk: tuple[str, ...] = (RISK,)) -> None:
+        self.cols = [MODEL_FEATURES.index(name) for name in risk]
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
-        p = np.clip(np.nan_to_num(x[:, self.col]), 0, 1)
+        p = np.clip(np.nan_to_num(x[:, self.cols]).sum(axis=1), 0, 1)
         return np.stack([1 - p, p], axis=1)
 
 
@@ -40,10 +42,10 @@ class _Identity:
         return p
 
 
-def stub_model(policy: AlertPolicy | None = None) -> FailureModel:
+def stub_model(policy: AlertPolicy | None = None, risk: tuple[str, ...] = (RISK,)) -> FailureModel:
     n = len(MODEL_FEATURES)
     return FailureModel(
-        classifier=_ColumnClassifier(), calibrator=_Identity(), lead_regressor=None,
+        classifier=_ColumnClassifier(risk), calibrator=_Identity(), lead_regressor=None,
         feature_names=list(MODEL_FEATURES), baseline_median=np.zeros(n), baseline_scale=np.ones(n),
         importance=np.ones(n) / n, horizon_h=48.0,
         policy=policy or AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
@@ -532,11 +534,34 @@ def test_thermal_risk_does_not_raise_while_the_nodes_other_gpus_run_warm_too() -
     held = run(FailurePredictor(stub_model(pol)), high, {"node_warm_peers_1h": [3] * 6})
     assert held and all(p.reason.endswith("heat shared with >= 2 GPUs of the node") for p in held)
     # memory-driven risk is not thermal: raised with warm peers around it
-    model = stub_model(pol)
+    model = stub_model(pol, risk=("sbe_vol_1h",))
     model.importance = np.zeros(len(MODEL_FEATURES))
     model.importance[MODEL_FEATURES.index("sbe_vol_1h")] = 1.0
-    out = run(FailurePredictor(model), high, {"node_warm_peers_1h": [3] * 6, "sbe_vol_1h": [50.0] * 6})
+    out = run(FailurePredictor(model), high, {"node_warm_peers_1h": [3] * 6, "sbe_vol_1h": [0.9] * 6})
     assert alert_series(out, 6) == [False, True, True, True, True, True]
+
+
+def test_a_risk_that_falls_below_hi_without_the_heat_the_node_shares_does_not_raise() -> None:
+    """shared_heat_by_removal: a hop whose probability without its thermal features (at the healthy
+    baseline) falls below hi rests on heat though other features carry most of its signal, so
+    the node's warm peers hold it back; one that stays at risk without the heat raises."""
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
+                      model_alerts=True)  # shared_heat_peers 2
+    model = stub_model(pol, risk=(RISK, "pcie_replay_1h"))  # p = heat + PCIe replays
+    model.importance = np.zeros(len(MODEL_FEATURES))
+    model.importance[MODEL_FEATURES.index("pcie_replay_1h")] = 1.0  # the signal's share: all PCIe
+
+    def alerts(heat: float, pcie: float, peers: float, policy: AlertPolicy = pol) -> list[bool]:
+        model.policy = policy
+        extra = {"pcie_replay_1h": [pcie] * 6, "node_warm_peers_1h": [peers] * 6}
+        out = run(FailurePredictor(model), [heat] * 6, extra)
+        return alert_series(out, 6)
+
+    raised = [False, True, True, True, True, True]
+    assert alerts(0.5, 0.4, peers=0) == raised
+    assert alerts(0.5, 0.4, peers=3) == [False] * 6  # 0.4 without the heat the node shares
+    assert alerts(0.2, 0.7, peers=3) == raised  # 0.7 without it: the GPU's own PCIe risk
+    assert alerts(0.5, 0.4, peers=3, policy=replace(pol, shared_heat_by_removal=False)) == raised
 
 
 def test_single_bit_risk_does_not_raise_while_the_nodes_other_gpus_log_them_too() -> None:

@@ -234,6 +234,16 @@ class AlertPolicy:
     # "The model's alerts with longer holds for heat and single-bit errors"). 0 (or <= k_raise): off.
     k_raise_thermal: int = 108
     k_raise_sbe: int = 72
+    # A hop's risk rests on heat the node shares where thermal features carry at least half of
+    # its signal or, with this on, where its probability with them at the healthy baseline falls
+    # below the raise threshold (`FailureModel.proba_without`): several weak signs and some heat
+    # make a risk that rests on the heat though the heat carries a small share of the signal
+    # (judge26's gen D: a hall warming, read as each GPU's own risk while the node's warm peers
+    # went unheeded). Not for single-bit errors: on the simulator's development sets that cost
+    # a tenth of the model's calls (memory failures whose node peers log them too). The longer
+    # holds above still read the share. Why, and what it did: docs/benchmarks.md ("Heat the
+    # node shares, by removal").
+    shared_heat_by_removal: bool = True
     rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
     # An error surge (SURGE_RULES) raises after this many consecutive hops above its level (2 h):
     # a burst of link errors during a reset or a cable reseat lasts minutes. 0: surges off.
@@ -361,6 +371,13 @@ class FailureModel:
     def memory_share(self, x: np.ndarray) -> np.ndarray:
         """Share of each row's contribution that comes from memory-error features."""
         return self.family_shares(x)[0]
+
+    def proba_without(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """`predict_proba` with the features of `mask` at the healthy baseline (their median):
+        the risk a row would carry without that evidence."""
+        x = x.copy()
+        x[:, mask] = self.baseline_median[mask]
+        return self.predict_proba(x)
 
     def family_shares(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Shares of each row's contribution from memory-error, thermal and single-bit features."""
@@ -522,10 +539,10 @@ class FailurePredictor:
         """Per row of a FEATURE_NAMES matrix (or of its rows kept at a watch floor) and its
         probability: whether its risk is memory-driven (AlertPolicy.hi_memory); whether its
         cause is one the node shares (SHARED_HEAT, SHARED_SBE; AlertPolicy.shared_heat_peers,
-        shared_sbe_peers) or not (SHARED_NONE); and whether thermal or single-bit features carry
-        at least half of its signal (DRIVEN_THERMAL | DRIVEN_SBE bits; AlertPolicy.k_raise_thermal,
-        k_raise_sbe). Only rows that could raise (p >= min(hi, hi_memory)) are looked at; the rest
-        read False / SHARED_NONE / 0."""
+        shared_sbe_peers) or not (SHARED_NONE); and whether heat or single-bit errors drive it
+        (DRIVEN_THERMAL | DRIVEN_SBE bits; AlertPolicy.k_raise_thermal, k_raise_sbe). Only rows
+        that could raise (p >= min(hi, hi_memory)) are looked at; the rest read False /
+        SHARED_NONE / 0."""
         pol = self.policy
         memory_driven = np.zeros(len(prob), dtype=bool)
         shared = np.full(len(prob), SHARED_NONE, dtype=np.int8)
@@ -540,8 +557,12 @@ class FailurePredictor:
                     (SHARED_HEAT, thermal, "node_warm_peers_1h", pol.shared_heat_peers),
                     (SHARED_SBE, sbe, "node_sbe_peers_6h", pol.shared_sbe_peers)):
                 if peers > 0:
-                    hit = (share >= 0.5) & (np.nan_to_num(features[high, _FEATURE_INDEX[column]]) >= peers)
-                    shared[high[hit]] = kind
+                    hit = np.nan_to_num(features[high, _FEATURE_INDEX[column]]) >= peers
+                    rests = share >= 0.5
+                    if kind == SHARED_HEAT and pol.shared_heat_by_removal and hit.any():
+                        without = self.model.proba_without(x[hit], self.model.thermal_mask)
+                        rests[hit] |= without < min(pol.hi, pol.hi_memory)
+                    shared[high[hit & rests]] = kind
         return memory_driven, shared, driven
 
     def advance_policy(
