@@ -335,6 +335,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # anything ran on them.
     "judge26": _judgement((94, 95, 96), "h100-sxm:192,h200:128,a100-sxm-80gb:128,h20:64",
                          (85, 86, 87), "b200:192,b300:128,h200:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-06, thirty-first session) for heat the node shares read by removal
+    # (AlertPolicy.shared_heat_by_removal), before anything ran on them.
+    "judge27": _judgement((97, 98, 99), "b300:192,h200:128,a100-sxm-80gb:128,h20:64",
+                         (88, 89, 90), "h200:192,b200:128,b300:128,v100-sxm2-32gb:64"),
 }
 
 
