@@ -52,8 +52,8 @@ import numpy as np
 import fleetwise.predictors.features as feature_code
 from fleetwise.predictors.backtest import LEAD_12H, LEAD_30MIN_H, score_failures
 from fleetwise.predictors.failure import (
+    ALERT_RULES,
     RULE_NAMES,
-    SURGE_RULES,
     AlertPolicy,
     FailurePredictor,
     feature_schema_hash,
@@ -419,7 +419,7 @@ def model_tag(predictor: FailurePredictor) -> str:
     # The rows' columns and how they are computed: a change to the feature code rescores.
     code = hashlib.sha256(Path(feature_code.__file__).read_bytes()).hexdigest()
     text = (json.dumps(meta, sort_keys=True, default=str) + repr(probe.tolist()) + repr(RULE_NAMES)
-            + repr(SURGE_RULES) + feature_schema_hash(FEATURE_NAMES) + code)
+            + repr(ALERT_RULES) + feature_schema_hash(FEATURE_NAMES) + code)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

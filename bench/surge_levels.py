@@ -1,14 +1,14 @@
 """Error-surge levels: how high each link-error acceleration stays for a hold, on GPUs that never
-failed and before failures with a precursor (where the levels of SURGE_RULES come from).
+failed and before failures with a precursor (where the levels of ALERT_RULES come from).
 
 Per trace, per GPU and per (feature, hold): the highest level the feature stayed above for
 `hold` consecutive hops (a sliding minimum over the GPU's hops, then its maximum; a missing value
 holds nothing). GPUs that never failed give the healthy side; each failure with a precursor
 (labels: `precursor_start_ts`, not `abrupt`, as `fleetwise backtest` reads them) gives the
 highest held level whose last hop falls 48 h to 30 min before it. A rule's node-peer condition
-(`SurgeRule.unshared`) applies to its series: a hop that a node peer shares holds nothing.
+(`AlertRule.unshared`) applies to its series: a hop that a node peer shares holds nothing.
 Prints per set the healthy maximum and runner-up and how many precursors held above each level
-(the levels of SURGE_RULES on that feature, and any given with --levels), then the same pooled.
+(the levels of ALERT_RULES on that feature, and any given with --levels), then the same pooled.
 The development look behind the surge rules (docs/benchmarks.md, "Error surges as rules"):
 
     .venv/bin/python bench/surge_levels.py --cache /tmp/fw16/cache \\
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from fleetwise.predictors.failure import SURGE_RULES, SurgeRule, surge_values
+from fleetwise.predictors.failure import ALERT_RULES, AlertRule, rule_values
 from fleetwise.predictors.training import compute_features_raw, raw_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -120,7 +120,7 @@ def main() -> None:
     add_site_gpus()  # the generators' GPUs the packaged catalog lacks
     # Per (feature, node-peer count that must be 0 or ""): the levels to count.
     levels: dict[tuple[str, str], set[float]] = defaultdict(set)
-    for rule in SURGE_RULES:
+    for rule in ALERT_RULES:
         if not rule.within_h:  # a count within a window (rule 15) is not a level held
             levels[rule.feature, rule.unshared].add(rule.level)
     for item in args.levels:
@@ -134,7 +134,7 @@ def main() -> None:
         keys = [f"{node}/{gpu}" for node, gpu in table.keys]
         with_precursor, failed = failure_times(labels)
         for feature, unshared in series:
-            x = surge_values(table.features, SurgeRule(feature, 0.0, "", unshared=unshared))
+            x = rule_values(table.features, AlertRule(feature, 0.0, "", unshared=unshared))
             for hold in args.holds:
                 healthy, pre = held_levels(keys, table.ts, x, hold, with_precursor, failed)
                 pooled[(feature, unshared), hold][0].extend(healthy)

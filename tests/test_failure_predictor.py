@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fleetwise.predictors.failure import (
+    ALERT_RULES,
     MODEL_FEATURES,
-    SURGE_RULES,
     AlertPolicy,
     FailureModel,
     FailurePredictor,
@@ -90,7 +90,7 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
 # Every rule on (rule 22 is off by default: judged, not shipped), the model's alerts off.
 RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
                          model_alerts=False, nvl_streak_hops=1)
-NVL_LEVEL = next(r.level for r in SURGE_RULES if r.name == "nvlink_error_surge")
+NVL_LEVEL = next(r.level for r in ALERT_RULES if r.name == "nvlink_error_surge")
 
 
 def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
@@ -116,13 +116,13 @@ def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
     assert source == "rule:nvlink_error_surge,nvlink_surge_unshared"
 
 
-OWN_HOLDS = [r for r in SURGE_RULES if r.hold != "surge_hold_hops" and not r.within_h]
+OWN_HOLDS = [r for r in ALERT_RULES if r.hold != "surge_hold_hops" and not r.within_h]
 
 
 @pytest.mark.parametrize("rule", OWN_HOLDS, ids=lambda r: r.name)
 def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)
-    under_a_surge = any(r.feature == rule.feature and r.hold == "surge_hold_hops" for r in SURGE_RULES)
+    under_a_surge = any(r.feature == rule.feature and r.hold == "surge_hold_hops" for r in ALERT_RULES)
     if under_a_surge and not rule.streak:  # (a streak is a hold of its own)
         assert hold > RULES_ONLY.surge_hold_hops  # a rise under a 2 h surge of its feature: held longer
     above = rule.level + 0.05  # under every 2 h surge level: only the sustained tier can raise
@@ -137,7 +137,9 @@ def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     assert alert_series(out, len(sustained)).index(True) == hold
     first = next(p for p in out if p.alert)
     signals = {s.name: s.value for s in first.signals}
-    assert signals["source"] == f"rule:{rule.name}" and f"surge:{rule.name}" in signals
+    # a hop toward a hold of several is surge evidence; one that raises on its own, a rule's
+    evidence = "surge" if hold > 1 else "rule"
+    assert signals["source"] == f"rule:{rule.name}" and f"{evidence}:{rule.name}" in signals
     off = FailurePredictor(stub_model(replace(RULES_ONLY, **{rule.hold: 0})))
     assert not any(p.alert for p in run(off, [0.0] * len(sustained), extra))
 
@@ -162,14 +164,14 @@ def hits_of(rule, f: np.ndarray) -> list[bool]:
     return [rule.name in rule_names_of(b) for b in rule_hits(f).tolist()]
 
 
-@pytest.mark.parametrize("rule", SURGE_RULES, ids=lambda r: r.name)
+@pytest.mark.parametrize("rule", ALERT_RULES, ids=lambda r: r.name)
 def test_surge_levels_count_only_above_and_not_when_missing(rule) -> None:
     f = rows_meeting(rule, 3)
     f[:, FEATURE_NAMES.index(rule.feature)] = [rule.level, rule.level + 0.01, np.nan]
     assert hits_of(rule, f) == [False, True, False]
 
 
-UNSHARED = [r for r in SURGE_RULES if r.unshared]
+UNSHARED = [r for r in ALERT_RULES if r.unshared]
 
 
 @pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
@@ -183,7 +185,7 @@ def test_unshared_surge_counts_only_hops_no_node_peer_shares(rule) -> None:
 def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)
     # above the unshared level, under every other surge level of the feature held this long
-    others = [r.level for r in SURGE_RULES if r.feature == rule.feature and r.level > rule.level]
+    others = [r.level for r in ALERT_RULES if r.feature == rule.feature and r.level > rule.level]
     above = (rule.level + min(others)) / 2 if others else rule.level + 0.1
     sustained = [0.0] + [above] * hold + [0.0]
     alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {rule.feature: sustained})
@@ -197,7 +199,7 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
     assert not any(p.alert for p in shared)
 
 
-SETTLED = [r for r in SURGE_RULES if r.settled_h]
+SETTLED = [r for r in ALERT_RULES if r.settled_h]
 
 
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
@@ -207,7 +209,7 @@ def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
     assert hits_of(rule, f) == [False, False, True, False]
 
 
-STREAKING = [r for r in SURGE_RULES if r.streak]
+STREAKING = [r for r in ALERT_RULES if r.streak]
 
 
 @pytest.mark.parametrize("rule", STREAKING, ids=lambda r: r.name)
@@ -220,7 +222,7 @@ def test_streaking_surge_counts_only_hops_ending_a_long_enough_error_streak(rule
 
 
 def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> None:
-    rule = next(r for r in SURGE_RULES if r.name == "heat_residual_unshared")
+    rule = next(r for r in ALERT_RULES if r.name == "heat_residual_unshared")
     f = np.zeros((5, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level + 0.5
     # alone and a day back; a warm node peer; a missing peer count; 12 h back; the level not reached
@@ -338,7 +340,7 @@ def test_surge_streak_survives_a_restore(saved: str) -> None:
     assert out and out[0].alert
 
 
-RECURRING = [r for r in SURGE_RULES if r.within_h]
+RECURRING = [r for r in ALERT_RULES if r.within_h]
 
 
 def _hops_at(rule, hours: list[float]) -> tuple[np.ndarray, np.ndarray]:

@@ -68,18 +68,15 @@ _DRIVEN_HOLDS = ((DRIVEN_THERMAL, "heat", "no_thermal", "k_raise_thermal"),
                  (DRIVEN_SBE, "single-bit", "no_sbe", "k_raise_sbe"))
 _SHARED_REASON = {SHARED_HEAT: "heat", SHARED_SBE: "single-bit errors"}
 _FEATURE_INDEX = {n: i for i, n in enumerate(FEATURE_NAMES)}
-RULES = {  # feature -> rule name; any value > 0 in a hop raises at once
-    "remap_failure": "remap_failure",
-    "xid_bus_hop": "xid79_off_bus",
-    "xid_mem_fatal_hop": "xid_fatal_memory",
-}
 
 
 @dataclass(frozen=True)
-class SurgeRule:
-    """An error surge: a GPU whose `feature` stays above `level` for a hold of consecutive hops
-    (the AlertPolicy field named by `hold`) is raised as rule `name`. With `unshared` (a node-peer
-    count feature) a hop counts only while that count is 0: no other GPU of the node erred.
+class AlertRule:
+    """A rule: a GPU whose `feature` stays above `level` for a hold of consecutive hops (the
+    AlertPolicy field named by `hold`) is raised as rule `name`. An event rule (level 0, a hold
+    of one hop) raises in the hop with the event; an error surge holds for hours. With
+    `unshared` (a node-peer count feature) a hop counts only while that count is 0: no other
+    GPU of the node erred.
     With `within_h`, the hops above the level need not be consecutive: `hold` of them within
     the last `within_h` hours of event time raise (an intermittent sign that recurs). With
     `settled_h`, a hop counts only once the GPU has reported for that many hours since its last
@@ -108,27 +105,27 @@ class SurgeRule:
 # simulator's shifted and far families, whose replay noise comes in bursts of hours; held 6 h
 # (the sustained tier) no healthy GPU's rose above 1.03 (docs/benchmarks.md, "Error surges as
 # rules").
-SURGE_RULES = (
-    SurgeRule("nvl_accel", 3.8, "nvlink_error_surge"),
-    SurgeRule("nvl_accel", 1.25, "nvlink_error_rise", hold="rise_hold_hops"),
-    SurgeRule("pcie_accel", 1.15, "pcie_replay_rise", hold="rise_hold_hops"),
+ALERT_RULES = (
+    AlertRule("nvl_accel", 3.8, "nvlink_error_surge"),
+    AlertRule("nvl_accel", 1.25, "nvlink_error_rise", hold="rise_hold_hops"),
+    AlertRule("pcie_accel", 1.15, "pcie_replay_rise", hold="rise_hold_hops"),
     # `sbe_accel`: the last 6 h's single-bit error rate against the GPU's week (+0.1/h), held a
     # day: a benign burst or a lemon's background does not keep rising for 24 h.
-    SurgeRule("sbe_accel", 1.3, "single_bit_error_rise", hold="sbe_rise_hold_hops"),
+    AlertRule("sbe_accel", 1.3, "single_bit_error_rise", hold="sbe_rise_hold_hops"),
     # A link surge the node does not share (rule 14): held 2 h while no other GPU of the node
     # logged errors of that link within the hour (`node_*_peers_1h`). One GPU's link wearing out
     # errs alone; a switch, a riser or a host event makes several err. Counting only such hops,
     # no never-failing GPU of the development traces held its NVLink / PCIe acceleration above
     # 2.74 / 2.90 for 2 h (3.44 / 3.17 counting every hop); levels ~1.1x those.
-    SurgeRule("nvl_accel", 3.0, "nvlink_surge_unshared", unshared="node_nvl_peers_1h"),
-    SurgeRule("pcie_accel", 3.2, "pcie_surge_unshared", unshared="node_pcie_peers_1h"),
+    AlertRule("nvl_accel", 3.0, "nvlink_surge_unshared", unshared="node_nvl_peers_1h"),
+    AlertRule("pcie_accel", 3.2, "pcie_surge_unshared", unshared="node_pcie_peers_1h"),
     # Power-brake episodes the node does not share (rule 15): hops with the HW power-brake clock
     # event reason set while no other GPU of the node braked within the hour (read one hop
     # later, when every peer's hop of that time has closed), recurring (`brake_unshared_hops` of
     # them within 24 h). A power shelf, PSU or facility cap brakes all the GPUs it feeds; one
     # GPU's failing voltage regulator brakes it alone, more often as it nears failure. Why this
     # count: docs/benchmarks.md ("Power brakes the node does not share").
-    SurgeRule("thr_power_brake_prev", 0.0, "power_brake_unshared", hold="brake_unshared_hops",
+    AlertRule("thr_power_brake_prev", 0.0, "power_brake_unshared", hold="brake_unshared_hops",
               unshared="node_brake_peers_1h", within_h=24.0),
     # A thermal residual the node does not share (rule 16): the GPU's day-long temperature
     # residual against its own temperature-on-power fit, over hops without thermal throttling,
@@ -140,7 +137,7 @@ SURGE_RULES = (
     # 2.0 C (rule 19): ~1.15x the highest any never-failing GPU of the development traces held
     # for 2 h once a replaced board started afresh (rule 18); docs/benchmarks.md ("A thermal
     # residual the node does not share", "Rule 16 at 2.0 C for 2 h: rule 19").
-    SurgeRule("temp_residual_cool_24h", 2.0, "heat_residual_unshared", hold="heat_residual_hold_hops",
+    AlertRule("temp_residual_cool_24h", 2.0, "heat_residual_unshared", hold="heat_residual_hold_hops",
               unshared="node_warm_peers_1h", settled_h=24.0),
     # Memory repairs the node does not share (rule 20): the GPU's row remaps and retired pages
     # over about a day (`mem_repairs_24h`, an EW count) above 3.8 (four repairs within a few
@@ -153,7 +150,7 @@ SURGE_RULES = (
     # never-failing GPU of the development traces reached (3.46, the simulator's far members,
     # whose benign bursts each end in a remap); docs/benchmarks.md ("Memory repairs the node
     # does not share").
-    SurgeRule("mem_repairs_24h", 3.8, "memory_repairs_unshared", hold="repair_unshared_hops",
+    AlertRule("mem_repairs_24h", 3.8, "memory_repairs_unshared", hold="repair_unshared_hops",
               unshared="node_sbe_peers_6h", settled_h=24.0),
     # A GSP error (rule 21): XID 119 (GSP RPC timeout) or 120 (GSP error) logged in the hop, a
     # change to it rather than a repeat (`xid_gsp_hop`): the GPU System Processor's firmware
@@ -161,7 +158,7 @@ SURGE_RULES = (
     # the GPU survives is a precursor of a hang: on the generators' development seeds no
     # never-failing GPU logged one, and 6 of 25 GSP hangs with a precursor logged one at least
     # 30 min before the hang (docs/benchmarks.md, "A GSP error: rule 21").
-    SurgeRule("xid_gsp_hop", 0.0, "xid_gsp_error", hold="gsp_error_hops"),
+    AlertRule("xid_gsp_hop", 0.0, "xid_gsp_error", hold="gsp_error_hops"),
     # NVLink errors hop after hop at a climbing rate (rule 22): the last hour's NVLink error rate
     # above ~33x the GPU's own week (`nvl_accel` > 3.5) while the link has erred in every hop of
     # the last hour (`nvl_streak_h` >= 1). A link wearing out errs in every hop, faster and
@@ -169,12 +166,19 @@ SURGE_RULES = (
     # lifts the rate for an hour from one or two hops, a lemon errs steadily at its own rate. On
     # the development traces no never-failing GPU met both; on fresh ones one did. Off by
     # default (`nvl_streak_hops`; docs/benchmarks.md, "NVLink errors hop after hop: rule 22").
-    SurgeRule("nvl_accel", 3.5, "nvlink_errors_streaking", hold="nvl_streak_hops", streak="nvl_streak_h",
+    AlertRule("nvl_accel", 3.5, "nvlink_errors_streaking", hold="nvl_streak_hops", streak="nvl_streak_h",
               streak_h=1.0),
+    # Events that end a GPU's usefulness now or soon raise in the hop they are logged in: a row
+    # remap that failed (the bank is out of spare rows), XID 79 (fallen off the bus), and the
+    # fatal memory XIDs (48 double-bit ECC, 64 remap failure, 95 uncontained, 140 ECC
+    # unrecovered). Last in this table so that a checkpoint's per-rule streaks (by position)
+    # keep their rules.
+    AlertRule("remap_failure", 0.0, "remap_failure", hold="remap_failure_hops"),
+    AlertRule("xid_bus_hop", 0.0, "xid79_off_bus", hold="xid_bus_hops"),
+    AlertRule("xid_mem_fatal_hop", 0.0, "xid_fatal_memory", hold="xid_mem_fatal_hops"),
 )
-_SURGE_NAMES = [rule.name for rule in SURGE_RULES]
-SURGE_RULE_NAMES = frozenset(_SURGE_NAMES)
-RULE_NAMES: list[str] = [*RULES.values(), *_SURGE_NAMES]
+RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
+_RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
 if len(RULE_NAMES) > 16:  # rule_hits packs one bit per rule into a uint16 (stored with hop scores)
     raise RuntimeError(f"{len(RULE_NAMES)} rules do not fit rule_hits' 16 bits")
 
@@ -244,8 +248,13 @@ class AlertPolicy:
     # holds above still read the share. Why, and what it did: docs/benchmarks.md ("Heat the
     # node shares, by removal").
     shared_heat_by_removal: bool = True
-    rule_hold_hops: int = 144  # a one-shot rule event keeps the alert ~24 h (10-min hops)
-    # An error surge (SURGE_RULES) raises after this many consecutive hops above its level (2 h):
+    rule_hold_hops: int = 144  # a rule's raise keeps the alert ~24 h (10-min hops)
+    # The event rules raise on an event in this many consecutive hops (one: the event is the
+    # evidence). 0: off.
+    remap_failure_hops: int = 1
+    xid_bus_hops: int = 1
+    xid_mem_fatal_hops: int = 1
+    # An error surge (ALERT_RULES) raises after this many consecutive hops above its level (2 h):
     # a burst of link errors during a reset or a cable reseat lasts minutes. 0: surges off.
     surge_hold_hops: int = 12
     # The sustained link-error rises (lower levels) after this many (9 h), the single-bit error
@@ -296,13 +305,13 @@ class AlertPolicy:
     emit_floor: float = 0.2  # also emit non-alert predictions with p >= this (watch list)
 
 
-# A surge rule names its hold (an AlertPolicy field) and its features as strings: a misspelt
+# A rule names its hold (an AlertPolicy field) and its features as strings: a misspelt
 # one fails here, at import, not at the first hop.
-_UNKNOWN = [rule.name for rule in SURGE_RULES
+_UNKNOWN = [rule.name for rule in ALERT_RULES
             if rule.hold not in AlertPolicy.__dataclass_fields__
             or any(f and f not in _FEATURE_INDEX for f in (rule.feature, rule.unshared, rule.streak))]
 if _UNKNOWN:
-    raise RuntimeError(f"surge rules naming an unknown hold or feature: {_UNKNOWN}")
+    raise RuntimeError(f"rules naming an unknown hold or feature: {_UNKNOWN}")
 
 
 def policy_from_spec(text: str, base: AlertPolicy | None = None) -> AlertPolicy:
@@ -438,10 +447,7 @@ class FailureModel:
                    policy=AlertPolicy(**policy), metadata=meta, **bundle)
 
 
-_EVENT_COLS = [_FEATURE_INDEX[f] for f in RULES]
-
-
-def surge_values(features: np.ndarray, rule: SurgeRule) -> np.ndarray:
+def rule_values(features: np.ndarray, rule: AlertRule) -> np.ndarray:
     """Per row of a FEATURE_NAMES matrix, the value `rule` compares with its level: its feature,
     missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0) or the
     GPU has not yet reported for `rule.settled_h` since its last silence."""
@@ -456,11 +462,9 @@ def surge_values(features: np.ndarray, rule: SurgeRule) -> np.ndarray:
 
 
 def rule_hits(features: np.ndarray) -> np.ndarray:
-    """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r] (an
-    event rule's feature > 0, a surge's `surge_values` above its level; a missing value hits
-    nothing)."""
-    hits = [features[:, c] > 0 for c in _EVENT_COLS]
-    hits += [surge_values(features, rule) > rule.level for rule in SURGE_RULES]
+    """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r] (its
+    `rule_values` above its level; a missing value hits nothing)."""
+    hits = [rule_values(features, rule) > rule.level for rule in ALERT_RULES]
     bits = np.zeros(len(features), dtype=np.uint16)
     for r, hit in enumerate(hits):
         bits |= hit.astype(np.uint16) << r
@@ -485,8 +489,8 @@ class _GpuAlert:
     raised_ts: float = 0.0
     peak: float = 0.0  # highest probability of the open (or last) model episode
     rearm_left: int = 0  # hops left in which a model re-raise needs p > peak + margin
-    surge: tuple[int, ...] = ()  # per SURGE_RULES entry: consecutive hops above its level (() all 0)
-    # per SURGE_RULES entry with `within_h` (by name): event times of its recent hops above its level
+    surge: tuple[int, ...] = ()  # per ALERT_RULES entry: consecutive hops above its level (() all 0)
+    # per ALERT_RULES entry with `within_h` (by name): event times of its recent hops above its level
     recent: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -647,7 +651,7 @@ class FailurePredictor:
                 for c in top if contrib[j, c] > 0
             ]
             for name in rule_hit[i]:  # a surge hop is evidence; it raised only if `source` names it
-                kind = "surge" if name in SURGE_RULE_NAMES else "rule"
+                kind = "surge" if getattr(pol, _RULE_BY_NAME[name].hold) > 1 else "rule"
                 signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
             if shared[i] != SHARED_NONE and not alert:
@@ -697,18 +701,18 @@ def _held(st: _GpuAlert, streak: int, k: int, pol: AlertPolicy) -> bool:
 
 
 def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy, ts: float) -> list[str]:
-    """The rules that raise in this hop (event time `ts`): every event rule hit, and each surge
-    hit once the GPU's hops have stayed above its level for its hold, or (`within_h`) once
-    `hold` hops above it fell within that window (advances the GPU's surge streaks)."""
+    """The rules that raise in this hop (event time `ts`): each rule hit once the GPU's hops
+    have stayed above its level for its hold, or (`within_h`) once `hold` hops above it fell
+    within that window (advances the GPU's per-rule streaks)."""
     if not hits:
         st.surge = ()
         return []
-    fired = [n for n in hits if n not in SURGE_RULE_NAMES]
+    fired = []
     before = st.surge
     streaks = tuple((before[r] if r < len(before) else 0) + 1 if rule.name in hits else 0
-                    for r, rule in enumerate(SURGE_RULES))
+                    for r, rule in enumerate(ALERT_RULES))
     st.surge = streaks if any(streaks) else ()
-    for rule, streak in zip(SURGE_RULES, streaks, strict=True):
+    for rule, streak in zip(ALERT_RULES, streaks, strict=True):
         hold = getattr(pol, rule.hold)
         if hold <= 0 or not streak:
             continue
