@@ -339,6 +339,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # (AlertPolicy.shared_heat_by_removal), before anything ran on them.
     "judge27": _judgement((97, 98, 99), "b300:192,h200:128,a100-sxm-80gb:128,h20:64",
                          (88, 89, 90), "h200:192,b200:128,b300:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-06, thirty-first session) for a second judgement of rule 22 (its first,
+    # judge26, failed on false alarms both arms shared), before anything ran on them.
+    "judge28": _judgement((100, 101, 102), "h100-sxm:192,b200:128,a100-sxm-40gb:128,h20:64",
+                         (91, 92, 93), "b300:192,h200:128,b100:128,a100-sxm-80gb:64"),
 }
 
 
