@@ -141,7 +141,9 @@ def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     evidence = "surge" if hold > 1 else "rule"
     assert signals["source"] == f"rule:{rule.name}" and f"{evidence}:{rule.name}" in signals
     off = FailurePredictor(stub_model(replace(RULES_ONLY, **{rule.hold: 0})))
-    assert not any(p.alert for p in run(off, [0.0] * len(sustained), extra))
+    out = run(off, [0.3] * len(sustained), extra)  # on the watch list (p >= emit_floor), not raised
+    assert out and not any(p.alert for p in out)
+    assert not any(s.name.endswith(f":{rule.name}") for p in out for s in p.signals)  # off: no evidence
 
 
 def streaking(rule, n: int) -> dict[str, list[float]]:

@@ -651,8 +651,10 @@ class FailurePredictor:
                 for c in top if contrib[j, c] > 0
             ]
             for name in rule_hit[i]:  # a surge hop is evidence; it raised only if `source` names it
-                kind = "surge" if getattr(pol, _RULE_BY_NAME[name].hold) > 1 else "rule"
-                signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
+                hold = getattr(pol, _RULE_BY_NAME[name].hold)
+                if hold > 0:  # a rule turned off shows nothing
+                    kind = "surge" if hold > 1 else "rule"
+                    signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
             if shared[i] != SHARED_NONE and not alert:
                 peers = pol.shared_heat_peers if shared[i] == SHARED_HEAT else pol.shared_sbe_peers
