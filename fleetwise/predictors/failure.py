@@ -451,8 +451,9 @@ class FailureModel:
 
 def rule_values(features: np.ndarray, rule: AlertRule) -> np.ndarray:
     """Per row of a FEATURE_NAMES matrix, the value `rule` compares with its level: its feature,
-    missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0) or the
-    GPU has not yet reported for `rule.settled_h` since its last silence."""
+    missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0), the
+    GPU has not yet reported for `rule.settled_h` since its last silence, or its error group has
+    not erred for `rule.streak_h`."""
     x = features[:, _FEATURE_INDEX[rule.feature]]
     if rule.unshared:  # a missing peer count is not 0: the hop counts for nothing
         x = np.where(features[:, _FEATURE_INDEX[rule.unshared]] == 0, x, np.nan)
@@ -559,15 +560,17 @@ class FailurePredictor:
             memory, thermal, sbe = self.model.family_shares(x)
             memory_driven[high] = (memory >= 0.5) & (prob[high] >= pol.hi_memory)
             driven[high] = np.where(thermal >= 0.5, DRIVEN_THERMAL, 0) | np.where(sbe >= 0.5, DRIVEN_SBE, 0)
-            for kind, share, column, peers in (
-                    (SHARED_HEAT, thermal, "node_warm_peers_1h", pol.shared_heat_peers),
-                    (SHARED_SBE, sbe, "node_sbe_peers_6h", pol.shared_sbe_peers)):
+            # per cause: its share, the features whose removal is also read (None: the share
+            # alone), the node-peer count and how many peers share it
+            heat_removal = self.model.thermal_mask if pol.shared_heat_by_removal else None
+            for kind, share, removal, column, peers in (
+                    (SHARED_HEAT, thermal, heat_removal, "node_warm_peers_1h", pol.shared_heat_peers),
+                    (SHARED_SBE, sbe, None, "node_sbe_peers_6h", pol.shared_sbe_peers)):
                 if peers > 0:
                     hit = np.nan_to_num(features[high, _FEATURE_INDEX[column]]) >= peers
                     rests = share >= 0.5
-                    if kind == SHARED_HEAT and pol.shared_heat_by_removal and hit.any():
-                        without = self.model.proba_without(x[hit], self.model.thermal_mask)
-                        rests[hit] |= without < min(pol.hi, pol.hi_memory)
+                    if removal is not None and hit.any():
+                        rests[hit] |= self.model.proba_without(x[hit], removal) < min(pol.hi, pol.hi_memory)
                     shared[high[hit & rests]] = kind
         return memory_driven, shared, driven
 
@@ -711,7 +714,7 @@ def _fired_rules(st: _GpuAlert, hits: Sequence[str], pol: AlertPolicy, ts: float
     if not hits:
         st.surge = ()
         return []
-    fired = []
+    fired: list[str] = []
     before = st.surge
     streaks = tuple((before[r] if r < len(before) else 0) + 1 if rule.name in hits else 0
                     for r, rule in enumerate(ALERT_RULES))
