@@ -40,6 +40,17 @@ def _cmd(cid: str, type_: str = "rebalance", seq: int | None = 1, **kw) -> Comma
 
 
 # ---- the gate --------------------------------------------------------------------------------
+def test_read_logs_leaves_a_line_still_being_written_for_the_next_read(tmp_path) -> None:
+    from fleetwise.training.example import read_logs
+
+    log = tmp_path / "rank-node-0.jsonl"
+    log.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "ids": [1, 2')  # rank 0 mid-write
+    (tmp_path / "rank-node-1.jsonl").write_text('{"step": 0}\n')
+    assert [r["step"] for r in read_logs(tmp_path)] == [0, 1, 0]
+    log.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "ids": [1, 2]}\n')
+    assert [r["step"] for r in read_logs(tmp_path)] == [0, 1, 2, 0]
+
+
 def test_gate_accepts_once_then_acks_duplicates_done_without_acting_again() -> None:
     gate = CommandGate("llm", KEYS)
     cmd = sign(_cmd("rb-1"), KEYS)

@@ -296,10 +296,14 @@ def _pipeline_step(dist: Any, stage: Any, x: Any, y: Any, rank: int, world: int)
 
 
 def read_logs(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every rank's step lines."""
+    """Every rank's complete step lines. A rank's last line may still be being written (a line
+    of thousands of sample ids is more than one write) when the job is read while it runs: only
+    lines ended by a newline are read; the rest comes with the next read."""
     rows = []
     for path in sorted(Path(log_dir).glob("rank-*.jsonl")):
-        rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        text = path.read_text()
+        complete = text[:text.rfind("\n") + 1]
+        rows.extend(json.loads(line) for line in complete.splitlines() if line.strip())
     return rows
 
 
