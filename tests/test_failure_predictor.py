@@ -205,6 +205,26 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
 SETTLED = [r for r in ALERT_RULES if r.settled_h]
 
 
+def test_memory_warning_rule_raises_on_xid_92_or_94_not_on_a_remap_xid_or_a_repeat() -> None:
+    """Rule 23 read from the feature windows: GPU 0 logs XID 92 at 1 h and still reads it after a
+    2 h silence; GPU 1 logs XID 63 (a row remap, benign alone); GPU 2 XID 94 at 200 min."""
+    from fleetwise.predictors.features import GpuFeatureWindows
+
+    t0, dt = 1764547200.0, 60.0
+    xids = {0: lambda m: 92 if m >= 60 else 0, 1: lambda m: 63 if m >= 60 else 0,
+            2: lambda m: 94 if m >= 200 else 0}
+    samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            "DCGM_FI_DEV_XID_ERRORS": xids[g](m)}}
+               for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
+    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
+    out = fw.process_dicts(samples) + fw.flush()
+    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    hit = [(o.gpu, o.ts) for o, b in zip(out, rule_hits(f).tolist(), strict=True)
+           if "xid_memory_warning" in rule_names_of(b)]
+    assert hit == [(0, t0 + 4200.0), (2, t0 + 12600.0)]  # the hops of the changes, once each
+
+
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
 def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
     f = rows_meeting(rule, 4)

@@ -177,6 +177,14 @@ ALERT_RULES = (
     AlertRule("remap_failure", 0.0, "remap_failure", hold="remap_failure_hops"),
     AlertRule("xid_bus_hop", 0.0, "xid79_off_bus", hold="xid_bus_hops"),
     AlertRule("xid_mem_fatal_hop", 0.0, "xid_fatal_memory", hold="xid_mem_fatal_hops"),
+    # A memory warning XID (rule 23): XID 92 (the driver saw a high single-bit error rate) or 94
+    # (a contained uncorrectable error) logged in the hop, a change rather than a repeat. The
+    # driver's own threshold on the rate, where the feature windows see counts that a benign
+    # burst and a wearing bank share: on the development traces (the simulator's shifted and far
+    # members, the generators' 22 development seeds) no never-failing GPU logged either, and
+    # most memory failures with a precursor logged one >= 30 min ahead (docs/benchmarks.md,
+    # "A memory warning XID: rule 23"). Appended so that checkpoints keep their streaks.
+    AlertRule("xid_mem_warn_hop", 0.0, "xid_memory_warning", hold="xid_mem_warn_hops"),
 )
 RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
 _RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
@@ -280,6 +288,9 @@ class AlertPolicy:
     # evidence). 0: off. On since its judgement on judge25 and sixteen fresh generator seeds
     # (docs/benchmarks.md, "A GSP error: rule 21").
     gsp_error_hops: int = 1
+    # Rule 23 raises on a memory warning XID (92/94) in this many consecutive hops (one: the event
+    # is the evidence). 0: off.
+    xid_mem_warn_hops: int = 1
     # Rule 22 raises after this many consecutive hops of NVLink errors streaking at a climbing
     # rate (one: the hour-long streak is the hold). 0: off. Judged twice: on judge26 it called
     # 26 more failures at 30 min and added a false alarm on the simulator, and gen D's seeds
