@@ -343,6 +343,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # judge26, failed on false alarms both arms shared), before anything ran on them.
     "judge28": _judgement((100, 101, 102), "h100-sxm:192,b200:128,a100-sxm-40gb:128,h20:64",
                          (91, 92, 93), "b300:192,h200:128,b100:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-06, thirty-second session) for rule 23 (a memory warning XID), before anything
+    # ran on them.
+    "judge29": _judgement((103, 104, 105), "b200:192,h200:128,a100-sxm-80gb:128,h20:64",
+                         (94, 95, 96), "h100-sxm:192,b300:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
