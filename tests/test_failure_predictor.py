@@ -248,8 +248,8 @@ def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> No
     rule = next(r for r in ALERT_RULES if r.name == "heat_residual_unshared")
     f = np.zeros((5, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level + 0.5
-    # alone and a day back; a warm node peer; a missing peer count; 12 h back; the level not reached
-    f[:, FEATURE_NAMES.index("node_warm_peers_1h")] = [0.0, 1.0, np.nan, 0.0, 0.0]
+    # alone and a day back; a node peer as warm; a missing peer count; 12 h back; the level not reached
+    f[:, FEATURE_NAMES.index("node_heat_peers_1h")] = [0.0, 1.0, np.nan, 0.0, 0.0]
     f[:, FEATURE_NAMES.index("hours_reporting")] = [48.0, 48.0, 48.0, 12.0, 48.0]
     f[4, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level
     assert hits_of(rule, f) == [True, False, False, False, False]

@@ -17,6 +17,7 @@ from fleetwise.predictors.features import (
     F_UTIL,
     F_XID,
     FEATURE_NAMES,
+    HEAT_PEER_RESIDUAL_C,
     SAMPLE_DECODER,
     WARM_RESIDUAL_C,
     GpuFeatureWindows,
@@ -634,9 +635,9 @@ def test_dropping_other_nodes_slots_keeps_a_nodes_peer_context() -> None:
     assert any(v["node_nvl_streak_peers_1h"] for v in peer_values(got).values())
 
 
-def heat_trace(seed: int) -> list[dict]:
+def heat_trace(seed: int, warmer_c: float = 8.0) -> list[dict]:
     """Two nodes of four GPUs, 60 s samples for 12 h, load varying: from hour 4 every GPU of n1
-    runs 8 C warmer at the same power (heat its row shares), and n2/0 alone does (its own
+    runs `warmer_c` warmer at the same power (heat its row shares), and n2/0 alone does (its own
     cooling); n2/2's samples of some ticks arrive first."""
     rng = np.random.default_rng(seed)
     out = []
@@ -645,7 +646,7 @@ def heat_trace(seed: int) -> list[dict]:
         for node in ("n1", "n2"):
             for g in range(4):
                 power = 350.0 + 150.0 * math.sin(i / 37.0 + g) + rng.normal(0, 10)
-                warm = 8.0 if i >= 240 and (node == "n1" or g == 0) else 0.0
+                warm = warmer_c if i >= 240 and (node == "n1" or g == 0) else 0.0
                 temp = 30.0 + 45.0 * power / 700.0 + warm + rng.normal(0, 0.5)
                 s = sample(i, gpu=g, **{F_TEMP: temp, F_POWER: power})
                 s["node"] = node
@@ -725,6 +726,21 @@ def test_node_brake_peers_count_the_other_gpus_of_the_node_braked_within_the_hou
     out = fw.process_dicts(rows) + fw.flush()
     assert [o.values["thr_power_brake"] for o in out] == [0.1, 0.0, 0.0]
     assert [o.values["thr_power_brake_prev"] for o in out] == [0.0, 0.0, 0.0]
+
+
+def test_node_heat_peers_count_peers_warm_at_rule_19s_level_that_warm_peers_leave_out() -> None:
+    """A row's heat that warms every GPU of n1 by ~2.8 C for its power: under WARM_RESIDUAL_C, so
+    no GPU reads a warm peer, but each reads its three peers at HEAT_PEER_RESIDUAL_C; n2/0 warms
+    alone (its peers see it, it sees none)."""
+    fw = windows()
+    got = {(o.node, o.gpu, o.ts): o.values for o in fw.process_dicts(heat_trace(1, 6.5)) + fw.flush()}
+    before, late = T0 + 4 * 3600.0, T0 + 11 * 3600.0
+    assert all(v["node_heat_peers_1h"] == 0 for (_n, _g, ts), v in got.items() if ts <= before)
+    residual = [got["n1", g, late]["temp_residual_6h"] for g in range(4)]
+    assert all(HEAT_PEER_RESIDUAL_C <= r < WARM_RESIDUAL_C for r in residual)
+    assert [got["n1", g, late]["node_warm_peers_1h"] for g in range(4)] == [0, 0, 0, 0]
+    assert [got["n1", g, late]["node_heat_peers_1h"] for g in range(4)] == [3, 3, 3, 3]
+    assert [got["n2", g, late]["node_heat_peers_1h"] for g in range(4)] == [0, 1, 1, 1]
 
 
 def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their_power() -> None:

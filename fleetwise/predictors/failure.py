@@ -138,7 +138,7 @@ ALERT_RULES = (
     # for 2 h once a replaced board started afresh (rule 18); docs/benchmarks.md ("A thermal
     # residual the node does not share", "Rule 16 at 2.0 C for 2 h: rule 19").
     AlertRule("temp_residual_cool_24h", 2.0, "heat_residual_unshared", hold="heat_residual_hold_hops",
-              unshared="node_warm_peers_1h", settled_h=24.0),
+              unshared="node_heat_peers_1h", settled_h=24.0),
     # Memory repairs the node does not share (rule 20): the GPU's row remaps and retired pages
     # over about a day (`mem_repairs_24h`, an EW count) above 3.8 (four repairs within a few
     # hours, five within a day) while no other GPU of the node logged single-bit errors within

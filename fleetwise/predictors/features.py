@@ -147,6 +147,11 @@ PEER_STREAK_HOPS = 3  # ... and as streaking when that hop ended a run of >= thi
 # it alone. 3 C: the 6 h residual stays under 1.3 C in 99% of hops (all GPUs) and under 3 C in
 # >= 99.67% on the training family's tuning members (val-dr; docs/benchmarks.md, "Shared heat").
 WARM_RESIDUAL_C = 3.0
+# The same context at the level a GPU's own day-long residual raises rule 19 (2.0 C): a node peer
+# whose 6 h residual reached 2.5 C within the hour runs about as warm for its power as the GPU
+# being judged, so the heat is the node's, not one GPU's cooling (`node_heat_peers_1h`). At
+# WARM_RESIDUAL_C, three GPUs of one node warming together to 2.8 C each read as alone.
+HEAT_PEER_RESIDUAL_C = 2.5
 # Memory node-peer context: other GPUs of the node with new single-bit ECC errors in the last
 # 6 h (the window of the GPU's own recent SBE rate, `sbe_accel`, `sbe_active_6h`). One GPU's
 # HBM degrading errs alone; a cause the node shares (heat, power, a host event) raises several.
@@ -155,11 +160,12 @@ PEER_SBE_WINDOW_S = 6 * 3600.0
 # event reason set within the hour. A power shelf, a PSU or the facility's power capping
 # brakes every GPU it feeds; one GPU's own voltage regulator failing brakes it alone.
 # The node-peer columns in `peer_end`'s column order (what each close marks: erring and
-# streaking per PEER_GROUPS group, warm, erring single-bit, power-braked), and how long a mark
+# streaking per PEER_GROUPS group, warm, erring single-bit, power-braked, warm at rule 19's
+# level), and how long a mark
 # counts.
 PEER_COLUMNS = (
     *(f"node_{g}_peers_1h" for g in PEER_GROUPS), *(f"node_{g}_streak_peers_1h" for g in PEER_GROUPS),
-    "node_warm_peers_1h", "node_sbe_peers_6h", "node_brake_peers_1h")
+    "node_warm_peers_1h", "node_sbe_peers_6h", "node_brake_peers_1h", "node_heat_peers_1h")
 PEER_WINDOWS_S = np.array([PEER_SBE_WINDOW_S if c == "node_sbe_peers_6h" else PEER_WINDOW_S
                            for c in PEER_COLUMNS])
 # Memory repair events: row remaps (Ampere and newer) and page retirements (Volta/Turing) are
@@ -305,6 +311,8 @@ def _feature_names() -> list[str]:
     # Hours the GPU has reported since its last silence of an hour or more (a repair, a reboot, a
     # new board): how long its own baselines have described the board as it is now.
     names += ["hours_reporting"]
+    # Node peers warm for their power at rule 19's level (HEAT_PEER_RESIDUAL_C) within the hour.
+    names += ["node_heat_peers_1h"]
     return names
 
 
@@ -794,8 +802,9 @@ class GpuFeatureWindows:
         warm = f[:, _FI["temp_residual_6h"]] >= WARM_RESIDUAL_C  # NaN: not warm
         sbe = f[:, _FI["sbe_streak_h"]] > 0  # new single-bit errors in this hop
         brake = f[:, _FI["thr_power_brake"]] > 0  # a sample of the hop had the power brake on
+        heat = f[:, _FI["temp_residual_6h"]] >= HEAT_PEER_RESIDUAL_C
         marks = np.concatenate([hops > 0.5, hops >= PEER_STREAK_HOPS - 0.5, warm[:, None], sbe[:, None],
-                                brake[:, None]], axis=1)
+                                brake[:, None], heat[:, None]], axis=1)
         nodes = self.node_of[slots]
         look = (self._node_mark_end[nodes] >= ends[:, None] - PEER_WINDOWS_S).any(axis=1)
         marked = marks.any(axis=1)
@@ -1203,7 +1212,7 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
 
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
     """A saved state array in this code's width: `peer_end` saved before the warm and single-bit
-    columns (2026-12-05) or the power-brake one (2026-12-06) gains them as never marked, and
+    columns (2026-12-05) or the power-brake and heat ones (2026-12-06) gains them as never marked, and
     `ew` saved before the last hop's power-brake duty or the hours reported (2026-12-06) as not
     braked and just back (0 h), and `base` saved before the board column (2026-12-06) as no
     board named yet, so a worker's checkpoints outlive the upgrade."""
