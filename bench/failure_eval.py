@@ -347,6 +347,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # ran on them.
     "judge29": _judgement((103, 104, 105), "b200:192,h200:128,a100-sxm-80gb:128,h20:64",
                          (94, 95, 96), "h100-sxm:192,b300:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-06, thirty-second session) for rule 19's sharing read at its own level
+    # (node_heat_peers_1h) and rule 23's second judgement, before anything ran on them.
+    "judge30": _judgement((106, 107, 108), "h200:192,b200:128,a100-sxm-40gb:128,h20:64",
+                         (97, 98, 99), "b300:192,h100-sxm:128,b200:128,a100-sxm-80gb:64"),
 }
 
 
