@@ -289,10 +289,10 @@ class AlertPolicy:
     # (docs/benchmarks.md, "A GSP error: rule 21").
     gsp_error_hops: int = 1
     # Rule 23 raises on a memory warning XID (92/94) in this many consecutive hops (one: the event
-    # is the evidence). 0: off. Off since its first judgement (judge29): it added calls and no
-    # false alarm, but gen A's set was over the budget in both arms (docs/benchmarks.md, "A memory
-    # warning XID: rule 23").
-    xid_mem_warn_hops: int = 0
+    # is the evidence). 0: off. Off after its first judgement (judge29: calls added, no false alarm
+    # added, but gen A's set over the budget in both arms, by rule 19's shared heat); on since its
+    # second (judge30; docs/benchmarks.md, "A memory warning XID: rule 23").
+    xid_mem_warn_hops: int = 1
     # Rule 22 raises after this many consecutive hops of NVLink errors streaking at a climbing
     # rate (one: the hour-long streak is the hold). 0: off. Judged twice: on judge26 it called
     # 26 more failures at 30 min and added a false alarm on the simulator, and gen D's seeds
