@@ -205,26 +205,6 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
 SETTLED = [r for r in ALERT_RULES if r.settled_h]
 
 
-def test_memory_warning_rule_raises_on_xid_92_or_94_not_on_a_remap_xid_or_a_repeat() -> None:
-    """Rule 23 read from the feature windows: GPU 0 logs XID 92 at 1 h and still reads it after a
-    2 h silence; GPU 1 logs XID 63 (a row remap, benign alone); GPU 2 XID 94 at 200 min."""
-    from fleetwise.predictors.features import GpuFeatureWindows
-
-    t0, dt = 1764547200.0, 60.0
-    xids = {0: lambda m: 92 if m >= 60 else 0, 1: lambda m: 63 if m >= 60 else 0,
-            2: lambda m: 94 if m >= 200 else 0}
-    samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            "DCGM_FI_DEV_XID_ERRORS": xids[g](m)}}
-               for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
-    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
-    out = fw.process_dicts(samples) + fw.flush()
-    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
-    hit = [(o.gpu, o.ts) for o, b in zip(out, rule_hits(f).tolist(), strict=True)
-           if "xid_memory_warning" in rule_names_of(b)]
-    assert hit == [(0, t0 + 4200.0), (2, t0 + 12600.0)]  # the hops of the changes, once each
-
-
 @pytest.mark.parametrize("rule", SETTLED, ids=lambda r: r.name)
 def test_settled_surge_counts_only_after_its_hours_of_reporting(rule) -> None:
     f = rows_meeting(rule, 4)
@@ -289,18 +269,23 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
     assert hops[0][2] == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
 
 
-def test_gsp_error_rule_raises_on_a_change_to_xid_119_or_120_not_on_a_repeat() -> None:
-    """Rule 21 read from the feature windows: GPU 0 logs XID 119 at 1 h and still reads it when
-    it reports again after a 2 h silence; GPU 1 logs the application XID 45; GPU 2 XID 120."""
+@pytest.mark.parametrize(("name", "first", "second", "benign"), [
+    ("xid_gsp_error", 119, 120, 45),  # rule 21: GSP timeout / error; 45 follows another error
+    ("xid_memory_warning", 92, 94, 63),  # rule 23: high single-bit rate / contained; 63 a row remap
+])
+def test_xid_rule_raises_on_a_change_to_its_xids_not_on_a_repeat_or_another_xid(
+        name: str, first: int, second: int, benign: int) -> None:
+    """An XID rule read from the feature windows: GPU 0 logs `first` at 1 h and still reads it
+    when it reports again after a 2 h silence; GPU 1 logs the `benign` XID; GPU 2 `second`."""
     t0, dt = 1764547200.0, 60.0
-    xids = {0: lambda m: 119 if m >= 60 else 0, 1: lambda m: 45 if m >= 60 else 0,
-            2: lambda m: 120 if m >= 200 else 0}
+    xids = {0: lambda m: first if m >= 60 else 0, 1: lambda m: benign if m >= 60 else 0,
+            2: lambda m: second if m >= 200 else 0}
     samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
                 "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
                             "DCGM_FI_DEV_XID_ERRORS": xids[g](m)}}
                for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
     # the hops of the changes, once each
-    assert rule_hops(samples, "xid_gsp_error") == [("n1", 0, t0 + 4200.0), ("n1", 2, t0 + 12600.0)]
+    assert rule_hops(samples, name) == [("n1", 0, t0 + 4200.0), ("n1", 2, t0 + 12600.0)]
 
 
 def test_nvlink_streak_rule_raises_a_link_erring_faster_every_hop_not_a_burst_or_a_lemon() -> None:
