@@ -129,11 +129,12 @@ ALERT_RULES = (
               unshared="node_brake_peers_1h", within_h=24.0),
     # A thermal residual the node does not share (rule 16): the GPU's day-long temperature
     # residual against its own temperature-on-power fit, over hops without thermal throttling,
-    # held >= 2.0 C for `heat_residual_hold_hops` while no other GPU of the node ran warm within
-    # the hour. A failing fan, heat sink, cold plate or thermal interface makes its GPU alone
-    # hotter per watt, rising for days; a coolant or chiller excursion warms the node's GPUs
-    # together. Counted only after a day of reporting since the GPU's last silence: a board
-    # repaired in place (the same uuid) is measured against its fit from before the failure.
+    # held >= 2.0 C for `heat_residual_hold_hops` while no other GPU of the node ran about as warm
+    # within the hour (a 6 h residual >= 2.5 C, `node_heat_peers_1h`). A failing fan, heat sink,
+    # cold plate or thermal interface makes its GPU alone hotter per watt, rising for days; a
+    # coolant or chiller excursion warms the node's GPUs together. Counted only after a day of
+    # reporting since the GPU's last silence: a board repaired in place (the same uuid) is
+    # measured against its fit from before the failure.
     # 2.0 C (rule 19): ~1.15x the highest any never-failing GPU of the development traces held
     # for 2 h once a replaced board started afresh (rule 18); docs/benchmarks.md ("A thermal
     # residual the node does not share", "Rule 16 at 2.0 C for 2 h: rule 19").

@@ -161,8 +161,7 @@ PEER_SBE_WINDOW_S = 6 * 3600.0
 # brakes every GPU it feeds; one GPU's own voltage regulator failing brakes it alone.
 # The node-peer columns in `peer_end`'s column order (what each close marks: erring and
 # streaking per PEER_GROUPS group, warm, erring single-bit, power-braked, warm at rule 19's
-# level), and how long a mark
-# counts.
+# level), and how long a mark counts.
 PEER_COLUMNS = (
     *(f"node_{g}_peers_1h" for g in PEER_GROUPS), *(f"node_{g}_streak_peers_1h" for g in PEER_GROUPS),
     "node_warm_peers_1h", "node_sbe_peers_6h", "node_brake_peers_1h", "node_heat_peers_1h")
