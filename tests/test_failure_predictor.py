@@ -235,6 +235,17 @@ def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> No
     assert hits_of(rule, f) == [True, False, False, False, False]
 
 
+def test_power_brake_rule_counts_a_gpu_braking_beyond_every_node_peer() -> None:
+    rule = next(r for r in ALERT_RULES if r.name == "power_brake_beyond_peers")
+    f = np.zeros((6, len(FEATURE_NAMES)))
+    # alone; a peer braking nearly as often (ratio just under, just over); a missing peer
+    # maximum; at the level, not above it; no peer braking but under the level
+    f[:, FEATURE_NAMES.index("brake_hops_6h")] = [5.0, 5.0, 5.0, 5.0, rule.level, 3.0]
+    peak = 5.0 / rule.peer_ratio
+    f[:, FEATURE_NAMES.index("node_brake_hops_max_6h")] = [0.0, peak + 0.05, peak - 0.05, np.nan, 0.0, 0.0]
+    assert hits_of(rule, f) == [True, False, True, False, False, False]
+
+
 def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
     """(node, gpu, hop end) of each hop in which rule `name` hits, read through the feature windows."""
     fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
@@ -267,6 +278,27 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
     hops = rule_hops(samples, "memory_repairs_unshared")
     assert {(node, gpu) for node, gpu, _ in hops} == {("n2", 0)}
     assert hops[0][2] == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
+
+
+def test_power_brake_rule_raises_the_gpu_that_brakes_beyond_its_node_not_a_shelfs_gpus() -> None:
+    """Rule 24 read from the feature windows over 14 h of 60 s samples: every GPU of n1 brakes
+    for a minute every 30 min (its shelf), n1/0 also alone every 10 min from hour 8 (its supply
+    failing); every GPU of n2 brakes every 20 min (a facility cap: each brakes more often than
+    n1's peers, as often as its own peers)."""
+    t0, dt, h = 1764547200.0, 60.0, 3600.0
+
+    def braked(m: int, node: str, g: int) -> bool:
+        if node == "n2":
+            return m % 20 == 7
+        return m % 30 == 3 or (g == 0 and m >= 8 * 60 and m % 10 == 5)
+
+    samples = [{"ts": t0 + m * dt, "node": node, "gpu": g, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": 0x80 if braked(m, node, g) else 0}}
+               for m in range(14 * 60) for node in ("n1", "n2") for g in range(4)]
+    hops = rule_hops(samples, "power_brake_beyond_peers")
+    assert {(node, gpu) for node, gpu, _ in hops} == {("n1", 0)}
+    assert t0 + 8 * h < hops[0][2] < t0 + 10 * h  # within two hours of braking beyond its peers
 
 
 @pytest.mark.parametrize(("name", "first", "second", "benign"), [

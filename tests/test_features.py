@@ -728,6 +728,50 @@ def test_node_brake_peers_count_the_other_gpus_of_the_node_braked_within_the_hou
     assert [o.values["thr_power_brake_prev"] for o in out] == [0.0, 0.0, 0.0]
 
 
+def test_brake_hops_count_a_gpus_braked_hops_and_the_most_of_its_node_peers() -> None:
+    fw = windows()
+    got = {(o.node, o.gpu, o.ts): o.values for o in fw.process_dicts(brake_trace()) + fw.flush()}
+    h = 3600.0
+    own = {k: v["brake_hops_6h"] for k, v in got.items()}
+    peak = {k: v["node_brake_hops_max_6h"] for k, v in got.items()}
+    # one braked hop counts 1 in its own hop (n2/0's at minute 200, hop ending 3.5 h) and decays
+    # over 6 h; its peers braked none, and GPUs that braked none read no peer maximum
+    assert own["n2", 0, T0 + 3.5 * h] == pytest.approx(1.0)
+    assert own["n2", 0, T0 + 3.5 * h + 6 * 600] == pytest.approx(np.exp(-1 / 6))
+    assert peak["n2", 0, T0 + 3.5 * h] == 0.0
+    assert all(peak["n2", g, ts] == 0.0 for (n, g, ts) in got if n == "n2" and g > 0)
+    # the shelf's GPUs brake alike: each reads its peers' most about as high as its own (a peer
+    # whose hop closed before this one's, or its previous hop's count decayed to this end)
+    late = T0 + 9 * h
+    assert all(own["n1", g, late] > 1.5 for g in range(4))
+    assert all(0.9 * own["n1", g, late] <= peak["n1", g, late] <= 1.1 * own["n1", g, late] for g in range(4))
+    # the hops without a braked one in the last hours read the peer maximum as 0 (not asked)
+    quiet = [k for k in got if own[k] < 1.0]
+    assert quiet and all(peak[k] == 0.0 for k in quiet)
+
+
+def test_a_silent_peers_brake_count_decays_to_the_close_that_reads_it() -> None:
+    # n1/1 brakes in every minute of its first two hours, then stops reporting; n1/0 brakes once
+    # at hour 5 and reads n1/1's last count as it has decayed since n1/1's last closed hop ended.
+    rows = []
+    for i in range(6 * 60):
+        for g in (0, 1):
+            if g == 1 and i >= 120:
+                continue
+            s = sample(i, gpu=g, **{F_REASONS: BRAKE if (g == 1 or i == 300) else 0})
+            s["node"] = "n1"
+            rows.append(s)
+    fw = windows()
+    got = {(o.gpu, o.ts): o.values for o in fw.process_dicts(rows) + fw.flush()}
+    last_end = T0 + 2 * 3600.0 - 600  # (its hop ending at 2 h stays open until the flush)
+    stale = got[1, last_end]["brake_hops_6h"]
+    assert stale > 5.0
+    end = T0 + 5 * 3600.0 + 600
+    read = got[0, end]
+    assert read["brake_hops_6h"] == pytest.approx(1.0)
+    assert read["node_brake_hops_max_6h"] == pytest.approx(stale * np.exp(-(end - last_end) / (6 * 3600.0)))
+
+
 def test_node_heat_peers_count_peers_warm_at_rule_19s_level_that_warm_peers_leave_out() -> None:
     """A row's heat that warms every GPU of n1 by ~2.8 C for its power: under WARM_RESIDUAL_C, so
     no GPU reads a warm peer, but each reads its three peers at HEAT_PEER_RESIDUAL_C; n2/0 warms
@@ -757,7 +801,8 @@ def test_node_warm_peers_count_the_other_gpus_of_the_node_running_warm_for_their
 
 @pytest.mark.parametrize("trace, column", [(lambda: heat_trace(2), "node_warm_peers_1h"),
                                            (sbe_trace, "node_sbe_peers_6h"),
-                                           (brake_trace, "node_brake_peers_1h")])
+                                           (brake_trace, "node_brake_peers_1h"),
+                                           (brake_trace, "node_brake_hops_max_6h")])
 def test_node_warm_and_sbe_peers_do_not_depend_on_how_the_samples_were_split(trace, column) -> None:
     arrivals = trace()
     results = []
@@ -796,8 +841,9 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
     for state in saved.values():  # as the code before the warm and single-bit columns saved it
         state["peer_end"] = state["peer_end"][:4]
-        state["ew"] = state["ew"][:-2]  # ... and before the last hop's power-brake duty and hours reported
+        state["ew"] = state["ew"][:-3]  # ... and before the last hop's power-brake duty and hours reported
         state["base"] = state["base"][:-1]  # ... and before the board column (a uuid then is no new board)
+        del state["peer_brake_hops"], state["peer_brake_end"]  # ... and before the brake counts
     restarted = windows()
     for k, state in saved.items():
         restarted.restore(k, state)
@@ -816,8 +862,9 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
     keys = fw.keys()
     metas, job_ranks, arrays = fw.export_state(keys)
     arrays["peer_end"] = arrays["peer_end"][:, :4]
-    arrays["ew"] = arrays["ew"][:, :-2]
+    arrays["ew"] = arrays["ew"][:, :-3]
     arrays["base"] = arrays["base"][:, :-1]
+    del arrays["peer_brake_hops"], arrays["peer_brake_end"]
     imported = windows()
     imported.import_state(keys, metas, job_ranks, arrays)
     assert [o.values for o in imported.process_dicts(arrivals[cut:]) + imported.flush()] == [

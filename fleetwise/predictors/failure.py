@@ -83,7 +83,9 @@ class AlertRule:
     silence of an hour or more (`hours_reporting`): a feature measured against the GPU's own
     history describes the board before a repair or a replacement until the history has moved
     on. With `streak` (an error group's `*_streak_h` feature), a hop counts only while that
-    group has erred in every hop of the last `streak_h` hours."""
+    group has erred in every hop of the last `streak_h` hours. With `above_peers` (a node-peer
+    maximum of the same feature), a hop counts only while the GPU's value is at least
+    `peer_ratio` times that maximum: beyond every other GPU of its node."""
 
     feature: str
     level: float
@@ -94,6 +96,8 @@ class AlertRule:
     settled_h: float = 0.0
     streak: str = ""
     streak_h: float = 0.0
+    above_peers: str = ""
+    peer_ratio: float = 0.0
 
 
 # `nvl_accel` / `pcie_accel` are the log of the last hour's NVLink error rate (CRC, replay,
@@ -186,6 +190,17 @@ ALERT_RULES = (
     # most memory failures with a precursor logged one >= 30 min ahead (docs/benchmarks.md,
     # "A memory warning XID: rule 23"). Appended so that checkpoints keep their streaks.
     AlertRule("xid_mem_warn_hop", 0.0, "xid_memory_warning", hold="xid_mem_warn_hops"),
+    # Power brakes beyond the node's (rule 24): more than 4 power-braked hops over about 6 h (an
+    # EW count, `brake_hops_6h`) and at least 1.5x as many as any other GPU of the node
+    # (`node_brake_hops_max_6h`). A PSU or shelf browning out, or a facility cap, brakes the
+    # GPUs it feeds about equally often (rule 15 reads only hops no peer shares, and a brownout
+    # brakes the peers too); the GPU whose own supply or regulator is failing brakes more often
+    # than any of them. On the generators' development seeds no never-failing GPU above 4 held
+    # more than 1.32x its peers' most (1.5: ~1.1x that); the simulator brakes no GPU
+    # (docs/benchmarks.md, "Power brakes beyond the node's: rule 24"). Appended: checkpoints
+    # keep their streaks.
+    AlertRule("brake_hops_6h", 4.0, "power_brake_beyond_peers", hold="brake_beyond_peers_hops",
+              above_peers="node_brake_hops_max_6h", peer_ratio=1.5),
 )
 RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
 _RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
@@ -301,6 +316,9 @@ class AlertPolicy:
     # `shared_heat_by_removal`); on judge28 it called 22 more and added none, every set within
     # the budget. On since (docs/benchmarks.md, "Rule 22 again").
     nvl_streak_hops: int = 1
+    # Rule 24 raises after this many consecutive hops of power brakes beyond the node's (one: the
+    # 6 h count is the hold). 0: off.
+    brake_beyond_peers_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -325,7 +343,8 @@ class AlertPolicy:
 # one fails here, at import, not at the first hop.
 _UNKNOWN = [rule.name for rule in ALERT_RULES
             if rule.hold not in AlertPolicy.__dataclass_fields__
-            or any(f and f not in _FEATURE_INDEX for f in (rule.feature, rule.unshared, rule.streak))]
+            or any(f and f not in _FEATURE_INDEX for f in (rule.feature, rule.unshared, rule.streak,
+                                                           rule.above_peers))]
 if _UNKNOWN:
     raise RuntimeError(f"rules naming an unknown hold or feature: {_UNKNOWN}")
 
@@ -467,7 +486,8 @@ def rule_values(features: np.ndarray, rule: AlertRule) -> np.ndarray:
     """Per row of a FEATURE_NAMES matrix, the value `rule` compares with its level: its feature,
     missing (NaN: holds nothing) where a node peer shares the hop (`rule.unshared` not 0), the
     GPU has not yet reported for `rule.settled_h` since its last silence, or its error group has
-    not erred for `rule.streak_h`."""
+    not erred for `rule.streak_h`, or its value is below `rule.peer_ratio` times its node peers'
+    most (`rule.above_peers`)."""
     x = features[:, _FEATURE_INDEX[rule.feature]]
     if rule.unshared:  # a missing peer count is not 0: the hop counts for nothing
         x = np.where(features[:, _FEATURE_INDEX[rule.unshared]] == 0, x, np.nan)
@@ -475,6 +495,8 @@ def rule_values(features: np.ndarray, rule: AlertRule) -> np.ndarray:
         x = np.where(features[:, _FEATURE_INDEX["hours_reporting"]] >= rule.settled_h, x, np.nan)
     if rule.streak:  # hours in whole hops: 1e-9 so that six 10-minute hops make 1 h
         x = np.where(features[:, _FEATURE_INDEX[rule.streak]] >= rule.streak_h - 1e-9, x, np.nan)
+    if rule.above_peers:  # a missing peer maximum is not 0: the hop counts for nothing
+        x = np.where(x >= rule.peer_ratio * features[:, _FEATURE_INDEX[rule.above_peers]], x, np.nan)
     return x
 
 

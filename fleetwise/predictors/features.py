@@ -159,6 +159,13 @@ PEER_SBE_WINDOW_S = 6 * 3600.0
 # Power-brake node-peer context: other GPUs of the node whose hops had the HW power-brake clock
 # event reason set within the hour. A power shelf, a PSU or the facility's power capping
 # brakes every GPU it feeds; one GPU's own voltage regulator failing brakes it alone.
+# Power brakes beyond the node's: the GPU's own count of power-braked hops over about 6 h (an
+# EW count, `brake_hops_6h`) against the highest such count among its node peers
+# (`node_brake_hops_max_6h`). A PSU or shelf browning out, or a facility cap, brakes the GPUs it
+# feeds about equally often; one GPU's failing supply or regulator brakes it more often than any
+# peer. The peer maximum is read for closes whose own count is at least PEER_BRAKE_MIN_HOPS (0
+# elsewhere): only those can be beyond their peers, and most hops of most fleets never brake.
+PEER_BRAKE_MIN_HOPS = 1.0
 # The node-peer columns in `peer_end`'s column order (what each close marks: erring and
 # streaking per PEER_GROUPS group, warm, erring single-bit, power-braked, warm at rule 19's
 # level), and how long a mark counts.
@@ -221,7 +228,8 @@ E_RESID_COOL = E_RESID24 + 2  # num, den (24 h, hops without thermal throttling)
 E_STREAK = E_RESID_COOL + 2  # consecutive hops with new errors, per active group
 E_BRAKE = E_STREAK + len(ACTIVE_GROUPS)  # power-brake duty of the last closed hop
 E_REPORTING = E_BRAKE + 1  # hours reported since the GPU's last silence of RETURN_SILENCE_S or more
-N_EW = E_REPORTING + 1
+E_BRAKE_6H = E_REPORTING + 1  # power-braked hops, EW count over 6 h
+N_EW = E_BRAKE_6H + 1
 # A GPU back from a failure starts its history afresh, as a replaced board does: the failure
 # consumed the evidence before it, and a model fed that history raises the repaired GPU again
 # for days on the XIDs of the failure itself. "Back from a failure": a failure-class XID
@@ -312,6 +320,8 @@ def _feature_names() -> list[str]:
     names += ["hours_reporting"]
     # Node peers warm for their power at rule 19's level (HEAT_PEER_RESIDUAL_C) within the hour.
     names += ["node_heat_peers_1h"]
+    # The GPU's power-braked hops over about 6 h and the most of any node peer (PEER_BRAKE_MIN_HOPS).
+    names += ["brake_hops_6h", "node_brake_hops_max_6h"]
     return names
 
 
@@ -523,7 +533,10 @@ class GpuFeatureWindows:
     def restore(self, key: str, state: dict) -> None:
         slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
         for name in STATE_ARRAYS:
-            getattr(self, name)[slot] = _fit_state(name, _from_json(state[name]))
+            if name in state or name not in _ADDED_STATE_ARRAYS:
+                getattr(self, name)[slot] = _fit_state(name, _from_json(state[name]))
+            else:
+                getattr(self, name)[slot] = _FRESH_STATE[name][1]
         self._note_node_marks([slot])
 
     def forget(self, key: str) -> None:
@@ -549,12 +562,16 @@ class GpuFeatureWindows:
     def import_state(self, keys: Sequence[str], metas: Sequence[dict], job_ranks: Sequence[tuple],
                      arrays: dict[str, np.ndarray]) -> None:
         """`restore()` of many keys at once, from what `export_state` gave."""
-        if set(arrays) != set(STATE_ARRAYS):  # state saved by another layout of this code
+        if not set(STATE_ARRAYS) - set(_ADDED_STATE_ARRAYS) <= set(arrays) <= set(STATE_ARRAYS):
+            # state saved by another layout of this code
             raise ValueError(
                 f"feature state arrays {sorted(arrays)} differ from this code's {sorted(STATE_ARRAYS)}")
         slots = [self._restore_slot(k, m, j, r) for k, m, (j, r) in zip(keys, metas, job_ranks, strict=True)]
         for name in STATE_ARRAYS:
-            getattr(self, name)[slots] = _fit_state(name, arrays[name])
+            if name in arrays:
+                getattr(self, name)[slots] = _fit_state(name, arrays[name])
+            else:
+                getattr(self, name)[slots] = _FRESH_STATE[name][1]
         self._note_node_marks(slots)
 
     def _note_node_marks(self, slots: Sequence[int]) -> None:
@@ -796,6 +813,8 @@ class GpuFeatureWindows:
         f[:, cols] = 0.0
         if len(slots) == 0:
             return
+        order_key = np.unique(closed_by, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        self._peer_brake_max(slots, ends, f, order_key)
         hops = np.stack([f[:, _FI[f"{g}_streak_h"]] for g in PEER_GROUPS], axis=1) * (3600.0 / self.hop_s)
         # What each close tells its peers, in PEER_COLUMNS order.
         warm = f[:, _FI["temp_residual_6h"]] >= WARM_RESIDUAL_C  # NaN: not warm
@@ -811,9 +830,32 @@ class GpuFeatureWindows:
             look |= np.isin(nodes, nodes[marked])
         if not look.any():
             return
-        # (close, peer) pairs: every looked-at close with every other GPU of its node.
         idx = np.flatnonzero(look)
-        uniq, inv = np.unique(nodes[idx], return_inverse=True)
+        pair_c, pair_p = self._node_pairs(slots, idx)
+        # A peer's latest marked hop as of each close: from its state before this call, or the
+        # last of its marked closes in this call that arrived before this close did (a GPU's
+        # closes come in hop order, so the last to arrive has the latest end).
+        latest = self.peer_end[pair_p].copy()
+        for j in range(marks.shape[1]):
+            rows = np.flatnonzero(marks[:, j])
+            if len(rows) == 0:
+                continue
+            hit, rows_q = _arrived_before(slots, order_key, rows, pair_c, pair_p)
+            latest[hit, j] = np.maximum(latest[hit, j], ends[rows_q])
+        recent = latest >= ends[pair_c][:, None] - PEER_WINDOWS_S
+        counts = np.zeros((len(slots), marks.shape[1]))
+        np.add.at(counts, pair_c, recent.astype(np.float64))
+        f[idx[:, None], cols] = counts[idx]
+        # What the peers of later closes see of these.
+        rows, cols_j = np.nonzero(marks)
+        np.maximum.at(self.peer_end, (slots[rows], cols_j), ends[rows])
+        np.maximum.at(self._node_mark_end, (nodes[rows], cols_j), ends[rows])
+
+    def _node_pairs(self, slots: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(close, peer slot) pairs: each close of `idx` (indices into `slots`) with every other
+        GPU of its node."""
+        nodes = self.node_of[slots[idx]]
+        uniq, inv = np.unique(nodes, return_inverse=True)
         members = [self._node_slots[n] for n in uniq.tolist()]
         sizes = np.array([len(m) for m in members])
         flat = np.fromiter(itertools.chain.from_iterable(members), dtype=np.int64, count=int(sizes.sum()))
@@ -823,32 +865,34 @@ class GpuFeatureWindows:
         within = np.arange(len(pair_c)) - np.repeat(np.cumsum(reps) - reps, reps)
         pair_p = flat[np.repeat(start[inv], reps) + within]
         other = pair_p != slots[pair_c]
-        pair_c, pair_p = pair_c[other], pair_p[other]
-        # A peer's latest marked hop as of each close: from its state before this call, or the
-        # last of its marked closes in this call that arrived before this close did (a GPU's
-        # closes come in hop order, so the last to arrive has the latest end).
-        order_key = np.unique(closed_by, return_inverse=True)[1].reshape(-1).astype(np.int64)
-        span = int(order_key.max()) + 1
-        latest = self.peer_end[pair_p].copy()
-        for j in range(marks.shape[1]):
-            rows = np.flatnonzero(marks[:, j])
-            if len(rows) == 0:
-                continue
-            key = slots[rows] * span + order_key[rows]
-            sort = np.argsort(key, kind="stable")
-            key, rows = key[sort], rows[sort]
-            q = np.searchsorted(key, pair_p * span + order_key[pair_c], side="left") - 1
-            hit = q >= 0
-            hit[hit] = slots[rows[q[hit]]] == pair_p[hit]
-            latest[hit, j] = np.maximum(latest[hit, j], ends[rows[q[hit]]])
-        recent = latest >= ends[pair_c][:, None] - PEER_WINDOWS_S
-        counts = np.zeros((len(slots), marks.shape[1]))
-        np.add.at(counts, pair_c, recent.astype(np.float64))
-        f[idx[:, None], cols] = counts[idx]
-        # What the peers of later closes see of these.
-        rows, cols_j = np.nonzero(marks)
-        np.maximum.at(self.peer_end, (slots[rows], cols_j), ends[rows])
-        np.maximum.at(self._node_mark_end, (nodes[rows], cols_j), ends[rows])
+        return pair_c[other], pair_p[other]
+
+    def _peer_brake_max(self, slots: np.ndarray, ends: np.ndarray, f: np.ndarray,
+                        order_key: np.ndarray) -> None:
+        """`node_brake_hops_max_6h` of the closes whose own `brake_hops_6h` is at least
+        PEER_BRAKE_MIN_HOPS: the highest count among the node's other GPUs, each as of its latest
+        close that arrived before this one (in this call, else from the state), decayed to this
+        close's end as the count itself decays. Then each GPU's last close of the call becomes
+        its state (what later closes of its peers read)."""
+        own = f[:, _FI["brake_hops_6h"]]
+        col = _FI["node_brake_hops_max_6h"]
+        f[:, col] = 0.0
+        ask = np.flatnonzero(own >= PEER_BRAKE_MIN_HOPS)
+        if len(ask):
+            pair_c, pair_p = self._node_pairs(slots, ask)
+            value = self.peer_brake_hops[pair_p].copy()
+            end = self.peer_brake_end[pair_p].copy()
+            hit, rows_q = _arrived_before(slots, order_key, np.arange(len(slots)), pair_c, pair_p)
+            value[hit], end[hit] = own[rows_q], ends[rows_q]
+            with np.errstate(invalid="ignore"):  # a peer never closed: end -inf, value 0
+                now = value * np.exp(-np.maximum(ends[pair_c] - end, 0.0) / TAU_6H)
+            peak = np.zeros(len(slots))
+            np.maximum.at(peak, pair_c, np.nan_to_num(now))
+            f[ask, col] = peak[ask]
+        last = np.lexsort((order_key, slots))  # by slot, then arrival: each slot's last close last
+        last = last[np.r_[slots[last][1:] != slots[last][:-1], True]]
+        self.peer_brake_hops[slots[last]] = own[last]
+        self.peer_brake_end[slots[last]] = ends[last]
 
     def _note_jobs(self, s: np.ndarray, pos: np.ndarray,
                    job_ranks: Sequence[tuple[str | None, int | None]]) -> None:
@@ -1058,6 +1102,8 @@ class GpuFeatureWindows:
             # peer braked within the hour" is known for it whichever GPU's hop closed first.
             f[:, _FI["thr_power_brake_prev"]] = np.where(contiguous, ew[:, E_BRAKE], 0.0)
             ew[:, E_BRAKE] = np.nan_to_num(f[:, _FI["thr_power_brake"]])
+            ew[:, E_BRAKE_6H] = ew[:, E_BRAKE_6H] * d6 + (ew[:, E_BRAKE] > 0)
+            f[:, _FI["brake_hops_6h"]] = ew[:, E_BRAKE_6H]
             reporting = (prev >= 0) & ~fresh & ~silent
             since_prev_h = (hop - prev) * self.hop_s / 3600.0
             ew[:, E_REPORTING] = np.where(reporting, ew[:, E_REPORTING] + since_prev_h, 0.0)
@@ -1198,7 +1244,10 @@ def _from_json(value: Any) -> np.ndarray:
 
 # The per-slot arrays (first axis: slot) that hold a GPU's window state besides its meta and job.
 STATE_ARRAYS = ("acc", "ew", "base", "last_xid", "open_hop", "closed_hop", "last_ts", "tdp", "ts_ring",
-                "peer_end")
+                "peer_end", "peer_brake_hops", "peer_brake_end")
+# State arrays added after checkpoints were first written: a checkpoint without one restores it
+# as a fresh GPU's (`_FRESH_STATE`).
+_ADDED_STATE_ARRAYS = ("peer_brake_hops", "peer_brake_end")
 # The state arrays a GPU starts with (shape per GPU, fill value); `tdp` comes from its model.
 _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     "acc": ((N_ACC,), 0.0), "ew": ((N_EW,), 0.0), "base": ((N_COUNTER + 1,), np.nan),
@@ -1206,7 +1255,24 @@ _FRESH_STATE: dict[str, tuple[tuple[int, ...], float]] = {
     "last_ts": ((), -np.inf), "ts_ring": ((DEDUP_RING,), np.nan),
     # end of the GPU's latest hop with each PEER_COLUMNS mark (what its node's peers see of it)
     "peer_end": ((len(PEER_COLUMNS),), -np.inf),
+    # its `brake_hops_6h` at the end of its last closed hop, and that end (what its peers read)
+    "peer_brake_hops": ((), 0.0), "peer_brake_end": ((), -np.inf),
 }
+
+
+def _arrived_before(slots: np.ndarray, order_key: np.ndarray, rows: np.ndarray, pair_c: np.ndarray,
+                    pair_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each (close, peer) pair, whether one of the closes `rows` is the peer's and arrived
+    before the close did (`order_key`: arrival rank), and the latest such (a GPU's closes come in
+    hop order, so the last to arrive has the latest end): (hit mask, its row for each hit)."""
+    span = int(order_key.max()) + 1
+    key = slots[rows] * span + order_key[rows]
+    sort = np.argsort(key, kind="stable")
+    key, rows = key[sort], rows[sort]
+    q = np.searchsorted(key, pair_p * span + order_key[pair_c], side="left") - 1
+    hit = q >= 0
+    hit[hit] = slots[rows[q[hit]]] == pair_p[hit]
+    return hit, rows[q[hit]]
 
 
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:

@@ -234,8 +234,9 @@ class FeatureStateCodec:
             count = n * int(np.prod(shape, dtype=np.int64))
             columns[name] = np.frombuffer(blob, dtype="<f8", count=count, offset=at).reshape(n, *shape)
             at += 8 * count
-        # import_state refuses an entry with other arrays than this code keeps; one with arrays
-        # of another shape fails in numpy's assignment.
+        # import_state refuses an entry with arrays this code does not keep, or without one it
+        # kept from the start (one added since restores fresh); arrays of another shape fail in
+        # numpy's assignment.
         self.windows.import_state(keys, header["meta"], list(zip(header["job"], header["rank"], strict=True)),
                                   columns)
         return keys
