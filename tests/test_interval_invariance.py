@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fleetwise.predictors.failure import AlertPolicy, FailurePredictor
+from fleetwise.predictors.failure import ALERT_RULES, AlertPolicy, FailurePredictor
 from fleetwise.predictors.features import FEATURE_NAMES
 from fleetwise.predictors.training import compute_features_raw, raw_samples
 from fleetwise.sim import FleetSimulator, SimConfig
@@ -136,3 +136,22 @@ def test_one_event_stream_read_at_three_intervals_raises_the_same_model_alerts(s
         assert alerts.keys() == model[60].keys(), f"read every {every} s, the model raised other GPUs"
         for gpu, ts in alerts.items():
             assert abs(ts - model[60][gpu]) <= alert_shift_allowed(every), (gpu, every, ts, model[60][gpu])
+
+
+@pytest.mark.parametrize("seed", [8, 9, 10, 12, 14])
+def test_one_event_stream_read_at_three_intervals_raises_the_same_memory_warning_xids(seed: int) -> None:
+    # Rule 23 alone (every other rule and the model off) on one 60 s stream read every 60, 120
+    # and 300 s: an XID 92 / 94 stays in DCGM's XID field until another XID replaces it, so a
+    # coarser read sees it a read later at most and raises the same GPUs. Five of seeds 8-14; in
+    # seeds 11 and 13 a GPU logs XID 94 4 and 7 min before it stops reporting (it failed), so
+    # no read at 300 s (11) or at 120 and 300 s (13) sees it: the reads' limit, not the rule's.
+    shipped = FailurePredictor.load()
+    others_off = {r.hold: 0 for r in ALERT_RULES if r.hold != "xid_mem_warn_hops"}
+    rule_23 = FailurePredictor(shipped.model, replace(shipped.policy, model_alerts=False, **others_off))
+    samples = _samples_every_60s(seed=seed, days=3)
+    by_read = {every: _raises(_read_every(samples, every), rule_23) for every in (60, 120, 300)}
+    assert by_read[60] and all(src == "rule:xid_memory_warning" for _, src in by_read[60].values())
+    for every, raised in by_read.items():
+        assert raised.keys() == by_read[60].keys(), f"read every {every} s, rule 23 raised other GPUs"
+        for gpu, (ts, _src) in raised.items():
+            assert abs(ts - by_read[60][gpu][0]) <= every + HOP_S, (gpu, every, ts, by_read[60][gpu][0])
