@@ -871,6 +871,34 @@ def test_state_saved_before_the_warm_and_sbe_peer_columns_restores_as_never_mark
         o.values for o in after]
 
 
+def test_state_saved_before_the_brake_counts_restores_them_fresh_over_a_slot_in_use() -> None:
+    # A checkpoint from before `peer_brake_hops` / `peer_brake_end` restored into windows that
+    # already hold those GPUs (a worker taking its partitions back): the two arrays start fresh,
+    # as they do in new windows, not as the slots' stale values.
+    arrivals = brake_trace()
+    cut = 8 * 330  # minute 330, after the shelf's second brake
+    fw = windows()
+    fw.process_dicts(arrivals[:cut])
+    saved = {k: json.loads(json.dumps(fw.state(k), allow_nan=False)) for k in fw.keys()}  # noqa: SIM118
+    for state in saved.values():
+        del state["peer_brake_hops"], state["peer_brake_end"]
+    keys = fw.keys()
+    metas, job_ranks, arrays = fw.export_state(keys)  # the worker's binary checkpoint, the same
+    del arrays["peer_brake_hops"], arrays["peer_brake_end"]
+    used = windows()
+    used.process_dicts(arrivals[:cut])
+    results = []
+    for target in (windows(), fw):  # fresh windows; the same windows, their slots in use
+        for k, state in saved.items():
+            target.restore(k, state)
+        results.append([o.values for o in target.process_dicts(arrivals[cut:]) + target.flush()])
+    for target in (windows(), used):
+        target.import_state(keys, metas, job_ranks, arrays)
+        results.append([o.values for o in target.process_dicts(arrivals[cut:]) + target.flush()])
+    assert all(r == results[0] for r in results[1:])
+    assert any(v["node_brake_hops_max_6h"] > 0 for v in results[0])
+
+
 def test_hops_closed_together_at_a_flush_do_not_count_each_other() -> None:
     # The flush closes every open hop at once, with no arrival order among them (closed_by
     # inf): none sees the others' errors, whatever order the code takes them in. A hop closed
