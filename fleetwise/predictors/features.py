@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -156,9 +156,6 @@ HEAT_PEER_RESIDUAL_C = 2.5
 # 6 h (the window of the GPU's own recent SBE rate, `sbe_accel`, `sbe_active_6h`). One GPU's
 # HBM degrading errs alone; a cause the node shares (heat, power, a host event) raises several.
 PEER_SBE_WINDOW_S = 6 * 3600.0
-# Power-brake node-peer context: other GPUs of the node whose hops had the HW power-brake clock
-# event reason set within the hour. A power shelf, a PSU or the facility's power capping
-# brakes every GPU it feeds; one GPU's own voltage regulator failing brakes it alone.
 # Power brakes beyond the node's: the GPU's own count of power-braked hops over about 6 h (an
 # EW count, `brake_hops_6h`) against the highest such count among its node peers
 # (`node_brake_hops_max_6h`). A PSU or shelf browning out, or a facility cap, brakes the GPUs it
@@ -166,6 +163,9 @@ PEER_SBE_WINDOW_S = 6 * 3600.0
 # peer. The peer maximum is read for closes whose own count is at least PEER_BRAKE_MIN_HOPS (0
 # elsewhere): only those can be beyond their peers, and most hops of most fleets never brake.
 PEER_BRAKE_MIN_HOPS = 1.0
+# Power-brake node-peer context: other GPUs of the node whose hops had the HW power-brake clock
+# event reason set within the hour. A power shelf, a PSU or the facility's power capping
+# brakes every GPU it feeds; one GPU's own voltage regulator failing brakes it alone.
 # The node-peer columns in `peer_end`'s column order (what each close marks: erring and
 # streaking per PEER_GROUPS group, warm, erring single-bit, power-braked, warm at rule 19's
 # level), and how long a mark counts.
@@ -533,10 +533,7 @@ class GpuFeatureWindows:
     def restore(self, key: str, state: dict) -> None:
         slot = self._restore_slot(key, state["meta"], state.get("job"), state.get("rank"))
         for name in STATE_ARRAYS:
-            if name in state or name not in _ADDED_STATE_ARRAYS:
-                getattr(self, name)[slot] = _fit_state(name, _from_json(state[name]))
-            else:
-                getattr(self, name)[slot] = _FRESH_STATE[name][1]
+            getattr(self, name)[slot] = _restored_state(name, state, _from_json)
         self._note_node_marks([slot])
 
     def forget(self, key: str) -> None:
@@ -568,10 +565,7 @@ class GpuFeatureWindows:
                 f"feature state arrays {sorted(arrays)} differ from this code's {sorted(STATE_ARRAYS)}")
         slots = [self._restore_slot(k, m, j, r) for k, m, (j, r) in zip(keys, metas, job_ranks, strict=True)]
         for name in STATE_ARRAYS:
-            if name in arrays:
-                getattr(self, name)[slots] = _fit_state(name, arrays[name])
-            else:
-                getattr(self, name)[slots] = _FRESH_STATE[name][1]
+            getattr(self, name)[slots] = _restored_state(name, arrays)
         self._note_node_marks(slots)
 
     def _note_node_marks(self, slots: Sequence[int]) -> None:
@@ -1273,6 +1267,15 @@ def _arrived_before(slots: np.ndarray, order_key: np.ndarray, rows: np.ndarray, 
     hit = q >= 0
     hit[hit] = slots[rows[q[hit]]] == pair_p[hit]
     return hit, rows[q[hit]]
+
+
+def _restored_state(name: str, saved: Mapping[str, Any],
+                    convert: Callable[[Any], np.ndarray] = np.asarray) -> np.ndarray | float:
+    """State array `name` from a save (`convert`ed): in this code's width (`_fit_state`), or a
+    fresh GPU's fill where the save predates the array (`_ADDED_STATE_ARRAYS`)."""
+    if name not in saved and name in _ADDED_STATE_ARRAYS:
+        return _FRESH_STATE[name][1]
+    return _fit_state(name, convert(saved[name]))
 
 
 def _fit_state(name: str, value: np.ndarray) -> np.ndarray:
