@@ -351,6 +351,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # (node_heat_peers_1h) and rule 23's second judgement, before anything ran on them.
     "judge30": _judgement((106, 107, 108), "h200:192,b200:128,a100-sxm-40gb:128,h20:64",
                          (97, 98, 99), "b300:192,h100-sxm:128,b200:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-07, thirty-fourth session) for rule 25 (PCIe replays hop after hop), before
+    # anything ran on them.
+    "judge32": _judgement((109, 110, 111), "b300:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
+                         (100, 101, 102), "h200:192,b200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 

@@ -320,11 +320,16 @@ def test_xid_rule_raises_on_a_change_to_its_xids_not_on_a_repeat_or_another_xid(
     assert rule_hops(samples, name) == [("n1", 0, t0 + 4200.0), ("n1", 2, t0 + 12600.0)]
 
 
-def test_nvlink_streak_rule_raises_a_link_erring_faster_every_hop_not_a_burst_or_a_lemon() -> None:
-    """Rule 22 read from the feature windows over four days of 60 s samples: GPU 0's link errs in
-    every sample of its last 80 minutes, faster and faster; GPU 1 logs one burst of 400 errors;
-    GPU 2 (a lemon) errs every minute at a steady rate throughout. (The rate is against the
-    GPU's observed week: four days let the last hour's share of it pass the level.)"""
+@pytest.mark.parametrize(("name", "counter"), [
+    ("nvlink_errors_streaking", "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"),  # rule 22
+    ("pcie_replays_streaking", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"),  # rule 25
+])
+def test_link_streak_rule_raises_a_link_erring_faster_every_hop_not_a_burst_or_a_lemon(
+        name: str, counter: str) -> None:
+    """Rules 22 and 25 read from the feature windows over four days of 60 s samples: GPU 0's link
+    errs in every sample of its last 80 minutes, faster and faster; GPU 1 logs one burst of 400
+    errors; GPU 2 (a lemon) errs every minute at a steady rate throughout. (The rate is against
+    the GPU's observed week: four days let the last hour's share of it pass the level.)"""
     t0, dt, n = 1764547200.0, 60.0, 4 * 24 * 60
     start = n - 80  # GPU 0's errors begin 80 minutes before the end
 
@@ -338,9 +343,9 @@ def test_nvlink_streak_rule_raises_a_link_erring_faster_every_hop_not_a_burst_or
 
     samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
                 "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": crc(g, m)}}
+                            counter: crc(g, m)}}
                for m in range(n) for g in range(3)]
-    hops = rule_hops(samples, "nvlink_errors_streaking")
+    hops = rule_hops(samples, name)
     assert {gpu for _, gpu, _ in hops} == {0}
     assert hops[0][2] == t0 + (start // 10 + 6) * 600.0  # at the end of the sixth hop with errors
 

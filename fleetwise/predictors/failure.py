@@ -201,11 +201,21 @@ ALERT_RULES = (
     # keep their streaks.
     AlertRule("brake_hops_6h", 4.0, "power_brake_beyond_peers", hold="brake_beyond_peers_hops",
               above_peers="node_brake_hops_max_6h", peer_ratio=1.5),
+    # PCIe replays hop after hop (rule 25), rule 22 for the PCIe link: the last hour's replay
+    # rate above ~12x the GPU's own week (`pcie_accel` > 2.5) while the link has replayed in every
+    # hop of the last hour (`pcie_streak_h` >= 1). A link (riser, retimer, slot) wearing out
+    # replays in every hop, faster and faster, in the hours before the GPU falls off the bus,
+    # often for less than the 2 h rule 14 holds; a noisy riser replays steadily at its own rate,
+    # a burst lifts the rate from one or two hops. On the development traces no never-failing
+    # GPU streaking for an hour rose above 2.27 (2.5: ~1.1x; docs/benchmarks.md, "PCIe replays
+    # hop after hop: rule 25"). Appended: checkpoints keep their streaks.
+    AlertRule("pcie_accel", 2.5, "pcie_replays_streaking", hold="pcie_streak_hops", streak="pcie_streak_h",
+              streak_h=1.0),
 )
 RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
 _RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
-if len(RULE_NAMES) > 16:  # rule_hits packs one bit per rule into a uint16 (stored with hop scores)
-    raise RuntimeError(f"{len(RULE_NAMES)} rules do not fit rule_hits' 16 bits")
+if len(RULE_NAMES) > 32:  # rule_hits packs one bit per rule into a uint32 (stored with hop scores)
+    raise RuntimeError(f"{len(RULE_NAMES)} rules do not fit rule_hits' 32 bits")
 
 
 def feature_schema_hash(names: Sequence[str]) -> str:
@@ -319,6 +329,9 @@ class AlertPolicy:
     # Rule 24 raises after this many consecutive hops of power brakes beyond the node's (one: the
     # 6 h count is the hold). 0: off.
     brake_beyond_peers_hops: int = 1
+    # Rule 25 raises after this many consecutive hops of PCIe replays streaking at a climbing rate
+    # (one: the hour-long streak is the hold). 0: off.
+    pcie_streak_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
@@ -504,9 +517,9 @@ def rule_hits(features: np.ndarray) -> np.ndarray:
     """Which rules each row of a FEATURE_NAMES matrix hits: bit r set for RULE_NAMES[r] (its
     `rule_values` above its level; a missing value hits nothing)."""
     hits = [rule_values(features, rule) > rule.level for rule in ALERT_RULES]
-    bits = np.zeros(len(features), dtype=np.uint16)
+    bits = np.zeros(len(features), dtype=np.uint32)
     for r, hit in enumerate(hits):
-        bits |= hit.astype(np.uint16) << r
+        bits |= hit.astype(np.uint32) << r
     return bits
 
 
