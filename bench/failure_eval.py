@@ -355,6 +355,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # anything ran on them.
     "judge32": _judgement((109, 110, 111), "b300:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
                          (100, 101, 102), "h200:192,b200:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-07, thirty-fourth session) for the sparse-trend hold and rule 25's second
+    # judgement, before anything ran on them.
+    "judge33": _judgement((112, 113, 114), "h200:192,b300:128,a100-sxm-80gb:128,h20:64",
+                         (103, 104, 105), "b200:192,h100-sxm:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 

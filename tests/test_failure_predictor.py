@@ -87,8 +87,8 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
     assert sources["source"] == "rule:xid79_off_bus" and "rule:xid79_off_bus" in sources
 
 
-# Every rule on, the model's alerts off.
-# Every rule on, those off by default too (rule 25), so that each rule's own mechanics are tested.
+# Every rule on (those off by default too, rule 25, so that each rule's own mechanics are
+# tested), the model's alerts off.
 RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
                          model_alerts=False, pcie_streak_hops=1)
 assert all(getattr(RULES_ONLY, rule.hold) > 0 for rule in ALERT_RULES)
@@ -610,6 +610,32 @@ def test_a_risk_that_falls_below_hi_without_the_heat_the_node_shares_does_not_ra
     assert alerts(0.5, 0.4, peers=3) == [False] * 6  # 0.4 without the heat the node shares
     assert alerts(0.2, 0.7, peers=3) == raised  # 0.7 without it: the GPU's own PCIe risk
     assert alerts(0.5, 0.4, peers=3, policy=replace(pol, shared_heat_by_removal=False)) == raised
+
+
+def test_a_risk_that_rests_on_trends_over_a_near_empty_week_does_not_raise() -> None:
+    """sparse_trend_by_removal: a hop whose probability without the trend columns (at the healthy
+    baseline) falls below hi, on a GPU whose week holds a handful of errors, does not count; the
+    same trend over a week of errors, or a risk that stays without the trend, raises."""
+    pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
+                      model_alerts=True)
+    model = stub_model(pol, risk=(RISK, "sbe_trend"))  # p = heat + the single-bit trend
+
+    def alerts(heat: float, trend: float, week: dict[str, float], policy: AlertPolicy = pol) -> list[bool]:
+        model.policy = policy
+        extra = {"sbe_trend": [trend] * 6, **{name: [v] * 6 for name, v in week.items()}}
+        return alert_series(run(FailurePredictor(model), [heat] * 6, extra), 6)
+
+    raised = [False, True, True, True, True, True]
+    one_error = {"sbe_vol_7d": 1.0, "pcie_replay_7d": 12.0, "nvl_crc_flit_7d": np.nan}  # no NVLink
+    assert alerts(0.2, 0.5, one_error) == [False] * 6  # 0.2 without the trend: one error's "trend"
+    assert alerts(0.2, 0.5, {**one_error, "sbe_vol_7d": 3.0}) == raised  # three errors: not sparse
+    assert alerts(0.2, 0.5, {**one_error, "pcie_replay_7d": 30.0}) == raised  # replays every hour
+    assert alerts(0.2, 0.5, {**one_error, "nvl_crc_flit_7d": 40.0}) == raised
+    assert alerts(0.65, 0.1, one_error) == raised  # at risk without the trend
+    assert alerts(0.2, 0.5, one_error, policy=replace(pol, sparse_trend_by_removal=False)) == raised
+    model.policy = pol
+    out = run(FailurePredictor(model), [0.2] * 3, {"sbe_trend": [0.5] * 3, "sbe_vol_7d": [1.0] * 3})
+    assert "rests on trends over a near-empty week" in out[-1].reason
 
 
 def test_single_bit_risk_does_not_raise_while_the_nodes_other_gpus_log_them_too() -> None:
