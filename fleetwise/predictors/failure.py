@@ -215,8 +215,9 @@ ALERT_RULES = (
     # often for less than the 2 h rule 14 holds; a noisy riser replays steadily at its own rate,
     # a burst lifts the rate from one or two hops. On the development traces no never-failing
     # GPU streaking for an hour rose above 2.27 (2.5: ~1.1x; docs/benchmarks.md, "PCIe replays
-    # hop after hop: rule 25"). Off by its first judgement (`pcie_streak_hops`). Appended:
-    # checkpoints keep their streaks.
+    # hop after hop: rule 25"). Off by its two judgements (`pcie_streak_hops`): the simulator's
+    # far family has healthy links whose replay bursts streak an hour. Appended: checkpoints keep
+    # their streaks.
     AlertRule("pcie_accel", 2.5, "pcie_replays_streaking", hold="pcie_streak_hops", streak="pcie_streak_h",
               streak_h=1.0),
 )
@@ -344,10 +345,12 @@ class AlertPolicy:
     # 6 h count is the hold). 0: off.
     brake_beyond_peers_hops: int = 1
     # Rule 25 raises after this many consecutive hops of PCIe replays streaking at a climbing rate
-    # (one: the hour-long streak is the hold). 0: off. Off by its first judgement (judge32 and
-    # sixteen fresh generator seeds): it called 18 more failures at 30 min and added no false
-    # alarm, but gen D's set flagged one of its 32 hot-but-healthy GPUs in both arms (a model
-    # raise), over the 1% clause (docs/benchmarks.md, "PCIe replays hop after hop: rule 25").
+    # (one: the hour-long streak is the hold). 0: off. Off by both its judgements: on judge32 it
+    # called 18 more failures at 30 min and added no false alarm, but gen D's set flagged one of
+    # its 32 hot-but-healthy GPUs in both arms (a model raise, since held back by
+    # `sparse_trend_by_removal`); on judge33 it added three false alarms on the simulator's
+    # far-105, whose replay bursts streaked an hour (docs/benchmarks.md, "PCIe replays hop after
+    # hop: rule 25", "Trends over a near-empty week, and rule 25 again").
     pcie_streak_hops: int = 0
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
