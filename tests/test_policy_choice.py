@@ -66,11 +66,8 @@ def test_replay_holds_back_heat_the_node_shares(predictor: FailurePredictor) -> 
     row[model.cols] = model.baseline_median
     resid = FEATURE_NAMES.index("temp_residual_6h")
     row[resid] += 1000.0 * model.baseline_scale[model.feature_names.index("temp_residual_6h")]
-    # The stored probabilities are the fixture's, not the model's on these rows, so the hold that
-    # reads the model's probability without the trend columns is off here (it would read the
-    # row's own, below hi, and hold every hop back).
     pol = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.97, k_raise=6, k_raise_memory=6,
-                      model_alerts=True, sparse_trend_by_removal=False)
+                      model_alerts=True)
 
     def raised(warm_peers: float) -> list[tuple[str, float]]:
         x = np.tile(row, (len(watch), 1))

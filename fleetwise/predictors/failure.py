@@ -59,7 +59,7 @@ THERMAL_PREFIXES = ("temp_", "rth_", "mem_minus_gpu_temp", "thermal_duty", "thr_
 SBE_PREFIXES = ("sbe_",)
 # Why a hop's risk is held back (`FailurePredictor.risk_drivers`): the node shares its cause, or
 # it rests on trends over a near-empty week (AlertPolicy.sparse_trend_by_removal).
-SHARED_NONE, SHARED_HEAT, SHARED_SBE, SPARSE_TREND = 0, 1, 2, 3
+HELD_NONE, HELD_SHARED_HEAT, HELD_SHARED_SBE, HELD_SPARSE_TREND = 0, 1, 2, 3
 # The trend columns (the last day's share of the week's errors, per link) and the week's counts
 # below which a trend is a handful of events, not evidence: fewer than 3 single-bit errors,
 # 30 PCIe replays and 30 NVLink CRC errors in the GPU's week.
@@ -72,7 +72,7 @@ DRIVEN_THERMAL, DRIVEN_SBE = 1, 2
 # last driven hop, and its AlertPolicy hold (`_held` and the reason read this one table).
 _DRIVEN_HOLDS = ((DRIVEN_THERMAL, "heat", "no_thermal", "k_raise_thermal"),
                  (DRIVEN_SBE, "single-bit", "no_sbe", "k_raise_sbe"))
-_SHARED_REASON = {SHARED_HEAT: "heat", SHARED_SBE: "single-bit errors"}
+_SHARED_REASON = {HELD_SHARED_HEAT: "heat", HELD_SHARED_SBE: "single-bit errors"}
 _SPARSE_TREND_REASON = "rests on trends over a near-empty week"
 _FEATURE_INDEX = {n: i for i, n in enumerate(FEATURE_NAMES)}
 
@@ -284,7 +284,7 @@ class AlertPolicy:
     k_raise_sbe: int = 72
     # A hop's risk rests on heat the node shares where thermal features carry at least half of
     # its signal or, with this on, where its probability with them at the healthy baseline falls
-    # below the raise threshold (`FailureModel.proba_without`): several weak signs and some heat
+    # below the raise threshold (`FailureModel.rests_on`): several weak signs and some heat
     # make a risk that rests on the heat though the heat carries a small share of the signal
     # (judge26's gen D: a hall warming, read as each GPU's own risk while the node's warm peers
     # went unheeded). Not for single-bit errors: on the simulator's development sets that cost
@@ -450,12 +450,12 @@ class FailureModel:
         """Share of each row's contribution that comes from memory-error features."""
         return self.family_shares(x)[0]
 
-    def proba_without(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """`predict_proba` with the features of `mask` at the healthy baseline (their median):
-        the risk a row would carry without that evidence."""
-        x = x.copy()
-        x[:, mask] = self.baseline_median[mask]
-        return self.predict_proba(x)
+    def rests_on(self, x: np.ndarray, mask: np.ndarray, threshold: float) -> np.ndarray:
+        """Per row: whether its risk rests on the features of `mask` - at or above `threshold`
+        with them, below it with them at the healthy baseline. Both read from `x`, so a row whose
+        stored probability came from elsewhere is not read as resting on anything."""
+        both = self.predict_proba(np.vstack([x, np.where(mask, self.baseline_median, x)]))
+        return (both[:len(x)] >= threshold) & (both[len(x):] < threshold)
 
     def family_shares(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Shares of each row's contribution from memory-error, thermal and single-bit features."""
@@ -605,27 +605,28 @@ class FailurePredictor:
         prob = self.model.predict_proba(x)
         bits = rule_hits(features)
         rule_hit = [rule_names_of(b) for b in bits.tolist()]
-        memory_driven, shared, driven = self.risk_drivers(features, prob)
-        emit_rows, states = self.advance_policy(keys, ts, prob, memory_driven, rule_hit, shared, driven)
+        memory_driven, held_back, driven = self.risk_drivers(features, prob)
+        emit_rows, states = self.advance_policy(keys, ts, prob, memory_driven, rule_hit, held_back, driven)
         if not emit_rows:
             return [], prob
-        return self._emit(keys, ts, x, prob, emit_rows, states, rule_hit, job_ranks, shared, driven), prob
+        return self._emit(keys, ts, x, prob, emit_rows, states, rule_hit, job_ranks, held_back, driven), prob
 
     def risk_drivers(self, features: np.ndarray,
                      prob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per row of a FEATURE_NAMES matrix (or of its rows kept at a watch floor) and its
-        probability: whether its risk is memory-driven (AlertPolicy.hi_memory); whether its
-        cause is one the node shares (SHARED_HEAT, SHARED_SBE; AlertPolicy.shared_heat_peers,
-        shared_sbe_peers), rests on trends over a near-empty week (SPARSE_TREND;
-        AlertPolicy.sparse_trend_by_removal) or neither (SHARED_NONE); and whether heat or
-        single-bit errors drive it (DRIVEN_THERMAL | DRIVEN_SBE bits; AlertPolicy.k_raise_thermal,
-        k_raise_sbe). Only rows that could raise (p >= min(hi, hi_memory)) are looked at; the rest
-        read False / SHARED_NONE / 0."""
+        probability: whether its risk is memory-driven (AlertPolicy.hi_memory); why it is held
+        back: its cause is one the node shares (HELD_SHARED_HEAT, HELD_SHARED_SBE;
+        AlertPolicy.shared_heat_peers, shared_sbe_peers), it rests on trends over a near-empty
+        week (HELD_SPARSE_TREND; AlertPolicy.sparse_trend_by_removal) or neither (HELD_NONE); and
+        whether heat or single-bit errors drive it (DRIVEN_THERMAL | DRIVEN_SBE bits;
+        AlertPolicy.k_raise_thermal, k_raise_sbe). Only rows that could raise
+        (p >= min(hi, hi_memory)) are looked at; the rest read False / HELD_NONE / 0."""
         pol = self.policy
+        raise_at = min(pol.hi, pol.hi_memory)
         memory_driven = np.zeros(len(prob), dtype=bool)
-        shared = np.full(len(prob), SHARED_NONE, dtype=np.int8)
+        held_back = np.full(len(prob), HELD_NONE, dtype=np.int8)
         driven = np.zeros(len(prob), dtype=np.int8)
-        high = np.flatnonzero(prob >= min(pol.hi, pol.hi_memory))
+        high = np.flatnonzero(prob >= raise_at)
         if len(high):
             x = features[high][:, self.model.cols].astype(np.float64)
             memory, thermal, sbe = self.model.family_shares(x)
@@ -635,39 +636,39 @@ class FailurePredictor:
             # alone), the node-peer count and how many peers share it
             heat_removal = self.model.thermal_mask if pol.shared_heat_by_removal else None
             for kind, share, removal, column, peers in (
-                    (SHARED_HEAT, thermal, heat_removal, "node_warm_peers_1h", pol.shared_heat_peers),
-                    (SHARED_SBE, sbe, None, "node_sbe_peers_6h", pol.shared_sbe_peers)):
+                    (HELD_SHARED_HEAT, thermal, heat_removal, "node_warm_peers_1h", pol.shared_heat_peers),
+                    (HELD_SHARED_SBE, sbe, None, "node_sbe_peers_6h", pol.shared_sbe_peers)):
                 if peers > 0:
                     hit = np.nan_to_num(features[high, _FEATURE_INDEX[column]]) >= peers
                     rests = share >= 0.5
                     if removal is not None and hit.any():
-                        rests[hit] |= self.model.proba_without(x[hit], removal) < min(pol.hi, pol.hi_memory)
-                    shared[high[hit & rests]] = kind
+                        rests[hit] |= self.model.rests_on(x[hit], removal, raise_at)
+                    held_back[high[hit & rests]] = kind
             if pol.sparse_trend_by_removal:
-                own = np.flatnonzero(shared[high] == SHARED_NONE)
+                own = np.flatnonzero(held_back[high] == HELD_NONE)
                 sparse = np.ones(len(own), dtype=bool)
                 for column, below in SPARSE_WEEK:  # a missing count (a board without NVLink): none
                     sparse &= np.nan_to_num(features[high[own], _FEATURE_INDEX[column]]) < below
                 if sparse.any():
                     rows = own[sparse]
-                    without = self.model.proba_without(x[rows], self.model.trend_mask)
-                    shared[high[rows[without < min(pol.hi, pol.hi_memory)]]] = SPARSE_TREND
-        return memory_driven, shared, driven
+                    rests = self.model.rests_on(x[rows], self.model.trend_mask, raise_at)
+                    held_back[high[rows[rests]]] = HELD_SPARSE_TREND
+        return memory_driven, held_back, driven
 
     def advance_policy(
         self, keys: Sequence[tuple[str, int]], ts: np.ndarray, prob: np.ndarray,
-        memory_driven: np.ndarray, rule_hit: Sequence[Sequence[str]], shared: np.ndarray | None = None,
+        memory_driven: np.ndarray, rule_hit: Sequence[Sequence[str]], held_back: np.ndarray | None = None,
         driven: np.ndarray | None = None,
     ) -> tuple[list[int], list[tuple[bool, str, bool]]]:
-        """Advance the alert policy over scored rows (event-time order per GPU); rows whose cause
-        the node shares (`shared` != SHARED_NONE, from `risk_drivers`) do not count toward raising,
+        """Advance the alert policy over scored rows (event-time order per GPU); rows held back
+        (`held_back` != HELD_NONE, from `risk_drivers`) do not count toward raising,
         and a streak with thermal- or single-bit-driven rows (`driven`) needs that cause's hold.
 
         Returns the rows to emit and, per emitted row, (alert, source, was alerting before).
         Public so a policy sweep can replay stored probabilities without the features."""
         pol = self.policy
-        if shared is None:
-            shared = np.zeros(len(keys), dtype=np.int8)
+        if held_back is None:
+            held_back = np.zeros(len(keys), dtype=np.int8)
         if driven is None:
             driven = np.zeros(len(keys), dtype=np.int8)
         emit_rows: list[int] = []
@@ -679,7 +680,7 @@ class FailurePredictor:
                 st = self._gpu[key] = _GpuAlert()
             p = prob[i]
             was = st.alerting
-            own = shared[i] == SHARED_NONE
+            own = held_back[i] == HELD_NONE
             st.high = st.high + 1 if (p >= pol.hi and own) else 0
             st.high_memory = st.high_memory + 1 if (memory_driven[i] and p >= pol.hi_memory and own) else 0
             st.no_thermal = 0 if driven[i] & DRIVEN_THERMAL else st.no_thermal + 1
@@ -715,10 +716,10 @@ class FailurePredictor:
     def _emit(
         self, keys: Sequence[tuple[str, int]], ts: np.ndarray, x: np.ndarray, prob: np.ndarray,
         emit_rows: list[int], states: list[tuple[bool, str, bool]], rule_hit: Sequence[Sequence[str]],
-        job_ranks: Sequence[tuple[str | None, int | None]] | None, shared: np.ndarray, driven: np.ndarray,
+        job_ranks: Sequence[tuple[str | None, int | None]] | None, held_back: np.ndarray, driven: np.ndarray,
     ) -> list[Prediction]:
         """Predictions for the emitted rows: lead time, top signals, job and rank; a watch row's
-        reason says why it is not raised yet where a shared cause or a longer hold is why."""
+        reason says why it is not raised yet where a hold-back or a longer hold is why."""
         rows = np.array(emit_rows)
         lead = self.model.lead_time_h(x[rows])
         contrib = self.model.contributions(x[rows])
@@ -741,11 +742,11 @@ class FailurePredictor:
                     kind = "surge" if hold > 1 else "rule"
                     signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
             reason = f"{source}: p={prob[i]:.2f}" if alert else ("cleared" if was else "watch")
-            if shared[i] == SPARSE_TREND and not alert:
+            if held_back[i] == HELD_SPARSE_TREND and not alert:
                 reason += f": {_SPARSE_TREND_REASON}"
-            elif shared[i] != SHARED_NONE and not alert:
-                peers = pol.shared_heat_peers if shared[i] == SHARED_HEAT else pol.shared_sbe_peers
-                reason += f": {_SHARED_REASON[int(shared[i])]} shared with >= {peers} GPUs of the node"
+            elif held_back[i] != HELD_NONE and not alert:
+                peers = pol.shared_heat_peers if held_back[i] == HELD_SHARED_HEAT else pol.shared_sbe_peers
+                reason += f": {_SHARED_REASON[int(held_back[i])]} shared with >= {peers} GPUs of the node"
             elif pol.model_alerts and not alert and not was and driven[i]:  # driven: p >= min(hi, hi_memory)
                 held = [f"{cause}-driven, raises after {getattr(pol, hold)} hops at risk"
                         for bit, cause, _since, hold in _DRIVEN_HOLDS
