@@ -256,6 +256,20 @@ def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
             if name in rule_names_of(bits)]
 
 
+def test_double_bit_error_rule_raises_in_the_hop_the_counter_rises_not_on_a_blank() -> None:
+    """Rule 26 read from the feature windows: the volatile DBE counter stepping 0 -> 1 raises in
+    that hop (no XID seen); a DCGM blank between two equal readings, and a GPU whose counter
+    never moves, do not."""
+    t0, dt = 1764547200.0, 60.0
+    blank = 9223372036854775794  # DCGM's int64 blank sentinel
+    dbe = {0: lambda i: 0 if i < 25 else 1, 1: lambda i: blank if i == 25 else 0, 2: lambda i: 0}
+    samples = [{"ts": t0 + dt * i, "node": "n1", "gpu": g, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": dbe[g](i)}}
+               for i in range(50) for g in dbe]
+    assert rule_hops(samples, "double_bit_error") == [("n1", 0, t0 + 1800.0)]  # the hop [1200, 1800)
+
+
 def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None:
     """Rule 20 read from the feature windows: four row remaps within 1.5 h raise a GPU that has
     reported for a day while its node logs no single-bit errors; the same beside a peer's

@@ -220,6 +220,14 @@ ALERT_RULES = (
     # their streaks.
     AlertRule("pcie_accel", 2.5, "pcie_replays_streaking", hold="pcie_streak_hops", streak="pcie_streak_h",
               streak_h=1.0),
+    # A double-bit ECC error counted (rule 26): the volatile DBE counter rose in the hop
+    # (`dbe_vol_hop`), an uncorrectable error whose XID 48 the fatal-memory rule above may not see:
+    # the XID gauge shows one XID per scrape (the last), a scrape can miss it, and the counter
+    # keeps the count. On the development traces (the generators' ten seeds, six simulator
+    # members) no never-failing GPU counted one; 9 of 754 failures with a precursor did 30 min to
+    # 48 h before failing (docs/benchmarks.md, "A double-bit error counted: rule 26"). Appended:
+    # checkpoints keep their streaks.
+    AlertRule("dbe_vol_hop", 0.0, "double_bit_error", hold="dbe_hops"),
 )
 RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
 _RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
@@ -352,6 +360,9 @@ class AlertPolicy:
     # far-105, whose replay bursts streaked an hour (docs/benchmarks.md, "PCIe replays hop after
     # hop: rule 25", "Trends over a near-empty week, and rule 25 again").
     pcie_streak_hops: int = 0
+    # Rule 26 raises on a double-bit ECC error counted in this many consecutive hops (one: the
+    # error is the evidence). 0: off.
+    dbe_hops: int = 1
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
