@@ -359,6 +359,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # judgement, before anything ran on them.
     "judge33": _judgement((112, 113, 114), "h200:192,b300:128,a100-sxm-80gb:128,h20:64",
                          (103, 104, 105), "b200:192,h100-sxm:128,b100:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-07, thirty-fifth session) for rule 26 (a double-bit error counted), before
+    # anything ran on them.
+    "judge34": _judgement((115, 116, 117), "b300:192,h200:128,a100-sxm-40gb:128,v100-sxm2-32gb:64",
+                         (106, 107, 108), "h200:192,b300:128,b100:128,a100-sxm-80gb:64"),
 }
 
 
