@@ -111,8 +111,9 @@ def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
     assert signals["source"] == "rule:nvlink_error_surge" and "surge:nvlink_error_surge" in signals
     off = FailurePredictor(stub_model(replace(RULES_ONLY, surge_hold_hops=0)))
     assert not any(p.alert for p in run(off, [0.0] * len(sustained), {"nvl_accel": sustained}))
-    # alone, both surges of the hop raise together
-    alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {"nvl_accel": sustained})
+    # alone, its link erring hop after hop, both surges of the hop raise together
+    alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
+                {"nvl_accel": sustained, "nvl_active_1h": [1.0] * len(sustained)})
     first = next(p for p in alone if p.alert)
     source = {s.name: s.value for s in first.signals}["source"]
     assert source == "rule:nvlink_error_surge,nvlink_surge_unshared"
@@ -149,19 +150,31 @@ def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
 
 
 def streaking(rule, n: int) -> dict[str, list[float]]:
-    """n hops meeting `rule`'s error streak (none when it asks for none)."""
-    return {rule.streak: [rule.streak_h] * n} if rule.streak else {}
+    """n hops meeting `rule`'s error streak and its share of erring hops (none when it asks for
+    none)."""
+    return {**({rule.streak: [rule.streak_h] * n} if rule.streak else {}),
+            **({rule.active: [rule.active_level] * n} if rule.active else {})}
 
 
 def rows_meeting(rule, n: int) -> np.ndarray:
     """n FEATURE_NAMES rows that meet every condition of `rule`: above its level, settled, no node
-    peer sharing, streaking as long as it asks."""
+    peer sharing, streaking as long as it asks, its link still erring."""
     f = np.zeros((n, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
     f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
     for name, values in streaking(rule, n).items():
         f[:, FEATURE_NAMES.index(name)] = values
     return f
+
+
+ACTIVE = [r for r in ALERT_RULES if r.active]
+
+
+@pytest.mark.parametrize("rule", ACTIVE, ids=lambda r: r.name)
+def test_an_active_rule_counts_only_hops_whose_link_still_errs(rule) -> None:
+    f = rows_meeting(rule, 4)
+    f[:, FEATURE_NAMES.index(rule.active)] = [rule.active_level, 1.0, rule.active_level - 0.01, np.nan]
+    assert hits_of(rule, f) == [True, True, False, False]
 
 
 def hits_of(rule, f: np.ndarray) -> list[bool]:
@@ -192,14 +205,15 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
     others = [r.level for r in ALERT_RULES if r.feature == rule.feature and r.level > rule.level]
     above = (rule.level + min(others)) / 2 if others else rule.level + 0.1
     sustained = [0.0] + [above] * hold + [0.0]
-    alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), {rule.feature: sustained})
+    alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
+                {rule.feature: sustained, **streaking(rule, len(sustained))})
     assert alert_series(alone, len(sustained)).index(True) == hold
     first = next(p for p in alone if p.alert)
     assert {s.name: s.value for s in first.signals}["source"] == f"rule:{rule.name}"
     # the same surge while one other GPU of the node errs on that link in its last hop: never raised
     peer = [0.0] * hold + [1.0] + [0.0]
     shared = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
-                 {rule.feature: sustained, rule.unshared: peer})
+                 {rule.feature: sustained, rule.unshared: peer, **streaking(rule, len(sustained))})
     assert not any(p.alert for p in shared)
 
 
