@@ -87,10 +87,10 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
     assert sources["source"] == "rule:xid79_off_bus" and "rule:xid79_off_bus" in sources
 
 
-# Every rule on (those off by default too, rule 25, so that each rule's own mechanics are
+# Every rule on (those off by default too, rules 25 and 26, so that each rule's own mechanics are
 # tested), the model's alerts off.
 RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
-                         model_alerts=False, pcie_streak_hops=1)
+                         model_alerts=False, pcie_streak_hops=1, dbe_hops=1)
 assert all(getattr(RULES_ONLY, rule.hold) > 0 for rule in ALERT_RULES)
 NVL_LEVEL = next(r.level for r in ALERT_RULES if r.name == "nvlink_error_surge")
 
