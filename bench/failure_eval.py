@@ -363,6 +363,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # anything ran on them.
     "judge34": _judgement((115, 116, 117), "b300:192,h200:128,a100-sxm-40gb:128,v100-sxm2-32gb:64",
                          (106, 107, 108), "h200:192,b300:128,b100:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-07, thirty-fifth session) for rule 14's NVLink gate (`AlertRule.active`),
+    # before anything ran on them.
+    "judge35": _judgement((118, 119, 120), "h100-sxm:192,b200:128,a100-sxm-80gb:128,h20:64",
+                         (109, 110, 111), "b300:192,h200:128,a100-sxm-40gb:128,v100-sxm2-32gb:64"),
 }
 
 
