@@ -18,6 +18,7 @@ from fleetwise.predictors.failure import (
     FeatureSchemaError,
     rule_hits,
     rule_names_of,
+    rule_values,
 )
 from fleetwise.predictors.features import FEATURE_NAMES, GpuFeatureWindows
 from fleetwise.predictors.training import fit_failure_model
@@ -132,10 +133,10 @@ def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     # one hop at the level (not above) breaks the streak: two bursts one hop short never raise
     bursts = [above] * (hold - 1) + [rule.level] + [above] * (hold - 1) + [0.0]
     out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts),
-              {rule.feature: bursts, **streaking(rule, len(bursts))})
+              {rule.feature: bursts, **erring_as_asked(rule, len(bursts))})
     assert not any(p.alert for p in out)
     sustained = [0.0] + [above] * hold + [0.0]
-    extra = {rule.feature: sustained, **streaking(rule, len(sustained))}
+    extra = {rule.feature: sustained, **erring_as_asked(rule, len(sustained))}
     out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), extra)
     assert alert_series(out, len(sustained)).index(True) == hold
     first = next(p for p in out if p.alert)
@@ -149,7 +150,7 @@ def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     assert not any(s.name.endswith(f":{rule.name}") for p in out for s in p.signals)  # off: no evidence
 
 
-def streaking(rule, n: int) -> dict[str, list[float]]:
+def erring_as_asked(rule, n: int) -> dict[str, list[float]]:
     """n hops meeting `rule`'s error streak and its share of erring hops (none when it asks for
     none)."""
     return {**({rule.streak: [rule.streak_h] * n} if rule.streak else {}),
@@ -162,7 +163,7 @@ def rows_meeting(rule, n: int) -> np.ndarray:
     f = np.zeros((n, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index(rule.feature)] = rule.level + 0.01
     f[:, FEATURE_NAMES.index("hours_reporting")] = rule.settled_h
-    for name, values in streaking(rule, n).items():
+    for name, values in erring_as_asked(rule, n).items():
         f[:, FEATURE_NAMES.index(name)] = values
     return f
 
@@ -206,14 +207,14 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
     above = (rule.level + min(others)) / 2 if others else rule.level + 0.1
     sustained = [0.0] + [above] * hold + [0.0]
     alone = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
-                {rule.feature: sustained, **streaking(rule, len(sustained))})
+                {rule.feature: sustained, **erring_as_asked(rule, len(sustained))})
     assert alert_series(alone, len(sustained)).index(True) == hold
     first = next(p for p in alone if p.alert)
     assert {s.name: s.value for s in first.signals}["source"] == f"rule:{rule.name}"
     # the same surge while one other GPU of the node errs on that link in its last hop: never raised
     peer = [0.0] * hold + [1.0] + [0.0]
     shared = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
-                 {rule.feature: sustained, rule.unshared: peer, **streaking(rule, len(sustained))})
+                 {rule.feature: sustained, rule.unshared: peer, **erring_as_asked(rule, len(sustained))})
     assert not any(p.alert for p in shared)
 
 
@@ -268,6 +269,30 @@ def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
     f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
     return [(o.node, o.gpu, o.ts) for o, bits in zip(out, rule_hits(f).tolist(), strict=True)
             if name in rule_names_of(bits)]
+
+
+def test_nvlink_surge_unshared_counts_a_link_still_erring_not_one_bursts_tail() -> None:
+    """Rule 14's NVLink gate read from the feature windows: after three quiet weeks, one hop's burst
+    of 500 CRC errors keeps `nvl_accel` above the level for the 2 h hold by itself (the decaying
+    1 h count), but no hop of it counts; a link erring hop after hop does count."""
+    t0, dt, h = 1764547200.0, 600.0, 3600.0
+    crc = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
+    erring = {"n1": lambda at: 500 if at >= 504 * h else 0,  # one burst, nothing after
+              "n2": lambda at: int(max(0.0, at - 504 * h) / 600) * 30}  # 30 more every hop
+    samples = [{"ts": t0 + dt * i, "node": node, "gpu": 0, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            crc: erring[node](i * dt)}}
+               for i in range(int(508 * h / dt)) for node in erring]
+    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
+    out = fw.process_dicts(samples) + fw.flush()
+    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    burst = np.array([o.node == "n1" for o in out])
+    rule = next(r for r in ALERT_RULES if r.name == "nvlink_surge_unshared")
+    gated = rule_values(f, rule) > rule.level
+    ungated = rule_values(f, replace(rule, active="")) > rule.level
+    assert ungated[burst].sum() >= RULES_ONLY.surge_hold_hops  # the tail alone would hold it 2 h
+    assert not gated[burst].any()
+    assert gated[~burst].any()
 
 
 def test_double_bit_error_rule_raises_in_the_hop_the_counter_rises_not_on_a_blank() -> None:
