@@ -367,6 +367,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # before anything ran on them.
     "judge35": _judgement((118, 119, 120), "h100-sxm:192,b200:128,a100-sxm-80gb:128,h20:64",
                          (109, 110, 111), "b300:192,h200:128,a100-sxm-40gb:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-07, thirty-sixth session) for rule 27 (a single-bit error rise the node does
+    # not share), before anything ran on them.
+    "judge36": _judgement((121, 122, 123), "h200:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
+                         (112, 113, 114), "b300:192,b200:128,v100-sxm2-32gb:128,a100-sxm-80gb:64"),
 }
 
 

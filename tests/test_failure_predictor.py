@@ -133,10 +133,12 @@ def test_sustained_surge_raises_after_its_own_hold(rule) -> None:
     # one hop at the level (not above) breaks the streak: two bursts one hop short never raise
     bursts = [above] * (hold - 1) + [rule.level] + [above] * (hold - 1) + [0.0]
     out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(bursts),
-              {rule.feature: bursts, **erring_as_asked(rule, len(bursts))})
+              {rule.feature: bursts, **erring_as_asked(rule, len(bursts)),
+               **shared_for_others(rule, len(bursts))})
     assert not any(p.alert for p in out)
     sustained = [0.0] + [above] * hold + [0.0]
-    extra = {rule.feature: sustained, **erring_as_asked(rule, len(sustained))}
+    extra = {rule.feature: sustained, **erring_as_asked(rule, len(sustained)),
+             **shared_for_others(rule, len(sustained))}
     out = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained), extra)
     assert alert_series(out, len(sustained)).index(True) == hold
     first = next(p for p in out if p.alert)
@@ -155,6 +157,13 @@ def erring_as_asked(rule, n: int) -> dict[str, list[float]]:
     none)."""
     return {**({rule.streak: [rule.streak_h] * n} if rule.streak else {}),
             **({rule.active: [rule.active_level] * n} if rule.active else {})}
+
+
+def shared_for_others(rule, n: int) -> dict[str, list[float]]:
+    """n hops in which a node peer shares the errors of every other rule on `rule`'s feature that
+    counts only unshared hops (rule 27 under rule 13), so that only `rule` can raise."""
+    return {r.unshared: [1.0] * n for r in ALERT_RULES
+            if r.feature == rule.feature and r.unshared and r.unshared != rule.unshared}
 
 
 def rows_meeting(rule, n: int) -> np.ndarray:

@@ -238,6 +238,17 @@ ALERT_RULES = (
     # 48 h before failing; on judge34 it called none more (off, `dbe_hops`; docs/benchmarks.md,
     # "A double-bit error counted: rule 26"). Appended: checkpoints keep their streaks.
     AlertRule("dbe_vol_hop", 0.0, "double_bit_error", hold="dbe_hops"),
+    # A single-bit error rise the node does not share (rule 27): rule 13's acceleration above 1.0
+    # held 18 h (`sbe_rise_unshared_hops`) while no other GPU of the node logged a single-bit error
+    # within 6 h (`node_sbe_peers_6h`). An HBM stack wearing out errs alone, faster than its own
+    # week, for days; heat, power or a host event makes several GPUs of a node err at once, and a
+    # benign burst or a lemon's background does not stay above its week for 18 h. Rule 13 waits
+    # 24 h at 1.3 with no peer test; this one calls such a GPU hours sooner. 1.0: ~1.1x the
+    # highest any never-failing GPU of the development traces held for 18 h with no peer erring
+    # (0.905; docs/benchmarks.md, "A single-bit error rise the node does not share: rule 27").
+    # Appended: checkpoints keep their streaks.
+    AlertRule("sbe_accel", 1.0, "single_bit_error_rise_unshared", hold="sbe_rise_unshared_hops",
+              unshared="node_sbe_peers_6h"),
 )
 RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
 _RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
@@ -374,6 +385,9 @@ class AlertPolicy:
     # error is the evidence). 0: off. Off by its judgement (judge34): it called no failure more on
     # any set (docs/benchmarks.md, "A double-bit error counted: rule 26").
     dbe_hops: int = 0
+    # Rule 27 raises after this many consecutive hops (18 h) of a single-bit error rise the node
+    # does not share. 0: off.
+    sbe_rise_unshared_hops: int = 108
     # Re-raising for the same evidence: for `rearm_hops` after a model alert clears, the model
     # raises that GPU again only at a probability above the cleared episode's peak + margin
     # (new, stronger evidence), so a decaying burst that hovers around hi is one alert, not many.
