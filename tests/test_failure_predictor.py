@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -316,6 +317,41 @@ def test_double_bit_error_rule_raises_in_the_hop_the_counter_rises_not_on_a_blan
                             "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": dbe[g](i)}}
                for i in range(50) for g in dbe]
     assert rule_hops(samples, "double_bit_error") == [("n1", 0, t0 + 1800.0)]  # the hop [1200, 1800)
+
+
+def test_single_bit_rise_unshared_holds_for_a_gpu_erring_alone_not_beside_a_peer_or_for_a_burst() -> None:
+    """Rule 27 read from the feature windows: a GPU quiet for a day whose single-bit rate then
+    climbs 8% an hour for four days counts hop after hop for longer than the rule's hold (18 h)
+    while its node peer is quiet; the same climb beside a peer that logs an error every 2 h never
+    counts; an hour's benign burst of 60 errors counts for less than the hold."""
+    t0, dt, h = 1764547200.0, 600.0, 3600.0
+
+    def climbing(at: float) -> int:  # 2/h from hour 24, 8% more each hour (the rate's integral)
+        x = max(0.0, at / h - 24.0)
+        return int(2.0 * (1.08 ** x - 1.0) / math.log(1.08))
+
+    sbe = {("n1", 0): climbing, ("n1", 1): lambda at: 0,
+           ("n2", 0): climbing, ("n2", 1): lambda at: int(at // (2 * h)),
+           ("n3", 0): lambda at: int(min(max(0.0, at / h - 30.0), 1.0) * 60)}
+    samples = [{"ts": t0 + dt * i, "node": node, "gpu": gpu, "model": "h100",
+                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
+                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": count(i * dt)}}
+               for i in range(int(120 * h / dt)) for (node, gpu), count in sbe.items()]
+    hits = rule_hops(samples, "single_bit_error_rise_unshared")
+
+    def longest_run(node: str, gpu: int) -> int:
+        ends = sorted(ts for n, g, ts in hits if (n, g) == (node, gpu))
+        best = run = 0
+        for a, b in zip([None, *ends], ends, strict=False):
+            run = run + 1 if a is not None and b - a == dt else 1
+            best = max(best, run)
+        return best
+
+    hold = AlertPolicy().sbe_rise_unshared_hops
+    assert longest_run("n1", 0) > hold
+    assert longest_run("n2", 0) == 0
+    assert 0 < longest_run("n3", 0) < hold
+    assert longest_run("n1", 1) == longest_run("n2", 1) == 0
 
 
 def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None:
