@@ -339,12 +339,12 @@ def test_single_bit_rise_unshared_holds_for_a_gpu_erring_alone_not_beside_a_peer
                for i in range(int(120 * h / dt)) for (node, gpu), count in sbe.items()]
     hits = rule_hops(samples, "single_bit_error_rise_unshared")
 
-    def longest_run(node: str, gpu: int) -> int:
-        ends = sorted(ts for n, g, ts in hits if (n, g) == (node, gpu))
+    def longest_run(node: str, gpu: int) -> int:  # consecutive hops hit
         best = run = 0
-        for a, b in zip([None, *ends], ends, strict=False):
-            run = run + 1 if a is not None and b - a == dt else 1
-            best = max(best, run)
+        prev = None
+        for end in sorted(ts for n, g, ts in hits if (n, g) == (node, gpu)):
+            run = run + 1 if prev is not None and end - prev == dt else 1
+            best, prev = max(best, run), end
         return best
 
     hold = AlertPolicy().sbe_rise_unshared_hops
