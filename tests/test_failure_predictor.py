@@ -272,11 +272,23 @@ def test_power_brake_rule_counts_a_gpu_braking_beyond_every_node_peer() -> None:
     assert hits_of(rule, f) == [True, False, True, False, False, False]
 
 
-def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
-    """(node, gpu, hop end) of each hop in which rule `name` hits, read through the feature windows."""
+def steady_sample(ts: float, node: str, gpu: int, metrics: dict[str, float]) -> dict:
+    """An h100 sample at a steady 60 C and 350 W with `metrics` beside them."""
+    return {"ts": ts, "node": node, "gpu": gpu, "model": "h100",
+            "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0, **metrics}}
+
+
+def window_rows(samples: list[dict]) -> tuple[list, np.ndarray]:
+    """The closed hops of `samples` through the feature windows (10-minute hops) and their
+    FEATURE_NAMES rows."""
     fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
     out = fw.process_dicts(samples) + fw.flush()
-    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    return out, np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+
+
+def rule_hops(samples: list[dict], name: str) -> list[tuple[str, int, float]]:
+    """(node, gpu, hop end) of each hop in which rule `name` hits, read through the feature windows."""
+    out, f = window_rows(samples)
     return [(o.node, o.gpu, o.ts) for o, bits in zip(out, rule_hits(f).tolist(), strict=True)
             if name in rule_names_of(bits)]
 
@@ -289,13 +301,9 @@ def test_nvlink_surge_unshared_counts_a_link_still_erring_not_one_bursts_tail() 
     crc = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
     erring = {"n1": lambda at: 500 if at >= 504 * h else 0,  # one burst, nothing after
               "n2": lambda at: int(max(0.0, at - 504 * h) / 600) * 30}  # 30 more every hop
-    samples = [{"ts": t0 + dt * i, "node": node, "gpu": 0, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            crc: erring[node](i * dt)}}
+    samples = [steady_sample(t0 + dt * i, node, 0, {crc: erring[node](i * dt)})
                for i in range(int(508 * h / dt)) for node in erring]
-    fw = GpuFeatureWindows(hop_s=600.0, tdp_lookup=lambda m: ("h100-sxm", 700.0))
-    out = fw.process_dicts(samples) + fw.flush()
-    f = np.array([[o.values[n] for n in FEATURE_NAMES] for o in out], dtype=float)
+    out, f = window_rows(samples)
     burst = np.array([o.node == "n1" for o in out])
     rule = next(r for r in ALERT_RULES if r.name == "nvlink_surge_unshared")
     gated = rule_values(f, rule) > rule.level
@@ -312,9 +320,7 @@ def test_double_bit_error_rule_raises_in_the_hop_the_counter_rises_not_on_a_blan
     t0, dt = 1764547200.0, 60.0
     blank = 9223372036854775794  # DCGM's int64 blank sentinel
     dbe = {0: lambda i: 0 if i < 25 else 1, 1: lambda i: blank if i == 25 else 0, 2: lambda i: 0}
-    samples = [{"ts": t0 + dt * i, "node": "n1", "gpu": g, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": dbe[g](i)}}
+    samples = [steady_sample(t0 + dt * i, "n1", g, {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": dbe[g](i)})
                for i in range(50) for g in dbe]
     assert rule_hops(samples, "double_bit_error") == [("n1", 0, t0 + 1800.0)]  # the hop [1200, 1800)
 
@@ -333,9 +339,7 @@ def test_single_bit_rise_unshared_holds_for_a_gpu_erring_alone_not_beside_a_peer
     sbe = {("n1", 0): climbing, ("n1", 1): lambda at: 0,
            ("n2", 0): climbing, ("n2", 1): lambda at: int(at // (2 * h)),
            ("n3", 0): lambda at: int(min(max(0.0, at / h - 30.0), 1.0) * 60)}
-    samples = [{"ts": t0 + dt * i, "node": node, "gpu": gpu, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": count(i * dt)}}
+    samples = [steady_sample(t0 + dt * i, node, gpu, {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": count(i * dt)})
                for i in range(int(120 * h / dt)) for (node, gpu), count in sbe.items()]
     hits = rule_hops(samples, "single_bit_error_rise_unshared")
 
@@ -367,13 +371,11 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
         for node in ("n1", "n2"):
             for g in range(4):
                 at_h = i * dt / h
-                metrics = {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                           "DCGM_FI_DEV_GPU_UTIL": 90.0, "DCGM_FI_DEV_SM_CLOCK": 1980.0,
+                metrics = {"DCGM_FI_DEV_GPU_UTIL": 90.0, "DCGM_FI_DEV_SM_CLOCK": 1980.0,
                            "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": sum(
                                r <= at_h for r in repairs.get((node, g), ())),
                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(at_h >= sbe_at.get((node, g), 1e9))}
-                samples.append({"ts": t0 + i * dt, "node": node, "gpu": g, "model": "h100",
-                                "metrics": metrics})
+                samples.append(steady_sample(t0 + i * dt, node, g, metrics))
     hops = rule_hops(samples, "memory_repairs_unshared")
     assert {(node, gpu) for node, gpu, _ in hops} == {("n2", 0)}
     assert hops[0][2] == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
@@ -391,9 +393,8 @@ def test_power_brake_rule_raises_the_gpu_that_brakes_beyond_its_node_not_a_shelf
             return m % 20 == 7
         return m % 30 == 3 or (g == 0 and m >= 8 * 60 and m % 10 == 5)
 
-    samples = [{"ts": t0 + m * dt, "node": node, "gpu": g, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": 0x80 if braked(m, node, g) else 0}}
+    samples = [steady_sample(t0 + m * dt, node, g,
+                             {"DCGM_FI_DEV_CLOCKS_EVENT_REASONS": 0x80 if braked(m, node, g) else 0})
                for m in range(14 * 60) for node in ("n1", "n2") for g in range(4)]
     hops = rule_hops(samples, "power_brake_beyond_peers")
     assert {(node, gpu) for node, gpu, _ in hops} == {("n1", 0)}
@@ -411,9 +412,7 @@ def test_xid_rule_raises_on_a_change_to_its_xids_not_on_a_repeat_or_another_xid(
     t0, dt = 1764547200.0, 60.0
     xids = {0: lambda m: first if m >= 60 else 0, 1: lambda m: benign if m >= 60 else 0,
             2: lambda m: second if m >= 200 else 0}
-    samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            "DCGM_FI_DEV_XID_ERRORS": xids[g](m)}}
+    samples = [steady_sample(t0 + m * dt, "n1", g, {"DCGM_FI_DEV_XID_ERRORS": xids[g](m)})
                for m in range(400) for g in range(3) if not (g == 0 and 100 <= m < 220)]
     # the hops of the changes, once each
     assert rule_hops(samples, name) == [("n1", 0, t0 + 4200.0), ("n1", 2, t0 + 12600.0)]
@@ -440,9 +439,7 @@ def test_link_streak_rule_raises_a_link_erring_faster_every_hop_not_a_burst_or_a
             return 400.0 if m >= 1500 else 0.0
         return float(m)
 
-    samples = [{"ts": t0 + m * dt, "node": "n1", "gpu": g, "model": "h100",
-                "metrics": {"DCGM_FI_DEV_GPU_TEMP": 60.0, "DCGM_FI_DEV_POWER_USAGE": 350.0,
-                            counter: crc(g, m)}}
+    samples = [steady_sample(t0 + m * dt, "n1", g, {counter: crc(g, m)})
                for m in range(n) for g in range(3)]
     hops = rule_hops(samples, name)
     assert {gpu for _, gpu, _ in hops} == {0}
