@@ -371,6 +371,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # not share), before anything ran on them.
     "judge36": _judgement((121, 122, 123), "h200:192,h100-sxm:128,a100-sxm-40gb:128,h20:64",
                          (112, 113, 114), "b300:192,b200:128,v100-sxm2-32gb:128,a100-sxm-80gb:64"),
+    # Drawn (2026-12-07, thirty-seventh session) for rule 20 with one node peer erring allowed,
+    # before anything ran on them.
+    "judge37": _judgement((124, 125, 126), "b200:192,h100-sxm:128,h20:128,a100-sxm-40gb:64",
+                         (115, 116, 117), "b300:192,a100-sxm-80gb:128,h200:128,v100-sxm2-32gb:64"),
 }
 
 

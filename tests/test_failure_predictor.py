@@ -203,14 +203,15 @@ UNSHARED = [r for r in ALERT_RULES if r.unshared]
 
 
 @pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
-def test_unshared_surge_counts_only_hops_no_node_peer_shares(rule) -> None:
-    f = rows_meeting(rule, 4)
-    f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, 1.0, 3.0, np.nan]
-    assert hits_of(rule, f) == [True, False, False, False]
+def test_unshared_surge_counts_only_hops_no_more_node_peers_share_than_it_allows(rule) -> None:
+    f = rows_meeting(rule, 5)
+    allowed = rule.peers_allowed
+    f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, allowed, allowed + 1, allowed + 3, np.nan]
+    assert hits_of(rule, f) == [True, True, False, False, False]
 
 
 @pytest.mark.parametrize("rule", UNSHARED, ids=lambda r: r.name)
-def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
+def test_unshared_surge_raises_alone_not_beside_more_erring_peers_than_it_allows(rule) -> None:
     hold = getattr(RULES_ONLY, rule.hold)
     # above the unshared level, under every other surge level of the feature held this long
     others = [r.level for r in ALERT_RULES if r.feature == rule.feature and r.level > rule.level]
@@ -221,8 +222,9 @@ def test_unshared_surge_raises_alone_not_beside_an_erring_peer(rule) -> None:
     assert alert_series(alone, len(sustained)).index(True) == hold
     first = next(p for p in alone if p.alert)
     assert {s.name: s.value for s in first.signals}["source"] == f"rule:{rule.name}"
-    # the same surge while one other GPU of the node errs on that link in its last hop: never raised
-    peer = [0.0] * hold + [1.0] + [0.0]
+    # the same surge while one more GPU of the node than the rule allows errs on that link in its
+    # last hop: never raised
+    peer = [0.0] * hold + [rule.peers_allowed + 1.0] + [0.0]
     shared = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
                  {rule.feature: sustained, rule.unshared: peer, **erring_as_asked(rule, len(sustained))})
     assert not any(p.alert for p in shared)
@@ -360,15 +362,17 @@ def test_single_bit_rise_unshared_holds_for_a_gpu_erring_alone_not_beside_a_peer
 
 def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None:
     """Rule 20 read from the feature windows: four row remaps within 1.5 h raise a GPU that has
-    reported for a day while its node logs no single-bit errors; the same beside a peer's
-    single-bit error, a lemon's two at once, or four in the first day do not."""
+    reported for a day while no node peer, or one, logs single-bit errors; the same beside two
+    erring peers, a lemon's two at once, or four in the first day do not."""
     t0, dt, h = 1764547200.0, 300.0, 3600.0
-    repairs = {("n2", 0): (26.0, 26.5, 27.0, 27.5), ("n1", 0): (26.0, 26.5, 27.0, 27.5),
+    wearing = (26.0, 26.5, 27.0, 27.5)
+    repairs = {("n2", 0): wearing, ("n1", 0): wearing, ("n3", 0): wearing,
                ("n2", 1): (26.0, 26.0), ("n2", 2): (2.0, 2.5, 3.0, 3.5)}
-    sbe_at = {("n1", 1): 25.5}  # a node peer's single-bit error, within 6 h of n1/0's repairs
+    # node peers' single-bit errors within 6 h of the repairs: two beside n1/0, one beside n3/0
+    sbe_at = {("n1", 1): 25.5, ("n1", 2): 25.5, ("n3", 1): 25.5}
     samples = []
     for i in range(int(30 * h / dt)):
-        for node in ("n1", "n2"):
+        for node in ("n1", "n2", "n3"):
             for g in range(4):
                 at_h = i * dt / h
                 metrics = {"DCGM_FI_DEV_GPU_UTIL": 90.0, "DCGM_FI_DEV_SM_CLOCK": 1980.0,
@@ -377,8 +381,9 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(at_h >= sbe_at.get((node, g), 1e9))}
                 samples.append(steady_sample(t0 + i * dt, node, g, metrics))
     hops = rule_hops(samples, "memory_repairs_unshared")
-    assert {(node, gpu) for node, gpu, _ in hops} == {("n2", 0)}
-    assert hops[0][2] == t0 + 27.5 * h + 600.0  # the hop of the fourth repair
+    first_hit = {(node, gpu): min(ts for n, g, ts in hops if (n, g) == (node, gpu)) for node, gpu, _ in hops}
+    fourth_repair_hop = t0 + 27.5 * h + 600.0
+    assert first_hit == {("n2", 0): fourth_repair_hop, ("n3", 0): fourth_repair_hop}
 
 
 def test_power_brake_rule_raises_the_gpu_that_brakes_beyond_its_node_not_a_shelfs_gpus() -> None:
