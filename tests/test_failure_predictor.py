@@ -859,9 +859,10 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
 
 
 def model_repairs(n: int) -> dict[str, list[float]]:
-    """n hops whose risk memory repairs drive, beside a node peer's single-bit errors (so that
-    rule 20, memory repairs the node does not share, leaves them to the model)."""
-    return {"mem_repairs_24h": [50.0] * n, "node_sbe_peers_6h": [1.0] * n}
+    """n hops whose risk memory repairs drive, beside more node peers' single-bit errors than
+    rule 20 allows (so that it, memory repairs the node does not share, leaves them to the model)."""
+    rule = next(r for r in ALERT_RULES if r.name == "memory_repairs_unshared")
+    return {"mem_repairs_24h": [50.0] * n, rule.unshared: [rule.peers_allowed + 1.0] * n}
 
 
 def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:
