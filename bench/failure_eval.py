@@ -375,6 +375,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # before anything ran on them.
     "judge37": _judgement((124, 125, 126), "b200:192,h100-sxm:128,h20:128,a100-sxm-40gb:64",
                          (115, 116, 117), "b300:192,a100-sxm-80gb:128,h200:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-07, thirty-seventh session) for rule 27 with one node peer erring allowed,
+    # before anything ran on them.
+    "judge38": _judgement((127, 128, 129), "h100-sxm:192,h200:128,b200:128,h20:64",
+                         (118, 119, 120), "b200:192,b300:128,a100-sxm-40gb:128,v100-sxm2-32gb:64"),
 }
 
 
