@@ -386,7 +386,9 @@ def test_memory_repairs_rule_raises_a_settled_gpu_repairing_rows_alone() -> None
                            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": float(at_h >= sbe_at.get((node, g), 1e9))}
                 samples.append(steady_sample(t0 + i * dt, node, g, metrics))
     hops = rule_hops(samples, "memory_repairs_unshared")
-    first_hit = {(node, gpu): min(ts for n, g, ts in hops if (n, g) == (node, gpu)) for node, gpu, _ in hops}
+    first_hit: dict[tuple[str, int], float] = {}
+    for node, gpu, ts in sorted(hops, key=lambda hop: hop[2]):
+        first_hit.setdefault((node, gpu), ts)
     fourth_repair_hop = t0 + 27.5 * h + 600.0
     assert first_hit == {("n2", 0): fourth_repair_hop, ("n3", 0): fourth_repair_hop}
 

@@ -165,8 +165,8 @@ ALERT_RULES = (
     # Memory repairs the node does not share (rule 20): the GPU's row remaps and retired pages
     # over about a day (`mem_repairs_24h`, an EW count) above 3.8 (four repairs within a few
     # hours, five within a day) while at most one other GPU of the node logged single-bit errors
-    # within 6 h, once the GPU has reported for a day since its last silence. An HBM stack wearing out
-    # repairs row after row; a healthy board repairs one now and then, a lemon two at once, and
+    # within 6 h, once the GPU has reported for a day since its last silence. An HBM stack wearing
+    # out repairs row after row; a healthy board repairs one now and then, a lemon two at once, and
     # a burst of single-bit errors that several GPUs of a node share (heat, power, a host event)
     # ends in a repair on each. Counted only when settled: a board repaired in place reports the
     # repairs made while it was away in its first hop back. 3.8: ~1.1x the highest level any
@@ -250,13 +250,12 @@ ALERT_RULES = (
     # out errs alone, faster than its own week, for days; heat, power or a host event makes
     # several GPUs of a node err at once, and a benign burst or a lemon's background does not stay
     # above its week for 18 h. Rule 13 waits 24 h at 1.3 with no peer test; this one calls such a
-    # GPU hours sooner. 1.0: ~1.1x the
-    # highest any never-failing GPU of the development traces held for 18 h with no peer erring
-    # (0.905; docs/benchmarks.md, "A single-bit error rise the node does not share: rule 27").
-    # Appended: checkpoints keep their streaks. One peer erring is allowed, as for rule 20: one
-    # neighbour's background is no shared event; the highest never-failing level held 18 h with one
-    # allowed is 0.909 (simulator shifted-80), 1.0 still ~1.1x it (docs/benchmarks.md, "Rule 27
-    # with one node peer erring allowed").
+    # GPU hours sooner. 1.0: ~1.1x the highest any never-failing GPU of the development traces
+    # held for 18 h with no peer erring (0.905; docs/benchmarks.md, "A single-bit error rise the
+    # node does not share: rule 27"), and with one peer erring allowed (0.909, simulator
+    # shifted-80; "Rule 27 with one node peer erring allowed"): one neighbour's background is no
+    # shared event, as for rule 20. "Shared" is two or more peers, as for the model's
+    # `shared_sbe_peers`. Appended: checkpoints keep their streaks.
     AlertRule("sbe_accel", 1.0, "single_bit_error_rise_unshared", hold="sbe_rise_unshared_hops",
               unshared="node_sbe_peers_6h", peers_allowed=1),
 )
