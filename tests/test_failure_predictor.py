@@ -160,10 +160,15 @@ def erring_as_asked(rule, n: int) -> dict[str, list[float]]:
             **({rule.active: [rule.active_level] * n} if rule.active else {})}
 
 
+def peers_beyond(rule) -> float:
+    """A node-peer count one above what `rule` allows: its `unshared` hops stop counting."""
+    return rule.peers_allowed + 1.0
+
+
 def shared_for_others(rule, n: int) -> dict[str, list[float]]:
     """n hops in which a node peer shares the errors of every other rule on `rule`'s feature that
     counts only unshared hops (rule 27 under rule 13), so that only `rule` can raise."""
-    return {r.unshared: [r.peers_allowed + 1.0] * n for r in ALERT_RULES
+    return {r.unshared: [peers_beyond(r)] * n for r in ALERT_RULES
             if r.feature == rule.feature and r.unshared and r.unshared != rule.unshared}
 
 
@@ -206,7 +211,7 @@ UNSHARED = [r for r in ALERT_RULES if r.unshared]
 def test_unshared_surge_counts_only_hops_no_more_node_peers_share_than_it_allows(rule) -> None:
     f = rows_meeting(rule, 5)
     allowed = rule.peers_allowed
-    f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, allowed, allowed + 1, allowed + 3, np.nan]
+    f[:, FEATURE_NAMES.index(rule.unshared)] = [0.0, allowed, peers_beyond(rule), allowed + 3, np.nan]
     assert hits_of(rule, f) == [True, True, False, False, False]
 
 
@@ -224,7 +229,7 @@ def test_unshared_surge_raises_alone_not_beside_more_erring_peers_than_it_allows
     assert {s.name: s.value for s in first.signals}["source"] == f"rule:{rule.name}"
     # the same surge while one more GPU of the node than the rule allows errs on that link in its
     # last hop: never raised
-    peer = [0.0] * hold + [rule.peers_allowed + 1.0] + [0.0]
+    peer = [0.0] * hold + [peers_beyond(rule)] + [0.0]
     shared = run(FailurePredictor(stub_model(RULES_ONLY)), [0.0] * len(sustained),
                  {rule.feature: sustained, rule.unshared: peer, **erring_as_asked(rule, len(sustained))})
     assert not any(p.alert for p in shared)
@@ -864,7 +869,7 @@ def model_repairs(n: int) -> dict[str, list[float]]:
     """n hops whose risk memory repairs drive, beside more node peers' single-bit errors than
     rule 20 allows (so that it, memory repairs the node does not share, leaves them to the model)."""
     rule = next(r for r in ALERT_RULES if r.name == "memory_repairs_unshared")
-    return {"mem_repairs_24h": [50.0] * n, rule.unshared: [rule.peers_allowed + 1.0] * n}
+    return {"mem_repairs_24h": [50.0] * n, rule.unshared: [peers_beyond(rule)] * n}
 
 
 def test_default_policy_raises_on_hours_of_risk_not_on_a_burst() -> None:

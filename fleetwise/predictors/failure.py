@@ -568,7 +568,7 @@ def rule_values(features: np.ndarray, rule: AlertRule) -> np.ndarray:
     `rule.peer_ratio` times its node peers' most (`rule.above_peers`), or its error group's share
     of erring hops is under `rule.active_level` (`rule.active`)."""
     x = features[:, _FEATURE_INDEX[rule.feature]]
-    if rule.unshared:  # a missing peer count is not 0: the hop counts for nothing
+    if rule.unshared:  # a missing peer count is not within the allowance: the hop counts for nothing
         x = np.where(features[:, _FEATURE_INDEX[rule.unshared]] <= rule.peers_allowed, x, np.nan)
     if rule.settled_h:
         x = np.where(features[:, _FEATURE_INDEX["hours_reporting"]] >= rule.settled_h, x, np.nan)
