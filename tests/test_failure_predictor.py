@@ -13,6 +13,7 @@ import pytest
 from fleetwise.predictors.failure import (
     ALERT_RULES,
     MODEL_FEATURES,
+    RULE_BY_NAME,
     AlertPolicy,
     FailureModel,
     FailurePredictor,
@@ -94,7 +95,7 @@ def test_rule_raises_at_once_and_is_marked_as_rule() -> None:
 RULES_ONLY = AlertPolicy(k_raise_thermal=0, k_raise_sbe=0, hi=0.6, lo=0.3, k_raise=2, m_clear=3,
                          model_alerts=False, pcie_streak_hops=1, dbe_hops=1)
 assert all(getattr(RULES_ONLY, rule.hold) > 0 for rule in ALERT_RULES)
-NVL_LEVEL = next(r.level for r in ALERT_RULES if r.name == "nvlink_error_surge")
+NVL_LEVEL = RULE_BY_NAME["nvlink_error_surge"].level
 
 
 def test_error_surge_raises_after_its_hold_not_on_shorter_bursts() -> None:
@@ -258,7 +259,7 @@ def test_streaking_surge_counts_only_hops_ending_a_long_enough_error_streak(rule
 
 
 def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> None:
-    rule = next(r for r in ALERT_RULES if r.name == "heat_residual_unshared")
+    rule = RULE_BY_NAME["heat_residual_unshared"]
     f = np.zeros((5, len(FEATURE_NAMES)))
     f[:, FEATURE_NAMES.index("temp_residual_cool_24h")] = rule.level + 0.5
     # alone and a day back; a node peer as warm; a missing peer count; 12 h back; the level not reached
@@ -269,7 +270,7 @@ def test_thermal_residual_rule_counts_a_settled_gpu_whose_node_runs_cool() -> No
 
 
 def test_power_brake_rule_counts_a_gpu_braking_beyond_every_node_peer() -> None:
-    rule = next(r for r in ALERT_RULES if r.name == "power_brake_beyond_peers")
+    rule = RULE_BY_NAME["power_brake_beyond_peers"]
     f = np.zeros((6, len(FEATURE_NAMES)))
     # alone; a peer braking nearly as often (ratio just under, just over); a missing peer
     # maximum; at the level, not above it; no peer braking but under the level
@@ -312,7 +313,7 @@ def test_nvlink_surge_unshared_counts_a_link_still_erring_not_one_bursts_tail() 
                for i in range(int(508 * h / dt)) for node in erring]
     out, f = window_rows(samples)
     burst = np.array([o.node == "n1" for o in out])
-    rule = next(r for r in ALERT_RULES if r.name == "nvlink_surge_unshared")
+    rule = RULE_BY_NAME["nvlink_surge_unshared"]
     gated = rule_values(f, rule) > rule.level
     ungated = rule_values(f, replace(rule, active="")) > rule.level
     assert ungated[burst].sum() >= RULES_ONLY.surge_hold_hops  # the tail alone would hold it 2 h
@@ -868,7 +869,7 @@ def test_same_evidence_does_not_raise_the_gpu_again() -> None:
 def model_repairs(n: int) -> dict[str, list[float]]:
     """n hops whose risk memory repairs drive, beside more node peers' single-bit errors than
     rule 20 allows (so that it, memory repairs the node does not share, leaves them to the model)."""
-    rule = next(r for r in ALERT_RULES if r.name == "memory_repairs_unshared")
+    rule = RULE_BY_NAME["memory_repairs_unshared"]
     return {"mem_repairs_24h": [50.0] * n, rule.unshared: [peers_beyond(rule)] * n}
 
 

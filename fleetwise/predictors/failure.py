@@ -259,7 +259,7 @@ ALERT_RULES = (
               unshared="node_sbe_peers_6h"),
 )
 RULE_NAMES: list[str] = [rule.name for rule in ALERT_RULES]
-_RULE_BY_NAME = {rule.name: rule for rule in ALERT_RULES}
+RULE_BY_NAME: dict[str, AlertRule] = {rule.name: rule for rule in ALERT_RULES}
 if len(RULE_NAMES) > 32:  # rule_hits packs one bit per rule into a uint32 (stored with hop scores)
     raise RuntimeError(f"{len(RULE_NAMES)} rules do not fit rule_hits' 32 bits")
 
@@ -784,7 +784,7 @@ class FailurePredictor:
                 for c in top if contrib[j, c] > 0
             ]
             for name in rule_hit[i]:  # a surge hop is evidence; it raised only if `source` names it
-                hold = getattr(pol, _RULE_BY_NAME[name].hold)
+                hold = getattr(pol, RULE_BY_NAME[name].hold)
                 if hold > 0:  # a rule turned off shows nothing
                     kind = "surge" if hold > 1 else "rule"
                     signals.append(Signal(name=f"{kind}:{name}", value=1.0, weight=None))
