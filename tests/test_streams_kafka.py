@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -195,10 +195,22 @@ class Worker:
     def log_tail(self) -> str:
         """The worker's log lines that tell a failure's story (warnings, errors, group
         generations, assignments, recoveries, seeks), without faust's tables, last 6,000 chars."""
-        keep = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                if _ASSIGNMENT_ROW.match(line) or line.startswith("[") and (
+        keep: list[str] = []
+        # A warning repeated every few seconds (a stalled recovery's) would fill the tail and
+        # push out the lines that tell how it began: kept once, with a count at the end.
+        repeats: Counter[str] = Counter()
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if not (_ASSIGNMENT_ROW.match(line) or line.startswith("[") and (
                     "[WARNING]" in line or "[ERROR]" in line or "Traceback" in line
-                    or any(w in line for w in _TELLING_INFO))]
+                    or any(w in line for w in _TELLING_INFO))):
+                continue
+            if "[WARNING]" in line:
+                text = _REPEAT_NOISE.sub("", line)
+                repeats[text] += 1
+                if repeats[text] > 1:
+                    continue
+            keep.append(line)
+        keep += [f"(repeated {n - 1} more times) {text}" for text, n in repeats.items() if n > 1]
         return f"--- {self.log_path.name}\n" + "\n".join(keep)[-6000:]
 
     def report(self) -> str:
@@ -216,6 +228,8 @@ class Worker:
 
 _TELLING_INFO = ("generation", "assigned partitions", "Revoking", "Recovery", "restored partition",
                  "seeking back", "Seek", "Resuming", "Pausing")
+# a log line's time stamp and the minutes of a recurring "(started N minute ago)"
+_REPEAT_NOISE = re.compile(r"^\[[^]]*\] \[\d+\] |\(started [\d.]+ minutes? ago\)")
 _ASSIGNMENT_ROW = re.compile(r"^\| \S+\.fleetwise\.telemetry\.gpu +\| \{")  # faust's assignment table
 
 
