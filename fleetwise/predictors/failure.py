@@ -57,6 +57,12 @@ MEMORY_PREFIXES = ("sbe_", "dbe_", "mem_repair", "xid_mem_", "remap_")
 # single-bit driven (AlertPolicy.shared_sbe_peers).
 THERMAL_PREFIXES = ("temp_", "rth_", "mem_minus_gpu_temp", "thermal_duty", "thr_sw_thermal", "thr_hw_thermal")
 SBE_PREFIXES = ("sbe_",)
+# Single-bit errors the node shares: this many other GPUs of the node or more logged new ones
+# within 6 h (`node_sbe_peers_6h`). A heat, power or host event makes several GPUs of a node
+# err; one HBM stack degrading errs alone, beside a neighbour's stray error now and then. Rule
+# 20 counts a hop below it; the model's single-bit-driven risk is held back at it
+# (AlertPolicy.shared_sbe_peers, whose default it is).
+SHARED_SBE_PEERS = 2
 # Why a hop's risk is held back (`FailurePredictor.risk_drivers`): the node shares its cause, or
 # it rests on trends over a near-empty week (AlertPolicy.sparse_trend_by_removal).
 HELD_NONE, HELD_SHARED_HEAT, HELD_SHARED_SBE, HELD_SPARSE_TREND = 0, 1, 2, 3
@@ -179,7 +185,7 @@ ALERT_RULES = (
     # level on the development traces rose to 3.66 (simulator far-71), under 3.8;
     # docs/benchmarks.md ("Rule 20 with one node peer erring allowed").
     AlertRule("mem_repairs_24h", 3.8, "memory_repairs_unshared", hold="repair_unshared_hops",
-              unshared="node_sbe_peers_6h", peers_allowed=1, settled_h=24.0),
+              unshared="node_sbe_peers_6h", peers_allowed=SHARED_SBE_PEERS - 1, settled_h=24.0),
     # A GSP error (rule 21): XID 119 (GSP RPC timeout) or 120 (GSP error) logged in the hop, a
     # change to it rather than a repeat (`xid_gsp_hop`): the GPU System Processor's firmware
     # stopped answering the driver, which NVIDIA's XID catalog answers with a GPU reset. One that
@@ -307,7 +313,7 @@ class AlertPolicy:
     # GPUs of the node logged new ones within 6 h (`node_sbe_peers_6h`): one GPU's HBM degrading
     # errs alone. 0: off. Judged on fresh members of every family (docs/benchmarks.md, "Shared
     # single-bit errors").
-    shared_sbe_peers: int = 2
+    shared_sbe_peers: int = SHARED_SBE_PEERS
     # Longer holds for the causes that lift a healthy GPU for hours: a streak with a thermal-driven
     # hop among its last k hops (k_raise; k_raise_memory for the memory tier) raises only after
     # `k_raise_thermal` hops (18 h), one with a single-bit-driven hop after `k_raise_sbe` (12 h),
