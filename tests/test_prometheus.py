@@ -90,6 +90,15 @@ def test_every_alert_has_a_firing_unit_test() -> None:
     assert not untested, f"alerts without a firing test in {RULES_TEST.name}: {sorted(untested)}"
 
 
+def test_state_recovery_clock_counts_from_the_first_look_that_finds_one_running() -> None:
+    from fleetwise.streams.metrics import RecoveryClock
+
+    clock = RecoveryClock()
+    looks = [(False, 0.0), (True, 5.0), (True, 10.0), (True, 605.0), (False, 610.0), (True, 615.0),
+             (True, 620.0)]
+    assert [clock.observe(running, now) for running, now in looks] == [0.0, 0.0, 5.0, 600.0, 0.0, 0.0, 5.0]
+
+
 def test_rules_use_only_metrics_the_code_exports() -> None:
     """A renamed metric must not leave an alert that can never fire."""
     from prometheus_client import REGISTRY
@@ -233,6 +242,10 @@ def test_prometheus_scrapes_worker_and_agent(scraped_fleet: dict) -> None:
         prom, 'sum(fleetwise_samples_in_total{job="fleetwise-worker",component="worker"})'), procs, 90)
     assert through >= 8
     assert _query(prom, 'up{job="fleetwise-worker"}') == 1.0
+    # Its partitions' state recovered (it took input): the recovery gauge is exported and reads 0
+    # (within one look of the worker's, RECOVERY_WATCH_S).
+    _wait("no state recovery running", lambda: _query(
+        prom, 'fleetwise_state_recovery_seconds{job="fleetwise-worker"}') == 0.0, procs, 20)
     # The shipped rules are loaded and evaluated in this server.
     groups = _api(prom, "rules")["groups"]
     loaded = {r["name"] for g in groups for r in g["rules"]}

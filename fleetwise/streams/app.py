@@ -88,6 +88,9 @@ SMALL_PROCESSOR_KEYS = 256
 # busy partitions can queue behind a fetch of idle ones. Kafka's Java consumer uses 500 ms;
 # an idle worker sends ~10 fetches/s at this value, a negligible load.
 FETCH_MAX_WAIT_MS = 100
+# How often the worker reads whether a state-table recovery is running
+# (`fleetwise_state_recovery_seconds`, alerted on in deploy/prometheus/rules.yml).
+RECOVERY_WATCH_S = 5.0
 # A telemetry or steps message longer than this is dead-lettered undecoded. Kafka's default
 # message limit is 1 MiB; a dead letter keeps at most DEADLETTER_ORIGINAL_BYTES of the
 # original (base64 when binary: 4/3 of it), so a dead letter always fits under it.
@@ -1204,6 +1207,14 @@ def make_app(
             # changelog writes were slow grew ~10 MB/min that way). The next step takes it.
             if held and time.monotonic() - last_step[0] >= checkpoint_interval_s and not write_in_flight():
                 checkpoint_all()
+
+    recovery_clock = M.RecoveryClock()
+
+    @app.timer(interval=RECOVERY_WATCH_S)
+    async def watch_recovery() -> None:
+        # A recovery that never ends (faust waits for changelog events that do not come) stops
+        # the worker's input while its lag gauges keep their last values: this one keeps rising.
+        M.STATE_RECOVERY.set(recovery_clock.observe(app.in_recovery, time.monotonic()))
 
     @app.task
     async def context() -> None:

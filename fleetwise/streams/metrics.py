@@ -53,6 +53,11 @@ WINDOW_STATE_BYTES = Gauge(
     "fleetwise_window_state_bytes",
     "JSON size of the processor state last saved to the changelogged table, summed over keys",
 )
+STATE_RECOVERY = Gauge(
+    "fleetwise_state_recovery_seconds",
+    "how long this worker's current recovery of the state table (its changelog read back after a "
+    "start or rebalance; input waits meanwhile) has run, 0 when none is running",
+)
 CHECKPOINT_WRITES = Gauge(
     "fleetwise_checkpoint_writes_pending",
     "checkpoint writes started and not yet acknowledged by the broker (at most 1: a checkpoint "
@@ -232,3 +237,20 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
     """Serve /metrics on `port` (0 picks a free port); returns the port in use."""
     server, _thread = start_http_server(port, addr=addr)
     return int(server.server_address[1])
+
+
+class RecoveryClock:
+    """How long the running state recovery has lasted, from periodic looks at whether one runs
+    (`fleetwise_state_recovery_seconds`): 0 when none runs; a look that finds one after none
+    starts the count."""
+
+    def __init__(self) -> None:
+        self.began: float | None = None
+
+    def observe(self, in_recovery: bool, now: float) -> float:
+        if not in_recovery:
+            self.began = None
+            return 0.0
+        if self.began is None:
+            self.began = now
+        return now - self.began
