@@ -228,8 +228,8 @@ class Worker:
 
 _TELLING_INFO = ("generation", "assigned partitions", "Revoking", "Recovery", "restored partition",
                  "seeking back", "Seek", "Resuming", "Pausing")
-# a log line's time stamp and the minutes of a recurring "(started N minute ago)"
-_REPEAT_NOISE = re.compile(r"^\[[^]]*\] \[\d+\] |\(started [\d.]+ minutes? ago\)")
+# a log line's time stamp and the age in a recurring "(started N seconds / minute ago)"
+_REPEAT_NOISE = re.compile(r"^\[[^]]*\] \[\d+\] |\(started [\d.]+ \w+ ago\)")
 _ASSIGNMENT_ROW = re.compile(r"^\| \S+\.fleetwise\.telemetry\.gpu +\| \{")  # faust's assignment table
 
 
