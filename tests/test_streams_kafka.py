@@ -803,8 +803,9 @@ async def test_records_fetched_for_a_paused_partition_are_sought_back_to() -> No
     consumer = StandInConsumer()
     await BatchConsumer._put_back(consumer, tp, 0)
     await BatchConsumer._put_back(consumer, gone, 7)  # revoked meanwhile: its new owner reads it
-    await BatchConsumer._put_back(consumer, changelog, 3)  # faust's recovery seeks these itself
-    assert consumer.sought == [(tp, 0)]
+    # dropped after faust's recovery sought it back, recovery would wait for these for ever
+    await BatchConsumer._put_back(consumer, changelog, 3)
+    assert consumer.sought == [(tp, 0), (changelog, 3)]
 
 
 def test_state_entries_are_compressed_and_uncompressed_ones_still_read() -> None:
@@ -849,6 +850,47 @@ def _counter_value(name: str) -> float:
 
 
 # --------------------------------------------------------------------------- tests (broker)
+@pytest.mark.kafka
+async def test_a_fetch_waiting_while_a_rebalance_pauses_every_partition_returns_no_records(
+    kafka_bootstrap: str, namespace
+) -> None:
+    # aiokafka's fetched_records returns every partition's records for an empty partition
+    # set, and faust hands it its live set of active partitions, which a rebalance empties
+    # while the fetch waits: a worker got its changelog partitions' records with its flow
+    # stopped, dropped them, and table recovery waited for them for ever.
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from fleetwise.streams.app import ActivePartitions
+
+    prefix, _ = namespace
+    topic = topic_name(T.TELEMETRY_GPU, prefix)
+    resumed, paused = TopicPartition(topic, 0), TopicPartition(topic, 1)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+    await producer.start()
+    try:
+        for tp in (resumed, paused):
+            for i in range(3):
+                await producer.send_and_wait(topic, b"%d" % i, partition=tp.partition)
+    finally:
+        await producer.stop()
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        consumer.assign([resumed, paused])
+        fetcher = consumer._fetcher
+        active = {resumed}
+        got = await fetcher.fetched_records(ActivePartitions(active), timeout=10)
+        assert set(got) == {resumed} and len(got[resumed]) == 3
+        active.clear()  # the rebalance: faust pauses every partition
+        assert await fetcher.fetched_records(ActivePartitions(active), timeout=1.0) == {}
+        # `paused`'s records were there all along: the live set itself, empty, returns them
+        got = await fetcher.fetched_records(active, timeout=10)
+        assert set(got) == {paused} and len(got[paused]) == 3
+    finally:
+        await consumer.stop()
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
 async def test_node_batches_through_kafka_match_embedded_and_bad_input_is_dead_lettered(

@@ -728,6 +728,30 @@ def _observe(topic: str, produced: Sequence[float]) -> None:
 BatchHandler = Callable[[str, list[tuple[Any, list[Any]]]], Awaitable[None]]
 
 
+class ActivePartitions:
+    """faust's live set of active partitions as the consumer thread's fetch reads it: a
+    partition is in it while it is in the set, but it is never empty to aiokafka.
+
+    aiokafka's `Fetcher.fetched_records(partitions)` returns the records of every partition
+    when `partitions` is empty, and faust hands it the live set, which a rebalance empties
+    (every partition paused) while that fetch waits in the consumer thread. The fetch then
+    returned the changelog partitions' records to a worker whose flow was stopped; they were
+    dropped with the fetch position past them, and when that happened after table recovery
+    had sought the changelog back, recovery waited for records that never came (the worker
+    took no input)."""
+
+    __slots__ = ("live",)
+
+    def __init__(self, live: set[Any]) -> None:
+        self.live = live
+
+    def __contains__(self, tp: object) -> bool:
+        return tp in self.live
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class BatchConsumer(faust_aiokafka.Consumer):
     """faust's aiokafka consumer, handing each fetched batch of some topics to one handler.
 
@@ -755,6 +779,11 @@ class BatchConsumer(faust_aiokafka.Consumer):
     def _new_consumer_thread(self) -> BatchConsumerThread:
         return BatchConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
+    async def _getmany(self, active_partitions: set[Any] | None, timeout: float) -> Any:
+        if active_partitions is not None:
+            active_partitions = ActivePartitions(active_partitions)  # type: ignore[assignment]
+        return await super()._getmany(active_partitions, timeout)
+
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - needs a broker
         handlers: dict[str, BatchHandler] = self.transport.batch_handlers  # type: ignore[attr-defined]
         callback = self.callback
@@ -781,7 +810,8 @@ class BatchConsumer(faust_aiokafka.Consumer):
                     try:
                         await self.perform_seek()
                         for tp, tp_records in records.items():
-                            if tp_records and read_offset[tp] is None:
+                            # changelog partitions have no committed offset to go back to
+                            if tp_records and (read_offset[tp] is None or self._is_changelog_tp(tp)):
                                 await self._put_back(tp, tp_records[0].offset)
                     except Exception as exc:  # noqa: BLE001 - faust logs and carries on too
                         self.log.warning("exception performing seek when flow not active %r", exc)
@@ -852,9 +882,10 @@ class BatchConsumer(faust_aiokafka.Consumer):
         position has moved past them. Without it they were lost whenever the partition had
         no committed offset yet (faust's seek to committed then does nothing, and
         `_skipped_ahead` has no read offset to compare with): a worker taking over a
-        partition at its first rebalance dropped its first messages. Input and context
-        topics alike; changelog partitions are left to faust's recovery, which seeks them."""
-        if tp in self.assignment() and not self._is_changelog_tp(tp):
+        partition at its first rebalance dropped its first messages. Changelog partitions
+        too: faust's recovery seeks them when it starts, but records dropped after that seek
+        left recovery waiting for them (`ActivePartitions` removes how that happened)."""
+        if tp in self.assignment():
             self.log.info("records of %s from %d fetched while paused: seeking back", tp, first)
             await self.seek(tp, first)
 
