@@ -843,6 +843,29 @@ async def test_worker_consumer_long_polls_briefly_so_busy_partitions_do_not_wait
         await consumer.stop()
 
 
+async def test_worker_consumer_hands_its_fetch_a_never_empty_view_of_the_active_partitions() -> None:
+    # What the broker test below pins for aiokafka: the worker's consumer must hand the fetch
+    # the view, not faust's set itself, or a rebalance that pauses everything empties it.
+    from fleetwise.streams.app import make_app
+
+    app = make_app("127.0.0.1:1", app_id="active-view-test")
+    handed: list = []
+
+    class StandInThread:
+        async def getmany(self, active_partitions: object, timeout: float) -> dict:
+            handed.append(active_partitions)
+            return {}
+
+    tp = TopicPartition("t", 0)
+    live = {tp}
+    app.consumer._thread = StandInThread()
+    assert await app.consumer._getmany(live, 0.1) == {}
+    view = handed[0]
+    assert tp in view
+    live.clear()  # the rebalance pauses every partition while the fetch waits
+    assert tp not in view and bool(view)
+
+
 def _counter_value(name: str) -> float:
     from prometheus_client import REGISTRY
 
