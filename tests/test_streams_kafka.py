@@ -843,6 +843,24 @@ async def test_worker_consumer_long_polls_briefly_so_busy_partitions_do_not_wait
         await consumer.stop()
 
 
+async def test_worker_consumer_refreshes_its_metadata_every_few_seconds() -> None:
+    # A group leader that joined as a restarted broker came back assigned from metadata without
+    # the topics: every member got nothing (a CI run of test_broker_faults' join scenario, 2
+    # workers idle for the test's 120 s). aiokafka rejoins when a metadata refresh shows the
+    # topics; faust's default age, 5 min, left the group idle that long.
+    from fleetwise.streams.app import CONSUMER_METADATA_MAX_AGE_S, BatchConsumerThread, make_app
+
+    app = make_app("127.0.0.1:1", app_id="metadata-age-test")
+    thread = app.consumer._thread
+    assert isinstance(thread, BatchConsumerThread)
+    consumer = thread._create_worker_consumer(app.transport)
+    try:
+        assert consumer._client._metadata_max_age_ms == CONSUMER_METADATA_MAX_AGE_S * 1000
+        assert CONSUMER_METADATA_MAX_AGE_S <= 10
+    finally:
+        await consumer.stop()
+
+
 async def test_worker_consumer_hands_its_fetch_a_never_empty_view_of_the_active_partitions() -> None:
     # What the broker test below pins for aiokafka: the worker's consumer must hand the fetch
     # the view, not faust's set itself, or a rebalance that pauses everything empties it.

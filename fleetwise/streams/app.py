@@ -88,6 +88,13 @@ SMALL_PROCESSOR_KEYS = 256
 # busy partitions can queue behind a fetch of idle ones. Kafka's Java consumer uses 500 ms;
 # an idle worker sends ~10 fetches/s at this value, a negligible load.
 FETCH_MAX_WAIT_MS = 100
+# How old the worker's consumer metadata may get before a refresh (faust's default: 5 min).
+# The group leader assigns partitions from its metadata; one that joins just as a restarted
+# broker comes back can hold no metadata for the topics yet, assign every member nothing, and
+# the group stays idle until a refresh shows the topics and aiokafka rejoins (its metadata
+# snapshot changed). At 10 s the group is working again within seconds; the cost is one
+# metadata request per worker every 10 s.
+CONSUMER_METADATA_MAX_AGE_S = 10.0
 # How often the worker reads whether a state-table recovery is running
 # (`fleetwise_state_recovery_seconds`, alerted on in deploy/prometheus/rules.yml).
 RECOVERY_WATCH_S = 5.0
@@ -1026,6 +1033,7 @@ def make_app(
         broker_rebalance_timeout=session_timeout_s,
         broker_commit_interval=commit_interval_s,
         consumer_auto_offset_reset="earliest",
+        consumer_metadata_max_age_ms=int(CONSUMER_METADATA_MAX_AGE_S * 1000),
         broker_max_poll_records=take_max,
         stream_wait_empty=False,
         producer_linger_ms=5,
