@@ -826,21 +826,31 @@ def test_state_entries_are_compressed_and_uncompressed_ones_still_read() -> None
         decode_entry(entry[:-10])
 
 
-async def test_worker_consumer_long_polls_briefly_so_busy_partitions_do_not_wait_behind_idle_ones() -> None:
-    # aiokafka leaves partitions with buffered records out of the next fetch; when only idle
-    # partitions are in it, the broker holds it for fetch_max_wait_ms (faust: 1,500 ms) and
-    # the telemetry waits. Pinned here because the setting is a private aiokafka attribute.
-    from fleetwise.streams.app import FETCH_MAX_WAIT_MS, BatchConsumerThread, make_app
+@contextlib.asynccontextmanager
+async def _worker_consumer(app_id: str):
+    """The aiokafka consumer the worker's consumer thread creates, with the worker's settings
+    (no broker needed: it is not started)."""
+    from fleetwise.streams.app import BatchConsumerThread, make_app
 
-    app = make_app("127.0.0.1:1", app_id="fetch-wait-test")
+    app = make_app("127.0.0.1:1", app_id=app_id)
     thread = app.consumer._thread
     assert isinstance(thread, BatchConsumerThread)
     consumer = thread._create_worker_consumer(app.transport)
     try:
-        assert consumer._fetch_max_wait_ms == FETCH_MAX_WAIT_MS
-        assert FETCH_MAX_WAIT_MS <= 100
+        yield consumer
     finally:
         await consumer.stop()
+
+
+async def test_worker_consumer_long_polls_briefly_so_busy_partitions_do_not_wait_behind_idle_ones() -> None:
+    # aiokafka leaves partitions with buffered records out of the next fetch; when only idle
+    # partitions are in it, the broker holds it for fetch_max_wait_ms (faust: 1,500 ms) and
+    # the telemetry waits. Pinned here because the setting is a private aiokafka attribute.
+    from fleetwise.streams.app import FETCH_MAX_WAIT_MS
+
+    async with _worker_consumer("fetch-wait-test") as consumer:
+        assert consumer._fetch_max_wait_ms == FETCH_MAX_WAIT_MS
+        assert FETCH_MAX_WAIT_MS <= 100
 
 
 async def test_worker_consumer_refreshes_its_metadata_every_few_seconds() -> None:
@@ -848,17 +858,11 @@ async def test_worker_consumer_refreshes_its_metadata_every_few_seconds() -> Non
     # the topics: every member got nothing (a CI run of test_broker_faults' join scenario, 2
     # workers idle for the test's 120 s). aiokafka rejoins when a metadata refresh shows the
     # topics; faust's default age, 5 min, left the group idle that long.
-    from fleetwise.streams.app import CONSUMER_METADATA_MAX_AGE_S, BatchConsumerThread, make_app
+    from fleetwise.streams.app import CONSUMER_METADATA_MAX_AGE_S
 
-    app = make_app("127.0.0.1:1", app_id="metadata-age-test")
-    thread = app.consumer._thread
-    assert isinstance(thread, BatchConsumerThread)
-    consumer = thread._create_worker_consumer(app.transport)
-    try:
+    async with _worker_consumer("metadata-age-test") as consumer:
         assert consumer._client._metadata_max_age_ms == CONSUMER_METADATA_MAX_AGE_S * 1000
         assert CONSUMER_METADATA_MAX_AGE_S <= 10
-    finally:
-        await consumer.stop()
 
 
 async def test_worker_consumer_hands_its_fetch_a_never_empty_view_of_the_active_partitions() -> None:
