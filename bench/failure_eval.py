@@ -379,6 +379,11 @@ SETS: dict[str, list[TraceSpec]] = {
     # before anything ran on them.
     "judge38": _judgement((127, 128, 129), "h100-sxm:192,h200:128,b200:128,h20:64",
                          (118, 119, 120), "b200:192,b300:128,a100-sxm-40gb:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-07, forty-first session) for the model's heat-driven raises held 6 h like
+    # every other model raise (AlertPolicy.k_raise_thermal 108 -> 36, or 72), before anything ran
+    # on them.
+    "judge39": _judgement((130, 131, 132), "b300:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
+                         (121, 122, 123), "h200:192,b200:128,a100-sxm-40gb:128,v100-sxm2-32gb:64"),
 }
 
 
