@@ -897,10 +897,12 @@ def raised_at(pol: AlertPolicy, n: int, extra: dict[str, list[float]] | None = N
 
 
 def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
-    """A streak with a thermal-driven hop among its last 36 raises after 108 hops (18 h), one
-    with a single-bit-driven hop after 72 (12 h), in either tier; other causes after 36."""
-    pol = AlertPolicy()
-    assert (pol.k_raise_thermal, pol.k_raise_sbe) == (108, 72)
+    """A streak with a thermal-driven hop among its last 36 raises after the heat hold (72 hops,
+    12 h, by default since judge39; 108 here), one with a single-bit-driven hop after 72 (12 h),
+    in either tier; other causes after 36."""
+    assert (AlertPolicy().k_raise_thermal, AlertPolicy().k_raise_sbe) == (72, 72)
+    assert raised_at(AlertPolicy(), 130) == 71  # the stub's risk column is thermal
+    pol = replace(AlertPolicy(), k_raise_thermal=108)
     n = 130
     assert raised_at(pol, n) == 107  # the stub's risk column is thermal
     assert raised_at(pol, 107) is None

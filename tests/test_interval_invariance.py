@@ -27,11 +27,13 @@ INTERVALS = (60.0, 120.0, 300.0)
 
 
 def alert_shift_allowed(every: float) -> float:
-    """How far (s) a model alert may move when the same events are read every `every` s: half
-    the longest hold plus one read (a hop's edge moves an error into the next hop, which can
-    restart the hold, or make a hop thermal-driven, which lengthens it to 18 h)."""
+    """How far (s) a model alert may move when the same events are read every `every` s: what a
+    hop's edge can add to the hold (it can make a hop heat- or single-bit-driven, which lengthens
+    the hold from `k_raise` to that cause's), plus two hops (an error moved into the next hop
+    restarts a streak, and the driven hop itself can move by one) and one read."""
     pol = AlertPolicy()
-    return every + max(pol.k_raise, pol.k_raise_thermal, pol.k_raise_sbe) / 2 * HOP_S
+    longest = max(pol.k_raise, pol.k_raise_thermal, pol.k_raise_sbe)
+    return every + (longest - pol.k_raise + 2) * HOP_S
 
 
 def _first_alerts(interval_s: float, predictor: FailurePredictor) -> dict[tuple[str, int], float]:
