@@ -384,6 +384,10 @@ SETS: dict[str, list[TraceSpec]] = {
     # on them.
     "judge39": _judgement((130, 131, 132), "b300:192,h100-sxm:128,a100-sxm-80gb:128,h20:64",
                          (121, 122, 123), "h200:192,b200:128,a100-sxm-40gb:128,v100-sxm2-32gb:64"),
+    # Drawn (2026-12-07, forty-second session) for rule 19 on the residual as a share of the GPU's
+    # own fitted rise (`temp_residual_cool_24h` / `rth_slow`), before anything ran on them.
+    "judge40": _judgement((133, 134, 135), "h100-sxm:192,b300:128,a100-sxm-40gb:128,h20:64",
+                         (124, 125, 126), "b300:192,h200:128,b100:128,v100-sxm2-32gb:64"),
 }
 
 
