@@ -900,11 +900,11 @@ def test_heat_and_single_bit_driven_risk_is_held_longer() -> None:
     """A streak with a thermal-driven hop among its last 36 raises after the heat hold (72 hops,
     12 h, by default since judge39; 108 here), one with a single-bit-driven hop after 72 (12 h),
     in either tier; other causes after 36."""
-    assert (AlertPolicy().k_raise_thermal, AlertPolicy().k_raise_sbe) == (72, 72)
-    assert raised_at(AlertPolicy(), 130) == 71  # the stub's risk column is thermal
-    pol = replace(AlertPolicy(), k_raise_thermal=108)
-    n = 130
-    assert raised_at(pol, n) == 107  # the stub's risk column is thermal
+    default, n = AlertPolicy(), 130
+    assert (default.k_raise_thermal, default.k_raise_sbe) == (72, 72)
+    assert raised_at(default, n) == 71  # the stub's risk column is thermal
+    pol = replace(default, k_raise_thermal=108)  # a heat hold longer than the single-bit one
+    assert raised_at(pol, n) == 107
     assert raised_at(pol, 107) is None
     assert raised_at(pol, n, {"sbe_active_6h": [50.0] * n}) == 71  # memory tier (36) held too
     assert raised_at(pol, n, model_repairs(n)) == 35
